@@ -1,0 +1,247 @@
+//! The handshake: `connect.challenge` → `connect` → `hello-ok`.
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol range clawmux offers; it branches on `hello-ok.protocol`.
+pub const MIN_PROTOCOL: u32 = 3;
+/// See [`MIN_PROTOCOL`].
+pub const MAX_PROTOCOL: u32 = 4;
+/// `client.id`: must be one of the gateway's fixed list.
+pub const CLIENT_ID: &str = "gateway-client";
+/// `client.mode`: must be one of the gateway's fixed list.
+pub const CLIENT_MODE: &str = "backend";
+/// Scopes must be asked for explicitly: without them a connection gets no events and no writes.
+pub const OPERATOR_SCOPES: [&str; 3] = ["operator.read", "operator.write", "operator.admin"];
+/// Capability asking for events of subscribed sessions only (protocol 4; a no-op on 3).
+pub const CAP_SESSION_SCOPED_EVENTS: &str = "session-scoped-events";
+/// Every client id the real gateway accepts (2026.9.x).
+pub const KNOWN_CLIENT_IDS: [&str; 17] = [
+    "webchat-ui",
+    "openclaw-control-ui",
+    "openclaw-browser-copilot",
+    "openclaw-tui",
+    "webchat",
+    "cli",
+    "gateway-client",
+    "openclaw-macos",
+    "openclaw-linux",
+    "openclaw-ios",
+    "openclaw-watchos",
+    "openclaw-android",
+    "node-host",
+    "openclaw-worker",
+    "test",
+    "fingerprint",
+    "openclaw-probe",
+];
+/// Every client mode the real gateway accepts.
+pub const KNOWN_CLIENT_MODES: [&str; 8] = ["webchat", "cli", "ui", "backend", "node", "worker", "probe", "test"];
+
+/// `connect.challenge` payload.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConnectChallenge {
+    /// Random nonce, signed by device identities. Never logged or recorded.
+    pub nonce: String,
+    /// Gateway time in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ts: Option<u64>,
+}
+
+/// `client` of `connect`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientInfo {
+    /// One of [`KNOWN_CLIENT_IDS`].
+    pub id: String,
+    /// Client version.
+    pub version: String,
+    /// OS, e.g. `linux`.
+    pub platform: String,
+    /// One of [`KNOWN_CLIENT_MODES`].
+    pub mode: String,
+    /// Optional display name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    /// Optional device family (part of the protocol-3 device signature).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_family: Option<String>,
+}
+
+/// `auth` of `connect`.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectAuth {
+    /// The gateway's shared token. Never logged (see the `Debug` impl).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ConnectAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectAuth").field("token", &self.token.as_ref().map(|_| "<redacted>")).finish()
+    }
+}
+
+/// `connect` params (closed schema, like the real gateway's).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ConnectParams {
+    /// Lowest protocol the client speaks.
+    pub min_protocol: u32,
+    /// Highest protocol the client speaks.
+    pub max_protocol: u32,
+    /// Who is connecting.
+    pub client: ClientInfo,
+    /// `operator` for a multiplexer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Requested scopes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scopes: Vec<String>,
+    /// Requested capabilities, e.g. [`CAP_SESSION_SCOPED_EVENTS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub caps: Vec<String>,
+    /// Shared-token auth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<ConnectAuth>,
+    /// Signed device identity (`{id, publicKey, signature, signedAt, nonce}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<serde_json::Value>,
+    /// Locale (accepted by the gateway, unused here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locale: Option<String>,
+    /// User agent (accepted by the gateway, unused here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_agent: Option<String>,
+}
+
+impl ConnectParams {
+    /// The params clawmux sends: protocol range 3..=4, `gateway-client`/`backend`, operator
+    /// scopes, session-scoped events.
+    pub fn multiplexer(version: &str, token: Option<String>) -> Self {
+        Self {
+            min_protocol: MIN_PROTOCOL,
+            max_protocol: MAX_PROTOCOL,
+            client: ClientInfo {
+                id: CLIENT_ID.to_owned(),
+                version: version.to_owned(),
+                platform: "linux".to_owned(),
+                mode: CLIENT_MODE.to_owned(),
+                display_name: None,
+                device_family: None,
+            },
+            role: Some("operator".to_owned()),
+            scopes: OPERATOR_SCOPES.iter().map(|s| (*s).to_owned()).collect(),
+            caps: vec![CAP_SESSION_SCOPED_EVENTS.to_owned()],
+            auth: Some(ConnectAuth { token }),
+            device: None,
+            locale: None,
+            user_agent: None,
+        }
+    }
+}
+
+/// `hello-ok`: the `connect` result.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HelloOk {
+    /// Always `hello-ok`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The negotiated protocol (3 or 4).
+    pub protocol: u32,
+    /// Server identity.
+    #[serde(default)]
+    pub server: ServerInfo,
+    /// Methods and events this gateway offers.
+    #[serde(default)]
+    pub features: Features,
+    /// Granted scopes (protocol 4 only; protocol 3 has no `auth` here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<HelloAuth>,
+    /// Limits and keep-alive interval.
+    pub policy: Policy,
+}
+
+/// `hello-ok.server`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServerInfo {
+    /// Gateway release, e.g. `2026.9.6`.
+    #[serde(default)]
+    pub version: String,
+    /// This connection's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conn_id: Option<String>,
+}
+
+/// `hello-ok.features`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Features {
+    /// Method names.
+    #[serde(default)]
+    pub methods: Vec<String>,
+    /// Event names.
+    #[serde(default)]
+    pub events: Vec<String>,
+}
+
+impl Features {
+    /// True when the gateway offers `method`.
+    pub fn has_method(&self, method: &str) -> bool {
+        self.methods.iter().any(|m| m == method)
+    }
+}
+
+/// `hello-ok.auth`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HelloAuth {
+    /// Granted scopes.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// Granted role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+}
+
+/// `hello-ok.policy`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Policy {
+    /// Largest frame the gateway accepts and sends.
+    pub max_payload: u64,
+    /// Largest send buffer before the gateway drops a slow client.
+    #[serde(default)]
+    pub max_buffered_bytes: u64,
+    /// Interval of `tick` events.
+    pub tick_interval_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connect_params_serialize_as_the_gateway_expects() {
+        let v = serde_json::to_value(ConnectParams::multiplexer("0.1.0", Some("t".into()))).expect("serializes");
+        assert_eq!(v["minProtocol"], 3);
+        assert_eq!(v["maxProtocol"], 4);
+        assert_eq!(v["client"]["id"], "gateway-client");
+        assert_eq!(v["client"]["mode"], "backend");
+        assert_eq!(v["caps"][0], "session-scoped-events");
+        assert_eq!(v["scopes"].as_array().map(Vec::len), Some(3));
+        assert!(!format!("{:?}", ConnectParams::multiplexer("0.1.0", Some("secret".into()))).contains("secret"));
+    }
+
+    #[test]
+    fn hello_ok_v3_has_no_auth() {
+        let h: HelloOk = serde_json::from_str(
+            r#"{"type":"hello-ok","protocol":3,"server":{"version":"2026.4.12","connId":"c"},"features":{"methods":["agent"],"events":[]},"snapshot":{},"canvasHostUrl":"x","policy":{"maxPayload":26214400,"maxBufferedBytes":52428800,"tickIntervalMs":30000}}"#,
+        )
+        .expect("decodes");
+        assert_eq!(h.protocol, 3);
+        assert!(h.auth.is_none());
+        assert!(h.features.has_method("agent"));
+        assert!(!h.features.has_method("sessions.messages.subscribe"));
+    }
+}

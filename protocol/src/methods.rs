@@ -1,0 +1,273 @@
+//! Params and results of the methods a multiplexer calls. Params are closed (like the gateway's
+//! own schemas, where one unknown field rejects the call), so the replay gateway validates with the
+//! same types.
+
+use crate::error::DecodeError;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Method names.
+pub mod name {
+    /// Handshake.
+    pub const CONNECT: &str = "connect";
+    /// Set the model override (and, on the Cogni fork, `outboundHeaders`) of a session.
+    pub const SESSIONS_PATCH: &str = "sessions.patch";
+    /// Receive a session's events (with cap `session-scoped-events`).
+    pub const SESSIONS_SUBSCRIBE: &str = "sessions.messages.subscribe";
+    /// Stop receiving a session's events.
+    pub const SESSIONS_UNSUBSCRIBE: &str = "sessions.messages.unsubscribe";
+    /// Start an agent run (two `res`: ACK, final).
+    pub const AGENT: &str = "agent";
+    /// Wait for a run's terminal snapshot (after a reconnect).
+    pub const AGENT_WAIT: &str = "agent.wait";
+    /// Abort a run by session key and run id.
+    pub const CHAT_ABORT: &str = "chat.abort";
+    /// Abort the active run of a session.
+    pub const SESSIONS_ABORT: &str = "sessions.abort";
+    /// The transcript of a session.
+    pub const CHAT_HISTORY: &str = "chat.history";
+    /// Liveness probe.
+    pub const HEALTH: &str = "health";
+}
+
+/// `sessions.patch` params.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SessionsPatchParams {
+    /// Session key.
+    pub key: String,
+    /// Model override, e.g. `cogni/fake-model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Per-session LLM headers (Cogni fork only; stock OpenClaw rejects the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outbound_headers: Option<BTreeMap<String, String>>,
+}
+
+/// Params that name one session: `sessions.messages.subscribe`/`.unsubscribe`, `sessions.abort`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionKeyParams {
+    /// Session key.
+    pub key: String,
+}
+
+/// `agent` params.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentParams {
+    /// The user's message.
+    pub message: String,
+    /// Agent id (`main`).
+    pub agent_id: String,
+    /// Session key.
+    pub session_key: String,
+    /// Fresh UUID per run; the gateway uses it as the run id.
+    pub idempotency_key: String,
+    /// Gateway-side timeout in SECONDS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+    /// Appended to the system prompt of every LLM call of the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra_system_prompt: Option<String>,
+    /// A label for the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+}
+
+/// `agent.wait` params.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentWaitParams {
+    /// The gateway run id.
+    pub run_id: String,
+    /// How long the gateway may wait for the run to end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `chat.abort` params.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ChatAbortParams {
+    /// Session key.
+    pub session_key: String,
+    /// The run to abort.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+}
+
+/// Terminal status of an `agent` run as the final `res` reports it. An aborted run reports
+/// `timeout` (with `summary: "aborted"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinalStatus {
+    /// Completed.
+    Ok,
+    /// Failed; `summary` says why.
+    Error,
+    /// Timed out or aborted.
+    Timeout,
+}
+
+/// The `agent` ACK.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentAck {
+    /// The gateway run id.
+    pub run_id: String,
+    /// Protocol 4 only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_key: Option<String>,
+    /// Always `accepted`.
+    pub status: String,
+    /// Gateway time in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accepted_at: Option<u64>,
+}
+
+/// The `agent` final `res` (authoritative).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentFinal {
+    /// The gateway run id.
+    pub run_id: String,
+    /// ok, error, timeout.
+    pub status: FinalStatus,
+    /// `completed`, `aborted`, or an error summary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
+    /// Payloads and meta.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<AgentResult>,
+    /// `rpc` for aborts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+}
+
+/// `result` of the final `res`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct AgentResult {
+    /// Reply payloads; the run's content is their texts joined by blank lines.
+    #[serde(default)]
+    pub payloads: Vec<Payload>,
+    /// Duration, agent meta, usage hints, `aborted` (protocol 3 timeouts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<serde_json::Value>,
+}
+
+/// One reply payload.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Payload {
+    /// Text.
+    #[serde(default)]
+    pub text: Option<String>,
+    /// Media URL (not streamed by clawmux).
+    #[serde(default)]
+    pub media_url: Option<String>,
+}
+
+impl AgentFinal {
+    /// The run's content: every payload's text, joined by blank lines.
+    pub fn content(&self) -> String {
+        let Some(result) = &self.result else { return String::new() };
+        result.payloads.iter().filter_map(|p| p.text.as_deref()).filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n\n")
+    }
+
+    /// True for an abort reported as `timeout`/`aborted`.
+    pub fn is_abort(&self) -> bool {
+        self.status == FinalStatus::Timeout && self.summary.as_deref() == Some("aborted")
+    }
+
+    /// Token usage reported by the gateway (`result.meta.agentMeta.usage`), a hint only.
+    pub fn usage_hint(&self) -> Option<(u64, u64)> {
+        let usage = self.result.as_ref()?.meta.as_ref()?.get("agentMeta")?.get("usage")?;
+        let input = usage.get("input").or_else(|| usage.get("inputTokens")).and_then(|v| v.as_u64()).unwrap_or(0);
+        let output = usage.get("output").or_else(|| usage.get("outputTokens")).and_then(|v| v.as_u64()).unwrap_or(0);
+        Some((input, output))
+    }
+}
+
+/// One of the two `res` of `agent`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AgentReply {
+    /// First `res`: the run was accepted.
+    Ack(AgentAck),
+    /// Second `res` (or the only one, for a repeated idempotency key): the result.
+    Final(AgentFinal),
+}
+
+/// Decodes an `ok` payload of the `agent` method.
+pub fn decode_agent_reply(payload: &str) -> Result<AgentReply, DecodeError> {
+    #[derive(Deserialize)]
+    struct Status<'a> {
+        #[serde(borrow)]
+        status: Option<std::borrow::Cow<'a, str>>,
+    }
+    let malformed = |e: serde_json::Error| DecodeError::Malformed { what: "agent res".to_owned(), reason: e.to_string() };
+    let s: Status<'_> = serde_json::from_str(payload).map_err(malformed)?;
+    match s.status.as_deref() {
+        Some("accepted") => Ok(AgentReply::Ack(serde_json::from_str(payload).map_err(malformed)?)),
+        Some(_) => Ok(AgentReply::Final(serde_json::from_str(payload).map_err(malformed)?)),
+        None => Err(DecodeError::Malformed { what: "agent res".to_owned(), reason: "missing status".to_owned() }),
+    }
+}
+
+/// `agent.wait` result: the terminal status of a run, or `timeout` if it is still running.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentWaitResult {
+    /// The gateway run id.
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// `ok`, `error`, `timeout`, ...
+    pub status: String,
+    /// When it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<u64>,
+    /// Error text, when the run failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<serde_json::Value>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_params_are_closed() {
+        let bad = r#"{"message":"m","agentId":"main","sessionKey":"k","idempotencyKey":"i","outboundHeaders":{}}"#;
+        let err = serde_json::from_str::<AgentParams>(bad).expect_err("closed schema");
+        assert!(err.to_string().contains("outboundHeaders"));
+    }
+
+    #[test]
+    fn decodes_ack_then_final() {
+        let ack = decode_agent_reply(r#"{"runId":"k1","sessionKey":"s","agentId":"main","status":"accepted","acceptedAt":1}"#).expect("ack");
+        assert!(matches!(ack, AgentReply::Ack(ref a) if a.run_id == "k1"));
+        let fin = decode_agent_reply(
+            r#"{"runId":"k1","status":"ok","summary":"completed","result":{"payloads":[{"text":"a","mediaUrl":null},{"text":"b"}],"meta":{"agentMeta":{"usage":{"input":10,"output":3}}}}}"#,
+        )
+        .expect("final");
+        let AgentReply::Final(f) = fin else { panic!("final expected") };
+        assert_eq!(f.content(), "a\n\nb");
+        assert_eq!(f.usage_hint(), Some((10, 3)));
+    }
+
+    #[test]
+    fn abort_is_reported_as_timeout() {
+        let AgentReply::Final(f) =
+            decode_agent_reply(r#"{"runId":"k6","status":"timeout","summary":"aborted","stopReason":"rpc"}"#).expect("final")
+        else {
+            panic!()
+        };
+        assert!(f.is_abort());
+    }
+
+    #[test]
+    fn unknown_final_status_is_malformed() {
+        assert!(decode_agent_reply(r#"{"runId":"k","status":"exploded"}"#).is_err());
+        assert!(decode_agent_reply(r#"{"runId":"k"}"#).is_err());
+    }
+}

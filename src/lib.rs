@@ -1,0 +1,3 @@
+//! clawmux: an actor-based session multiplexer for the OpenClaw agent gateway.
+
+pub mod replay;

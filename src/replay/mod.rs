@@ -1,0 +1,1 @@
+//! The replay gateway (being written).
