@@ -173,6 +173,10 @@ pub struct ServerInfo {
     /// This connection's id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conn_id: Option<String>,
+    /// Changes on every gateway process start (protocol 4): after a reconnect, a different boot id
+    /// means runs in flight were lost with the old process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
 }
 
 /// `hello-ok.features`.

@@ -1,0 +1,153 @@
+//! Cumulative chat text → incremental deltas, by prefix comparison.
+//!
+//! The gateway's `chat` deltas carry the CUMULATIVE text of the current assistant message, coalesced
+//! (several LLM chunks can arrive as one delta). The reference client diffed by length, which lost
+//! text when a new turn's first delta was longer than the previous turn, and repeated it when shorter.
+//! This tracker compares prefixes:
+//! - the new text extends the current turn's text → emit the extension;
+//! - the new text is a prefix of the current turn's text (a shrink, e.g. a stale coalesced frame)
+//!   → emit nothing; the text already sent stays sent;
+//! - anything else is a new turn → emit a blank-line separator (the final content joins payloads by
+//!   blank lines) and the whole new text.
+
+/// Tracks one run's streamed text.
+#[derive(Debug, Default, Clone)]
+pub struct DeltaTracker {
+    /// Cumulative text of the current turn as last seen.
+    turn: String,
+    /// Everything emitted so far, across turns (what the caller has concatenated).
+    emitted: String,
+}
+
+impl DeltaTracker {
+    /// A tracker with nothing emitted.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feeds the cumulative text of a `chat` frame; returns the increment to emit, if any.
+    pub fn push(&mut self, cumulative: &str) -> Option<String> {
+        if cumulative.is_empty() {
+            return None;
+        }
+        if let Some(ext) = cumulative.strip_prefix(self.turn.as_str()) {
+            if ext.is_empty() {
+                return None;
+            }
+            let ext = ext.to_owned();
+            self.turn.push_str(&ext);
+            self.emitted.push_str(&ext);
+            return Some(ext);
+        }
+        if self.turn.starts_with(cumulative) {
+            return None;
+        }
+        let mut out = String::with_capacity(cumulative.len() + 2);
+        if !self.emitted.is_empty() {
+            out.push_str("\n\n");
+        }
+        out.push_str(cumulative);
+        self.turn = cumulative.to_owned();
+        self.emitted.push_str(&out);
+        Some(out)
+    }
+
+    /// Given the authoritative final content, the remainder still to emit so that the deltas add up
+    /// to it exactly; `None` when nothing is missing or the streamed text diverged from it (then the
+    /// deltas stay a prefix of what was streamed and the final document is the truth).
+    pub fn complete(&mut self, content: &str) -> Option<String> {
+        let rest = content.strip_prefix(self.emitted.as_str())?;
+        if rest.is_empty() {
+            return None;
+        }
+        let rest = rest.to_owned();
+        self.emitted.push_str(&rest);
+        self.turn.push_str(&rest);
+        Some(rest)
+    }
+
+    /// Everything emitted so far.
+    pub fn emitted(&self) -> &str {
+        &self.emitted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn feed(frames: &[&str]) -> (Vec<String>, String) {
+        let mut t = DeltaTracker::new();
+        let out: Vec<String> = frames.iter().filter_map(|f| t.push(f)).collect();
+        (out, t.emitted().to_owned())
+    }
+
+    #[test]
+    fn extensions_are_emitted_once() {
+        let (out, all) = feed(&["Hel", "Hello", "Hello", "Hello wor", "Hello world"]);
+        assert_eq!(out, ["Hel", "lo", " wor", "ld"]);
+        assert_eq!(all, "Hello world");
+    }
+
+    #[test]
+    fn shrinking_text_repeats_nothing() {
+        let (out, all) = feed(&["Hello world", "Hello", "Hello world!"]);
+        assert_eq!(out, ["Hello world", "!"]);
+        assert_eq!(all, "Hello world!");
+    }
+
+    #[test]
+    fn a_longer_new_turn_loses_nothing() {
+        // The reference's length diff dropped the first 5 characters of the second turn here.
+        let (out, all) = feed(&["Let me", "Let me check", "Done: all tests pass", "Done: all tests pass now"]);
+        assert_eq!(out, ["Let me", " check", "\n\nDone: all tests pass", " now"]);
+        assert_eq!(all, "Let me check\n\nDone: all tests pass now");
+    }
+
+    #[test]
+    fn a_shorter_new_turn_repeats_nothing() {
+        let (out, _) = feed(&["A long first turn", "Ok", "Ok!"]);
+        assert_eq!(out, ["A long first turn", "\n\nOk", "!"]);
+    }
+
+    #[test]
+    fn multibyte_text_is_split_on_char_boundaries() {
+        let (out, all) = feed(&["héllo", "héllo wörld ✓"]);
+        assert_eq!(out, ["héllo", " wörld ✓"]);
+        assert_eq!(all, "héllo wörld ✓");
+    }
+
+    #[test]
+    fn complete_emits_only_a_missing_tail() {
+        let mut t = DeltaTracker::new();
+        t.push("Hello");
+        assert_eq!(t.complete("Hello world").as_deref(), Some(" world"));
+        assert_eq!(t.complete("Hello world"), None);
+        assert_eq!(t.complete("Something else"), None);
+    }
+
+    proptest! {
+        /// Cumulative growth of one turn: deltas concatenate to the last text, never more.
+        #[test]
+        fn deltas_concatenate_to_the_cumulative_text(chunks in proptest::collection::vec(".{0,8}", 1..20)) {
+            let mut t = DeltaTracker::new();
+            let mut cumulative = String::new();
+            let mut joined = String::new();
+            for c in &chunks {
+                cumulative.push_str(c);
+                if let Some(d) = t.push(&cumulative) { joined.push_str(&d); }
+            }
+            prop_assert_eq!(joined, cumulative);
+        }
+
+        /// Whatever arrives, the emitted text is the concatenation of the increments.
+        #[test]
+        fn emitted_is_the_concatenation(frames in proptest::collection::vec("[ab]{0,6}", 0..30)) {
+            let mut t = DeltaTracker::new();
+            let mut joined = String::new();
+            for f in &frames { if let Some(d) = t.push(f) { joined.push_str(&d); } }
+            prop_assert_eq!(joined.as_str(), t.emitted());
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! What a run is (its spec), what it reports (events), and how it ends (outcome). These are the
+//! types the HTTP layer and the actors share.
+
+use clawmux_protocol::{SessionKey, TraceParent};
+use std::time::Duration;
+
+/// Everything a session actor needs to run one agent run.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    /// The caller's run id (API), unique in this process.
+    pub run_id: String,
+    /// Fresh UUID sent as the `agent` idempotency key; the gateway uses it as its run id. Never
+    /// reused, not even for a retry of the same API run (the gateway would replay a cached result).
+    pub gateway_run_id: String,
+    /// Canonical session key.
+    pub session_key: SessionKey,
+    /// Agent id (`main`).
+    pub agent_id: String,
+    /// The user's message.
+    pub message: String,
+    /// Model override for `sessions.patch`, if any.
+    pub model: Option<String>,
+    /// Billing account (for per-session outbound headers where the gateway supports them).
+    pub billing_account_id: String,
+    /// Graph id (billing metadata).
+    pub graph_id: String,
+    /// The run's timeout, from admission (time spent queued counts).
+    pub timeout: Duration,
+    /// The run's trace context: its trace id ties the run's LLM calls back to it.
+    pub traceparent: TraceParent,
+}
+
+/// Progress phases shown to callers in `status` events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The model is working.
+    Thinking,
+    /// A tool runs (its name is shown, never its arguments or results).
+    ToolUse,
+    /// The context is being compacted.
+    Compacting,
+}
+
+impl Phase {
+    /// The API's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Thinking => "thinking",
+            Phase::ToolUse => "tool_use",
+            Phase::Compacting => "compacting",
+        }
+    }
+}
+
+/// What a run reports, in order: `Accepted`, any `Status`/`TextDelta`, then exactly one `Finished`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEvent {
+    /// The gateway acknowledged the run.
+    Accepted {
+        /// The gateway's run id.
+        gateway_run_id: String,
+    },
+    /// Progress.
+    Status {
+        /// Phase.
+        phase: Phase,
+        /// Tool name for `ToolUse`.
+        tool: Option<String>,
+    },
+    /// Incremental text.
+    TextDelta(String),
+    /// Terminal.
+    Finished(RunOutcome),
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunOutcome {
+    /// Terminal status.
+    pub status: RunStatus,
+    /// Final assistant text (for errors: whatever was streamed).
+    pub content: String,
+    /// Why it failed, unless `status` is `Ok`.
+    pub error: Option<RunError>,
+    /// The gateway's own token counts `(input, output)`: a hint, never billing truth.
+    pub gateway_usage: Option<(u64, u64)>,
+}
+
+/// Terminal status of a run (the run document's `status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    /// Completed.
+    Ok,
+    /// Failed.
+    Error,
+    /// Aborted by the API or by the caller going away.
+    Aborted,
+    /// Exceeded its timeout.
+    Timeout,
+}
+
+impl RunStatus {
+    /// The API's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Ok => "ok",
+            RunStatus::Error => "error",
+            RunStatus::Aborted => "aborted",
+            RunStatus::Timeout => "timeout",
+        }
+    }
+}
+
+/// Run error codes of the API contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The run exceeded its timeout; the gateway run was cancelled.
+    Timeout,
+    /// Aborted by `POST .../abort` or by the client going away.
+    Aborted,
+    /// The gateway finished the run with an error.
+    AgentError,
+    /// The gateway refused a request.
+    GatewayRejected,
+    /// The connection dropped mid-run and the run could not be recovered.
+    GatewayDisconnected,
+    /// A bug in clawmux.
+    Internal,
+}
+
+impl ErrorCode {
+    /// The API's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::Timeout => "timeout",
+            ErrorCode::Aborted => "aborted",
+            ErrorCode::AgentError => "agent_error",
+            ErrorCode::GatewayRejected => "gateway_rejected",
+            ErrorCode::GatewayDisconnected => "gateway_disconnected",
+            ErrorCode::Internal => "internal",
+        }
+    }
+
+    /// The run status an error of this code ends in.
+    pub fn status(self) -> RunStatus {
+        match self {
+            ErrorCode::Timeout => RunStatus::Timeout,
+            ErrorCode::Aborted => RunStatus::Aborted,
+            _ => RunStatus::Error,
+        }
+    }
+}
+
+/// A run error: code and a sentence a person can act on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunError {
+    /// Code.
+    pub code: ErrorCode,
+    /// Message.
+    pub message: String,
+}
+
+impl RunOutcome {
+    /// A successful outcome.
+    pub fn ok(content: String, gateway_usage: Option<(u64, u64)>) -> Self {
+        Self { status: RunStatus::Ok, content, error: None, gateway_usage }
+    }
+
+    /// A failed outcome.
+    pub fn failed(code: ErrorCode, message: impl Into<String>, content: String) -> Self {
+        Self { status: code.status(), content, error: Some(RunError { code, message: message.into() }), gateway_usage: None }
+    }
+}
+
+/// Why a run is being cancelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelReason {
+    /// `POST /v1/runs/{id}/abort`.
+    Api,
+    /// The caller's stream closed and the run asked for `onDisconnect: abort`.
+    ClientGone,
+    /// The run's timeout elapsed.
+    Timeout,
+    /// clawmux is shutting down.
+    Shutdown,
+}
+
+impl CancelReason {
+    /// The error the run ends with.
+    pub fn outcome(self, content: String) -> RunOutcome {
+        match self {
+            CancelReason::Api => RunOutcome::failed(ErrorCode::Aborted, "the run was aborted by request", content),
+            CancelReason::ClientGone => {
+                RunOutcome::failed(ErrorCode::Aborted, "the client disconnected and the run asked for onDisconnect: abort", content)
+            }
+            CancelReason::Timeout => RunOutcome::failed(ErrorCode::Timeout, "the run exceeded its timeout and was cancelled", content),
+            CancelReason::Shutdown => RunOutcome::failed(ErrorCode::Aborted, "clawmux is shutting down; the run was cancelled", content),
+        }
+    }
+}
+
+/// Where a run's events go. Implementations must not block: the session actor calls this on the
+/// routing thread (the run store appends to a log and wakes bounded per-client channels).
+pub trait RunSink: Send + Sync + 'static {
+    /// Delivers one event.
+    fn emit(&self, event: RunEvent);
+}

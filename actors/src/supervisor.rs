@@ -1,0 +1,856 @@
+//! The supervisor actor: the ONE gateway connection of the process.
+//!
+//! It owns the connection state, allocates request ids and routes every `res` to whoever asked
+//! (including the double `res` of `agent`), routes every `chat`/`agent` event to the session actor
+//! that owns its `(sessionKey, runId)` and drops (and counts) everything else, admits runs (one at a
+//! time per session key), reconnects with backoff and jitter, watches `tick`s, and handles
+//! `shutdown`. It never awaits a session actor: everything it sends them is `do_send`.
+
+use crate::backoff::Backoff;
+use crate::connection::{self, ConnEvents, ConnectFailure};
+use crate::metrics::Metrics;
+use crate::queue::KeyQueue;
+use crate::routes::RouteTable;
+use crate::run::{CancelReason, ErrorCode, RunEvent, RunOutcome, RunSink, RunSpec};
+use crate::session::{GatewayDown, GatewayUp, Routed, SessionActor};
+use actix::prelude::*;
+use clawmux_protocol::handshake::{ConnectParams, HelloOk};
+use clawmux_protocol::methods::name;
+use clawmux_protocol::{encode_request, ErrorShape, Frame, GatewayEvent, SessionKey};
+use serde_json::value::RawValue;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::mpsc;
+
+/// Whether per-session `outboundHeaders` are sent with `sessions.patch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutboundHeadersMode {
+    /// Always (the Cogni fork); a gateway that rejects them fails the run.
+    On,
+    /// Never (stock OpenClaw).
+    Off,
+    /// Try; on `unexpected property 'outboundHeaders'` stop sending them for the process.
+    Auto,
+}
+
+/// Supervisor settings.
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    /// `ws://` or `wss://` URL of the gateway.
+    pub url: String,
+    /// The gateway's shared token. Only ever written into the `connect` frame.
+    pub token: Option<String>,
+    /// Outbound headers policy.
+    pub outbound_headers: OutboundHeadersMode,
+    /// Sent as `client.version`.
+    pub client_version: String,
+    /// Reconnect delays.
+    pub backoff: Backoff,
+    /// Bound on TCP connect + WebSocket upgrade + handshake.
+    pub handshake_timeout: Duration,
+    /// Bound on a non-`agent` request.
+    pub request_timeout: Duration,
+    /// How long a run whose connection dropped waits for the connection to come back.
+    pub recovery_window: Duration,
+    /// How long an aborted run waits for the gateway's final answer before ending anyway.
+    pub abort_grace: Duration,
+    /// Runs in flight (running + queued) above which new runs are refused with 503.
+    pub max_runs: usize,
+}
+
+impl SupervisorConfig {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            token: None,
+            outbound_headers: OutboundHeadersMode::Auto,
+            client_version: env!("CARGO_PKG_VERSION").to_owned(),
+            backoff: Backoff::default(),
+            handshake_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            recovery_window: Duration::from_secs(30),
+            abort_grace: Duration::from_secs(10),
+            max_runs: 5000,
+        }
+    }
+}
+
+/// What `/readyz` and `doctor` show about the gateway.
+#[derive(Debug, Clone, Default)]
+pub struct GatewayStatus {
+    /// True after hello-ok, until the connection is lost.
+    pub connected: bool,
+    /// Negotiated protocol.
+    pub protocol: Option<u32>,
+    /// Gateway release.
+    pub server_version: Option<String>,
+    /// Granted scopes (protocol 4 reports them; protocol 3 does not).
+    pub scopes: Option<Vec<String>>,
+    /// True when the gateway offers `sessions.messages.subscribe` (session-scoped events).
+    pub session_scoped: bool,
+    /// Whether per-session outbound headers are in use (`None`: not yet known).
+    pub outbound_headers: Option<bool>,
+    /// Why the connection is not up (or was last lost), in words.
+    pub last_error: Option<String>,
+    /// When the current connection came up.
+    pub connected_since: Option<SystemTime>,
+    /// Successful connections since start.
+    pub connections: u64,
+    /// Negotiated tick interval.
+    pub tick_interval_ms: Option<u64>,
+    /// Negotiated max payload.
+    pub max_payload: Option<u64>,
+}
+
+impl GatewayStatus {
+    /// Ready means connected with the scopes a multiplexer needs (where the gateway reports them).
+    pub fn ready(&self) -> Result<(), String> {
+        if !self.connected {
+            return Err(self.last_error.clone().unwrap_or_else(|| "connecting to the gateway".to_owned()));
+        }
+        if let Some(scopes) = &self.scopes {
+            let missing: Vec<&str> =
+                ["operator.read", "operator.write"].into_iter().filter(|s| !scopes.iter().any(|g| g == s)).collect();
+            if !missing.is_empty() {
+                return Err(format!(
+                    "the gateway granted scopes {scopes:?} but clawmux needs {missing:?}; check the token's role and scopes"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Shared, cheaply readable status (HTTP handlers read it without messaging the actor).
+pub type StatusHandle = Arc<RwLock<GatewayStatus>>;
+
+// ---------------------------------------------------------------------------------------------
+// Messages
+// ---------------------------------------------------------------------------------------------
+
+/// Why a run was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// The gateway connection is down.
+    #[error("the gateway connection is down: {0}")]
+    GatewayDown(String),
+    /// Too many runs in flight.
+    #[error("clawmux is at its capacity of {0} runs in flight")]
+    AtCapacity(usize),
+    /// A run with this id is already in flight.
+    #[error("a run with this id is already in flight")]
+    Duplicate,
+}
+
+/// Start a run (HTTP → supervisor). Answers once the run is admitted (running or queued).
+#[derive(Message)]
+#[rtype(result = "Result<(), AdmitError>")]
+pub struct StartRun {
+    /// The run.
+    pub spec: RunSpec,
+    /// Where its events go.
+    pub sink: Arc<dyn RunSink>,
+}
+
+/// Cancel a run (HTTP → supervisor). Answers whether the run was in flight.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct CancelRun {
+    /// The API run id.
+    pub run_id: String,
+    /// Why.
+    pub reason: CancelReason,
+}
+
+/// Cancel every run and stop reconnecting (SIGTERM). Answers the number of runs cancelled.
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct ShutdownAll;
+
+/// Number of runs in flight (running + queued).
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct InFlight;
+
+/// A session actor's request to the gateway.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Call {
+    /// Method name.
+    pub method: &'static str,
+    /// Params (already closed-schema typed by the caller).
+    pub params: serde_json::Value,
+    /// W3C trace context for the frame (protocol 4 only).
+    pub traceparent: Option<String>,
+    /// Correlates the reply at the caller.
+    pub tag: u64,
+    /// Where to deliver the answer(s); `None` for fire-and-forget.
+    pub reply_to: Option<Recipient<Reply>>,
+}
+
+/// How a call failed without a gateway answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallError {
+    /// The gateway answered `ok: false`.
+    Gateway(ErrorShape),
+    /// The connection was down when the call was made.
+    NotConnected,
+    /// The connection dropped before the answer.
+    Disconnected,
+    /// No answer within the request timeout.
+    TimedOut,
+    /// The answer could not be decoded.
+    Malformed(String),
+}
+
+/// The answer to a [`Call`] (for `agent`: delivered twice, ACK then final).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Reply {
+    /// The caller's tag.
+    pub tag: u64,
+    /// Payload or error.
+    pub result: Result<Box<RawValue>, CallError>,
+}
+
+/// A session actor is done: free its route and its session key.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RunEnded {
+    /// API run id.
+    pub run_id: String,
+    /// Session key.
+    pub session_key: SessionKey,
+    /// Gateway run id.
+    pub gateway_run_id: String,
+}
+
+/// The gateway rejected `outboundHeaders`: stop sending them (auto mode).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct OutboundHeadersUnsupported;
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct ConnUp {
+    generation: u64,
+    hello: Box<HelloOk>,
+    tx: mpsc::UnboundedSender<String>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct ConnFailed {
+    generation: u64,
+    failure: ConnectFailure,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Inbound {
+    generation: u64,
+    frame: Result<Frame, String>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct ConnClosed {
+    generation: u64,
+    reason: String,
+}
+
+/// Forwards connection-task reports into the supervisor's mailbox, tagged with the attempt's
+/// generation so reports of an abandoned connection are ignored.
+struct ToSupervisor {
+    addr: Addr<Supervisor>,
+    generation: u64,
+}
+
+impl ConnEvents for ToSupervisor {
+    fn up(&self, hello: HelloOk, tx: mpsc::UnboundedSender<String>) {
+        self.addr.do_send(ConnUp { generation: self.generation, hello: Box::new(hello), tx });
+    }
+    fn failed(&self, failure: ConnectFailure) {
+        self.addr.do_send(ConnFailed { generation: self.generation, failure });
+    }
+    fn frame(&self, frame: Result<Frame, String>) {
+        self.addr.do_send(Inbound { generation: self.generation, frame });
+    }
+    fn closed(&self, reason: String) {
+        self.addr.do_send(ConnClosed { generation: self.generation, reason });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// State
+// ---------------------------------------------------------------------------------------------
+
+/// The connection, as an explicit state rather than a pile of options.
+enum Conn {
+    /// Waiting to reconnect.
+    Disconnected,
+    /// A connection task is connecting and handshaking.
+    Connecting { task: tokio::task::JoinHandle<()> },
+    /// Handshake done.
+    Connected(Connected),
+    /// Shutting down: no reconnects.
+    Stopped,
+}
+
+struct Connected {
+    task: tokio::task::JoinHandle<()>,
+    tx: mpsc::UnboundedSender<String>,
+    protocol: u32,
+    boot_id: Option<String>,
+    session_scoped: bool,
+    tick_interval: Duration,
+    last_tick: Instant,
+}
+
+struct Pending {
+    method: &'static str,
+    tag: u64,
+    reply_to: Option<Recipient<Reply>>,
+    /// `None` for `agent` (its session actor owns the run's timeout).
+    deadline: Option<Instant>,
+}
+
+/// A run admitted but waiting for its session key.
+struct QueuedRun {
+    spec: RunSpec,
+    sink: Arc<dyn RunSink>,
+    admitted: Instant,
+}
+
+enum RunSlot {
+    Queued { session_key: SessionKey },
+    Active { addr: Addr<SessionActor>, admitted: Instant },
+}
+
+/// The supervisor actor. Start it once, in `main`.
+pub struct Supervisor {
+    cfg: SupervisorConfig,
+    metrics: Metrics,
+    status: StatusHandle,
+    conn: Conn,
+    /// Bumped per connection attempt; reports of older attempts are ignored.
+    generation: u64,
+    /// Consecutive failed attempts (for backoff); reset by hello-ok.
+    attempt: u32,
+    /// Delay the gateway asked for (shutdown's restartExpectedMs, UNAVAILABLE's retryAfterMs).
+    next_delay_hint: Option<Duration>,
+    next_request_id: u64,
+    pending: HashMap<String, Pending>,
+    routes: RouteTable<Recipient<Routed>>,
+    runs: HashMap<String, RunSlot>,
+    queue: KeyQueue<SessionKey, QueuedRun>,
+    outbound_headers_supported: Option<bool>,
+}
+
+impl Supervisor {
+    /// A supervisor that will connect to `cfg.url` when started.
+    pub fn new(cfg: SupervisorConfig, metrics: Metrics, status: StatusHandle) -> Self {
+        let outbound_headers_supported = match cfg.outbound_headers {
+            OutboundHeadersMode::On => Some(true),
+            OutboundHeadersMode::Off => Some(false),
+            OutboundHeadersMode::Auto => None,
+        };
+        Self {
+            cfg,
+            metrics,
+            status,
+            conn: Conn::Disconnected,
+            generation: 0,
+            attempt: 0,
+            next_delay_hint: None,
+            next_request_id: 0,
+            pending: HashMap::new(),
+            routes: RouteTable::new(),
+            runs: HashMap::new(),
+            queue: KeyQueue::new(),
+            outbound_headers_supported,
+        }
+    }
+
+    fn set_status(&self, f: impl FnOnce(&mut GatewayStatus)) {
+        match self.status.write() {
+            Ok(mut s) => f(&mut s),
+            Err(poisoned) => f(&mut poisoned.into_inner()),
+        }
+    }
+
+    fn connect(&mut self, ctx: &mut Context<Self>) {
+        if matches!(self.conn, Conn::Stopped) {
+            return;
+        }
+        self.generation += 1;
+        let events = ToSupervisor { addr: ctx.address(), generation: self.generation };
+        let params = ConnectParams::multiplexer(&self.cfg.client_version, self.cfg.token.clone());
+        let task = actix::spawn(connection::run(self.cfg.url.clone(), params, self.cfg.handshake_timeout, events));
+        self.conn = Conn::Connecting { task };
+    }
+
+    fn schedule_reconnect(&mut self, ctx: &mut Context<Self>) {
+        if matches!(self.conn, Conn::Stopped) {
+            return;
+        }
+        let jittered = self.cfg.backoff.delay(self.attempt, rand::random::<f64>());
+        let delay = self.next_delay_hint.take().map_or(jittered, |hint| hint.max(self.cfg.backoff.min()));
+        self.attempt = self.attempt.saturating_add(1);
+        tracing::info!(delay_ms = delay.as_millis() as u64, attempt = self.attempt, "gateway reconnect scheduled");
+        self.conn = Conn::Disconnected;
+        ctx.run_later(delay, |act, ctx| {
+            if matches!(act.conn, Conn::Disconnected) {
+                act.connect(ctx);
+            }
+        });
+    }
+
+    /// Tears the connection down: fails pending calls, tells every run, schedules a reconnect.
+    fn lost(&mut self, ctx: &mut Context<Self>, reason_label: &'static str, reason: String) {
+        let was_connected = matches!(self.conn, Conn::Connected(_));
+        match std::mem::replace(&mut self.conn, Conn::Disconnected) {
+            Conn::Connected(c) => c.task.abort(),
+            Conn::Connecting { task } => task.abort(),
+            Conn::Stopped => self.conn = Conn::Stopped,
+            Conn::Disconnected => {}
+        }
+        // Late reports of the dead connection must not be mistaken for the next one's.
+        self.generation += 1;
+        if was_connected {
+            tracing::warn!(reason = %reason, "gateway connection lost");
+            self.metrics.disconnects.with_label_values(&[reason_label]).inc();
+            self.metrics.connected.set(0);
+        }
+        self.set_status(|s| {
+            s.connected = false;
+            s.connected_since = None;
+            s.last_error = Some(reason.clone());
+        });
+        for (_, p) in self.pending.drain() {
+            if let Some(r) = p.reply_to {
+                r.do_send(Reply { tag: p.tag, result: Err(CallError::Disconnected) });
+            }
+        }
+        if was_connected {
+            for slot in self.runs.values() {
+                if let RunSlot::Active { addr, .. } = slot {
+                    addr.do_send(GatewayDown);
+                }
+            }
+        }
+        self.schedule_reconnect(ctx);
+    }
+
+    fn start_session(&mut self, ctx: &mut Context<Self>, q: QueuedRun) {
+        let run_id = q.spec.run_id.clone();
+        let session_key = q.spec.session_key.clone();
+        let gateway_run_id = q.spec.gateway_run_id.clone();
+        let remaining = q.spec.timeout.saturating_sub(q.admitted.elapsed());
+        let link = self.link_info();
+        let actor = SessionActor::new(q.spec, q.sink, ctx.address(), self.cfg.clone(), link, remaining);
+        let addr = actor.start();
+        self.routes.insert(session_key.as_str(), &gateway_run_id, addr.clone().recipient());
+        self.runs.insert(run_id, RunSlot::Active { addr, admitted: q.admitted });
+        self.metrics.runs_started.inc();
+    }
+
+    fn link_info(&self) -> Option<GatewayUp> {
+        match &self.conn {
+            Conn::Connected(c) => Some(GatewayUp {
+                protocol: c.protocol,
+                boot_id: c.boot_id.clone(),
+                session_scoped: c.session_scoped,
+                outbound_headers: self.outbound_headers_supported != Some(false),
+            }),
+            _ => None,
+        }
+    }
+
+    fn on_response(&mut self, res: clawmux_protocol::ResponseFrame) {
+        let Some(p) = self.pending.get(&res.id) else {
+            self.metrics.responses_unmatched.inc();
+            tracing::debug!(id = %res.id, "response matches no pending request");
+            return;
+        };
+        // `agent` answers twice: keep the entry after its ACK.
+        let is_ack = p.method == name::AGENT && res.ok && res.payload.as_ref().is_some_and(|raw| is_accepted(raw.get()));
+        let p = if is_ack {
+            Pending { method: p.method, tag: p.tag, reply_to: p.reply_to.clone(), deadline: p.deadline }
+        } else {
+            match self.pending.remove(&res.id) {
+                Some(p) => p,
+                None => return,
+            }
+        };
+        let Some(reply_to) = p.reply_to else { return };
+        let result = if res.ok {
+            res.payload.ok_or_else(|| CallError::Malformed("ok response without payload".to_owned()))
+        } else {
+            Err(CallError::Gateway(res.error.unwrap_or_else(|| ErrorShape::new("UNKNOWN", "no error given"))))
+        };
+        reply_to.do_send(Reply { tag: p.tag, result });
+    }
+
+    fn on_event(&mut self, ctx: &mut Context<Self>, event: GatewayEvent) {
+        match event {
+            GatewayEvent::Chat(_) | GatewayEvent::Agent(_) => {
+                let target = match event.route_key() {
+                    Some((sk, run)) => self.routes.route(sk, run),
+                    None => return,
+                };
+                match target {
+                    Ok(r) => r.do_send(Routed(event)),
+                    Err(reason) => {
+                        self.metrics.frames_dropped.with_label_values(&[reason.as_str()]).inc();
+                    }
+                }
+            }
+            GatewayEvent::Tick(_) => {
+                if let Conn::Connected(c) = &mut self.conn {
+                    c.last_tick = Instant::now();
+                }
+            }
+            GatewayEvent::Shutdown(s) => {
+                let delay = Duration::from_millis(s.restart_expected_ms.unwrap_or(0));
+                tracing::warn!(reason = ?s.reason, restart_expected_ms = ?s.restart_expected_ms, "gateway announced shutdown");
+                self.next_delay_hint = Some(delay);
+                self.lost(ctx, "shutdown", format!("the gateway is shutting down ({})", s.reason.unwrap_or_default()));
+            }
+            GatewayEvent::ConnectChallenge(_) | GatewayEvent::Other { .. } => {}
+        }
+    }
+
+    fn check_liveness(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        if let Conn::Connected(c) = &self.conn {
+            if now.duration_since(c.last_tick) > c.tick_interval * 2 {
+                let reason = format!("no tick from the gateway for {:?} (two intervals); reconnecting", now.duration_since(c.last_tick));
+                self.lost(ctx, "tick_timeout", reason);
+                return;
+            }
+        }
+        let expired: Vec<String> =
+            self.pending.iter().filter(|(_, p)| p.deadline.is_some_and(|d| d <= now)).map(|(id, _)| id.clone()).collect();
+        for id in expired {
+            if let Some(p) = self.pending.remove(&id) {
+                if let Some(r) = p.reply_to {
+                    r.do_send(Reply { tag: p.tag, result: Err(CallError::TimedOut) });
+                }
+            }
+        }
+    }
+
+    fn finish_queued(&mut self, run_id: &str, sink: &Arc<dyn RunSink>, outcome: RunOutcome, admitted: Instant) {
+        self.runs.remove(run_id);
+        self.metrics.runs_finished.with_label_values(&[outcome.status.as_str()]).inc();
+        self.metrics.run_duration.observe(admitted.elapsed().as_secs_f64());
+        sink.emit(RunEvent::Finished(outcome));
+        self.update_gauges();
+    }
+
+    fn update_gauges(&self) {
+        self.metrics.runs_active.set(self.runs.len() as i64);
+        self.metrics.runs_queued.set(self.queue.waiting_len() as i64);
+    }
+}
+
+fn is_accepted(payload: &str) -> bool {
+    #[derive(serde::Deserialize)]
+    struct S<'a> {
+        #[serde(borrow)]
+        status: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_str::<S<'_>>(payload).ok().and_then(|s| s.status).is_some_and(|s| s == "accepted")
+}
+
+impl Actor for Supervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Admission answers come from here; a full mailbox makes HTTP answer 503 instead of queueing
+        // without bound.
+        ctx.set_mailbox_capacity(4096);
+        self.connect(ctx);
+        ctx.run_interval(Duration::from_millis(250), |act, ctx| act.check_liveness(ctx));
+    }
+}
+
+impl Handler<ConnUp> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: ConnUp, ctx: &mut Context<Self>) {
+        if msg.generation != self.generation {
+            return;
+        }
+        let Conn::Connecting { task } = std::mem::replace(&mut self.conn, Conn::Disconnected) else {
+            return;
+        };
+        let hello = msg.hello;
+        let session_scoped = hello.features.has_method(name::SESSIONS_SUBSCRIBE) && hello.protocol >= 4;
+        let tick_interval = Duration::from_millis(hello.policy.tick_interval_ms.max(100));
+        tracing::info!(
+            protocol = hello.protocol,
+            server_version = %hello.server.version,
+            session_scoped,
+            tick_interval_ms = hello.policy.tick_interval_ms,
+            max_payload = hello.policy.max_payload,
+            "gateway connected"
+        );
+        self.metrics.connects.with_label_values(&["ok"]).inc();
+        self.metrics.connected.set(1);
+        self.attempt = 0;
+        let scopes = hello.auth.as_ref().map(|a| a.scopes.clone());
+        let outbound = self.outbound_headers_supported;
+        self.set_status(|s| {
+            s.connected = true;
+            s.protocol = Some(hello.protocol);
+            s.server_version = Some(hello.server.version.clone());
+            s.scopes = scopes;
+            s.session_scoped = session_scoped;
+            s.outbound_headers = outbound;
+            s.last_error = None;
+            s.connected_since = Some(SystemTime::now());
+            s.connections += 1;
+            s.tick_interval_ms = Some(hello.policy.tick_interval_ms);
+            s.max_payload = Some(hello.policy.max_payload);
+        });
+        self.conn = Conn::Connected(Connected {
+            task,
+            tx: msg.tx,
+            protocol: hello.protocol,
+            boot_id: hello.server.boot_id.clone(),
+            session_scoped,
+            tick_interval,
+            last_tick: Instant::now(),
+        });
+        if let Some(up) = self.link_info() {
+            for slot in self.runs.values() {
+                if let RunSlot::Active { addr, .. } = slot {
+                    addr.do_send(up.clone());
+                }
+            }
+        }
+        let _ = ctx;
+    }
+}
+
+impl Handler<ConnFailed> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: ConnFailed, ctx: &mut Context<Self>) {
+        if msg.generation != self.generation {
+            return;
+        }
+        tracing::warn!(reason = %msg.failure.reason, "gateway connection attempt failed");
+        self.metrics.connects.with_label_values(&["failed"]).inc();
+        self.next_delay_hint = msg.failure.retry_after;
+        self.lost(ctx, "connect_failed", msg.failure.reason);
+    }
+}
+
+impl Handler<ConnClosed> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: ConnClosed, ctx: &mut Context<Self>) {
+        if msg.generation != self.generation {
+            return;
+        }
+        self.lost(ctx, "closed", msg.reason);
+    }
+}
+
+impl Handler<Inbound> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: Inbound, ctx: &mut Context<Self>) {
+        if msg.generation != self.generation {
+            return;
+        }
+        match msg.frame {
+            Ok(Frame::Res(res)) => {
+                self.metrics.frames_received.with_label_values(&["res"]).inc();
+                self.on_response(res);
+            }
+            Ok(Frame::Event(ev)) => {
+                self.metrics.frames_received.with_label_values(&["event"]).inc();
+                self.on_event(ctx, ev.event);
+            }
+            Ok(Frame::Req(_)) => {
+                self.metrics.frames_malformed.inc();
+                tracing::warn!("the gateway sent a request frame; ignored");
+            }
+            Err(e) => {
+                self.metrics.frames_malformed.inc();
+                tracing::warn!(error = %e, "malformed frame from the gateway dropped");
+            }
+        }
+    }
+}
+
+impl Handler<Call> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: Call, _ctx: &mut Context<Self>) {
+        let Conn::Connected(c) = &self.conn else {
+            if let Some(r) = msg.reply_to {
+                r.do_send(Reply { tag: msg.tag, result: Err(CallError::NotConnected) });
+            }
+            return;
+        };
+        self.next_request_id += 1;
+        let id = format!("cm-{}", self.next_request_id);
+        // Protocol 3 rejects the frame field outright.
+        let traceparent = if c.protocol >= 4 { msg.traceparent.as_deref() } else { None };
+        let text = match encode_request(&id, msg.method, &msg.params, traceparent) {
+            Ok(t) => t,
+            Err(e) => {
+                if let Some(r) = msg.reply_to {
+                    r.do_send(Reply { tag: msg.tag, result: Err(CallError::Malformed(e.to_string())) });
+                }
+                return;
+            }
+        };
+        if c.tx.send(text).is_err() {
+            if let Some(r) = msg.reply_to {
+                r.do_send(Reply { tag: msg.tag, result: Err(CallError::Disconnected) });
+            }
+            return;
+        }
+        let deadline = if msg.method == name::AGENT { None } else { Some(Instant::now() + self.cfg.request_timeout) };
+        self.pending.insert(id, Pending { method: msg.method, tag: msg.tag, reply_to: msg.reply_to, deadline });
+    }
+}
+
+impl Handler<StartRun> for Supervisor {
+    type Result = Result<(), AdmitError>;
+    fn handle(&mut self, msg: StartRun, ctx: &mut Context<Self>) -> Self::Result {
+        if matches!(self.conn, Conn::Stopped) {
+            return Err(AdmitError::GatewayDown("clawmux is shutting down".to_owned()));
+        }
+        if !matches!(self.conn, Conn::Connected(_)) {
+            let reason = self.status.read().ok().and_then(|s| s.last_error.clone()).unwrap_or_else(|| "connecting".to_owned());
+            return Err(AdmitError::GatewayDown(reason));
+        }
+        if self.runs.len() >= self.cfg.max_runs {
+            return Err(AdmitError::AtCapacity(self.cfg.max_runs));
+        }
+        if self.runs.contains_key(&msg.spec.run_id) {
+            return Err(AdmitError::Duplicate);
+        }
+        let key = msg.spec.session_key.clone();
+        let q = QueuedRun { spec: msg.spec, sink: msg.sink, admitted: Instant::now() };
+        let run_id = q.spec.run_id.clone();
+        match self.queue.admit(&key, q) {
+            Some(q) => self.start_session(ctx, q),
+            None => {
+                tracing::info!(run_id = %run_id, session_key = %key, "run queued behind another run of its session");
+                self.runs.insert(run_id, RunSlot::Queued { session_key: key });
+            }
+        }
+        self.update_gauges();
+        Ok(())
+    }
+}
+
+impl Handler<CancelRun> for Supervisor {
+    type Result = bool;
+    fn handle(&mut self, msg: CancelRun, _ctx: &mut Context<Self>) -> bool {
+        match self.runs.get(&msg.run_id) {
+            Some(RunSlot::Active { addr, .. }) => {
+                addr.do_send(crate::session::Cancel(msg.reason));
+                true
+            }
+            Some(RunSlot::Queued { session_key }) => {
+                let key = session_key.clone();
+                let run_id = msg.run_id.clone();
+                if let Some(q) = self.queue.remove_waiting(&key, |q| q.spec.run_id == run_id) {
+                    self.finish_queued(&msg.run_id, &q.sink, msg.reason.outcome(String::new()), q.admitted);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Handler<RunEnded> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: RunEnded, ctx: &mut Context<Self>) {
+        self.routes.remove(msg.session_key.as_str(), &msg.gateway_run_id);
+        if let Some(RunSlot::Active { admitted, .. }) = self.runs.remove(&msg.run_id) {
+            self.metrics.run_duration.observe(admitted.elapsed().as_secs_f64());
+        }
+        if let Some(next) = self.queue.finish(&msg.session_key) {
+            if next.admitted.elapsed() >= next.spec.timeout {
+                let sink = next.sink.clone();
+                let (id, admitted) = (next.spec.run_id.clone(), next.admitted);
+                self.finish_queued(&id, &sink, CancelReason::Timeout.outcome(String::new()), admitted);
+                // Free the key for whoever waits behind the expired run.
+                ctx.notify(RunEnded { run_id: id, session_key: msg.session_key, gateway_run_id: next.spec.gateway_run_id });
+            } else {
+                self.start_session(ctx, next);
+            }
+        }
+        self.update_gauges();
+    }
+}
+
+impl Handler<OutboundHeadersUnsupported> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, _msg: OutboundHeadersUnsupported, _ctx: &mut Context<Self>) {
+        if self.outbound_headers_supported != Some(false) {
+            tracing::info!("the gateway rejects per-session outboundHeaders (stock OpenClaw); not sending them any more");
+        }
+        self.outbound_headers_supported = Some(false);
+        self.set_status(|s| s.outbound_headers = Some(false));
+    }
+}
+
+impl Handler<InFlight> for Supervisor {
+    type Result = usize;
+    fn handle(&mut self, _msg: InFlight, _ctx: &mut Context<Self>) -> usize {
+        self.runs.len()
+    }
+}
+
+impl Handler<ShutdownAll> for Supervisor {
+    type Result = usize;
+    fn handle(&mut self, _msg: ShutdownAll, _ctx: &mut Context<Self>) -> usize {
+        let mut n = 0;
+        for q in self.queue.drain_waiting() {
+            self.finish_queued(&q.spec.run_id.clone(), &q.sink, CancelReason::Shutdown.outcome(String::new()), q.admitted);
+            n += 1;
+        }
+        for slot in self.runs.values() {
+            if let RunSlot::Active { addr, .. } = slot {
+                addr.do_send(crate::session::Cancel(CancelReason::Shutdown));
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+/// Stops reconnecting and closes the connection (after [`ShutdownAll`] has let runs finish).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Disconnect;
+
+impl Handler<Disconnect> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, _msg: Disconnect, _ctx: &mut Context<Self>) {
+        match std::mem::replace(&mut self.conn, Conn::Stopped) {
+            Conn::Connected(c) => c.task.abort(),
+            Conn::Connecting { task } => task.abort(),
+            _ => {}
+        }
+        self.metrics.connected.set(0);
+        self.set_status(|s| {
+            s.connected = false;
+            s.last_error = Some("clawmux is shutting down".to_owned());
+        });
+    }
+}
+
+/// Ends a run the session actor could not even start (used by the session actor on internal errors).
+pub(crate) fn internal_outcome(message: impl Into<String>) -> RunOutcome {
+    RunOutcome::failed(ErrorCode::Internal, message, String::new())
+}
