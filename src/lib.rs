@@ -1,3 +1,24 @@
 //! clawmux: an actor-based session multiplexer for the OpenClaw agent gateway.
+//!
+//! # Layout
+//! - `protocol/` (crate `clawmux_protocol`): the gateway's wire types. No I/O.
+//! - `actors/` (crate `clawmux_actors`): the supervisor (the ONE gateway connection, fail-closed
+//!   routing, reconnects) and the per-run session actors.
+//! - This crate, the binary's half:
+//!   - [`config`]: the configuration table (TOML file + environment).
+//!   - [`request`]: `POST /v1/runs` bodies: decoding and validation (pure).
+//!   - [`store`]: run documents, event logs, re-attachment, idempotency, retention.
+//!   - [`api`]: the HTTP + SSE API (actix-web).
+//!   - [`agents`]: the agent registry.
+//!   - [`server`]: wiring and graceful shutdown.
+//!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
+//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`).
 
+pub mod agents;
+pub mod api;
+
+pub mod config;
 pub mod replay;
+pub mod request;
+pub mod server;
+pub mod store;

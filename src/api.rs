@@ -1,0 +1,440 @@
+//! The HTTP API of `docs/API.md` (actix-web).
+
+use crate::agents::AgentRegistry;
+use crate::config::Config;
+use crate::request::{self, Limits, OnDisconnect, RequestError};
+use crate::store::{Insert, RunRecord, RunStore, StoredEvent};
+use actix::Addr;
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
+use actix_web_lab::sse;
+use clawmux_actors::supervisor::{AdmitError, CancelRun, StartRun};
+use clawmux_actors::{CancelReason, RunSpec, StatusHandle, Supervisor};
+use clawmux_protocol::{SessionKey, TraceParent};
+use futures_util::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::broadcast::error::RecvError;
+
+/// How long an HTTP handler waits for the supervisor to admit a run before answering 503.
+const ADMIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Comment lines keep quiet streams alive through proxies.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// JSON overhead allowed around a maximal `message`.
+const BODY_OVERHEAD: usize = 64 * 1024;
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// Effective configuration.
+    pub cfg: Config,
+    /// Runs.
+    pub store: Arc<RunStore>,
+    /// The supervisor (the one gateway connection).
+    pub supervisor: Addr<Supervisor>,
+    /// Gateway status for `/readyz`.
+    pub status: StatusHandle,
+    /// Prometheus registry for `/metrics`.
+    pub registry: prometheus::Registry,
+    /// `GET /v1/agents`.
+    pub agents: AgentRegistry,
+}
+
+/// An error answer: `{"error":{"code","message"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, code, message: message.into(), retry_after: None }
+    }
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+    fn not_found(run_id: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", format!("no run with id {run_id:?} (finished runs are kept for a bounded time)"))
+    }
+    fn unavailable(message: impl Into<String>) -> Self {
+        Self { retry_after: Some(2), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "gateway_unavailable", message) }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+    fn error_response(&self) -> HttpResponse {
+        let mut r = HttpResponse::build(self.status);
+        if let Some(s) = self.retry_after {
+            r.insert_header((header::RETRY_AFTER, s.to_string()));
+        }
+        r.json(serde_json::json!({"error": {"code": self.code, "message": self.message}}))
+    }
+}
+
+/// Wires the routes.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.service(web::resource("/v1/runs").route(web::post().to(create_run)).default_service(web::to(method_not_allowed)))
+        .service(web::resource("/v1/runs/{run_id}").route(web::get().to(get_run)).default_service(web::to(method_not_allowed)))
+        .service(web::resource("/v1/runs/{run_id}/events").route(web::get().to(run_events)).default_service(web::to(method_not_allowed)))
+        .service(web::resource("/v1/runs/{run_id}/abort").route(web::post().to(abort_run)).default_service(web::to(method_not_allowed)))
+        .service(web::resource("/v1/agents").route(web::get().to(list_agents)).default_service(web::to(method_not_allowed)))
+        .route("/healthz", web::get().to(healthz))
+        .route("/readyz", web::get().to(readyz))
+        .route("/metrics", web::get().to(metrics))
+        .default_service(web::to(not_found));
+}
+
+async fn not_found(req: HttpRequest) -> HttpResponse {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no such endpoint: {} {}", req.method(), req.path())).error_response()
+}
+
+async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{} is not allowed on {}", req.method(), req.path()))
+        .error_response()
+}
+
+/// Bearer auth on `/v1/*`; without a configured token only loopback callers are served.
+fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    match &state.cfg.api_token {
+        Some(token) => {
+            let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            match given {
+                Some(g) if constant_time_eq(g.as_bytes(), token.expose().as_bytes()) => Ok(()),
+                Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the bearer token is not valid")),
+                None => Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing `Authorization: Bearer <token>` header")),
+            }
+        }
+        None => match req.peer_addr() {
+            Some(a) if a.ip().is_loopback() => Ok(()),
+            _ => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "no CLAWMUX_API_TOKEN is configured, so only loopback clients are served",
+            )),
+        },
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn read_body(mut payload: web::Payload, limit: usize) -> Result<web::BytesMut, ApiError> {
+    let mut body = web::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| ApiError::invalid(format!("cannot read the request body: {e}")))?;
+        if body.len() + chunk.len() > limit {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!("the request body exceeds {limit} bytes (CLAWMUX_MAX_MESSAGE_BYTES plus JSON overhead)"),
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+fn wants_sse(req: &HttpRequest) -> bool {
+    req.headers().get_all(header::ACCEPT).filter_map(|v| v.to_str().ok()).any(|v| v.contains("text/event-stream"))
+}
+
+fn query_wait_false(req: &HttpRequest) -> Result<bool, ApiError> {
+    for pair in req.query_string().split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k == "wait" {
+            return match v {
+                "false" | "0" => Ok(true),
+                "true" | "1" | "" => Ok(false),
+                other => Err(ApiError::invalid(format!("query `wait`: {other:?} is not true or false"))),
+            };
+        }
+    }
+    Ok(false)
+}
+
+fn new_trace() -> TraceParent {
+    // Random 128-bit and 64-bit ids rendered as lower-case hex; the constructor refuses the
+    // (astronomically unlikely) all-zero id, in which case we draw again.
+    loop {
+        let trace = uuid::Uuid::new_v4().simple().to_string();
+        let span = uuid::Uuid::new_v4().simple().to_string();
+        if let Ok(t) = TraceParent::new(&trace, &span[..16], 1) {
+            return t;
+        }
+    }
+}
+
+async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let wait_false = query_wait_false(&req)?;
+    let limit = state.cfg.max_message_bytes.saturating_add(BODY_OVERHEAD);
+    let body = read_body(payload, limit).await?;
+    let limits = Limits {
+        max_message_bytes: state.cfg.max_message_bytes,
+        default_timeout_sec: state.cfg.run_timeout_sec,
+        max_timeout_sec: state.cfg.max_run_timeout_sec,
+    };
+    let run = request::decode(&body)
+        .and_then(|r| request::validate(r, limits, || uuid::Uuid::new_v4().to_string()))
+        .map_err(|e| match e {
+            RequestError::Invalid(m) => ApiError::invalid(m),
+            RequestError::TooLarge(m) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", m),
+        })?;
+    if state.agents.get(&run.agent_id).is_none() {
+        return Err(ApiError::invalid(format!("field `agentId`: unknown agent {:?} (see GET /v1/agents)", run.agent_id)));
+    }
+    let traceparent = match req.headers().get("traceparent") {
+        None => new_trace(),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| TraceParent::parse(s).ok())
+            .ok_or_else(|| ApiError::invalid("header `traceparent`: not a valid W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)"))?,
+    };
+    let idempotency_key = match req.headers().get("idempotency-key") {
+        None => None,
+        Some(v) => match v.to_str() {
+            Ok(s) if (1..=256).contains(&s.len()) => Some(s.to_owned()),
+            _ => return Err(ApiError::invalid("header `Idempotency-Key`: must be 1 to 256 visible ASCII characters")),
+        },
+    };
+
+    let session_key =
+        SessionKey::for_run(&run.agent_id, &run.request.billing_account_id, run.request.state_key.as_deref().unwrap_or(&run.run_id));
+    let fingerprint = request::fingerprint(&run.request);
+    let abort_on_disconnect = run.on_disconnect == OnDisconnect::Abort;
+    let record = match state.store.insert(&run.run_id, session_key.as_str(), fingerprint, idempotency_key.as_deref(), abort_on_disconnect) {
+        Insert::New(r) => r,
+        Insert::Existing(r) => return respond(&req, &state, r, wait_false, false).await,
+        Insert::Conflict => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("run {:?} already exists with a different request body", run.run_id),
+            ))
+        }
+        Insert::IdempotencyMismatch => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_mismatch",
+                "this Idempotency-Key was used with a different request body",
+            ))
+        }
+    };
+
+    let spec = RunSpec {
+        run_id: run.run_id.clone(),
+        gateway_run_id: uuid::Uuid::new_v4().to_string(),
+        session_key,
+        agent_id: run.agent_id.clone(),
+        message: run.request.message.clone(),
+        model: run.request.model.clone(),
+        billing_account_id: run.request.billing_account_id.clone(),
+        graph_id: run.graph_id.clone(),
+        timeout: Duration::from_secs(run.timeout_sec),
+        traceparent,
+    };
+    let admitted = state.supervisor.send(StartRun { spec, sink: record.clone() }).timeout(ADMIT_TIMEOUT).await;
+    let refusal = match admitted {
+        Ok(Ok(())) => None,
+        Ok(Err(AdmitError::GatewayDown(reason))) => Some(ApiError::unavailable(format!("the gateway is not available: {reason}"))),
+        Ok(Err(e @ AdmitError::AtCapacity(_))) => Some(ApiError::unavailable(e.to_string())),
+        Ok(Err(AdmitError::Duplicate)) => {
+            Some(ApiError::new(StatusCode::CONFLICT, "conflict", format!("run {:?} is already in flight", run.run_id)))
+        }
+        Err(_) => Some(ApiError::unavailable("clawmux is overloaded; retry shortly")),
+    };
+    if let Some(e) = refusal {
+        state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
+        return Err(e);
+    }
+    tracing::info!(run_id = %run.run_id, session_key = %record.doc().session_key, "run admitted");
+    respond(&req, &state, record, wait_false, abort_on_disconnect).await
+}
+
+/// Answers a POST for `record`: SSE, 202 at once, or the document at the end.
+async fn respond(req: &HttpRequest, state: &web::Data<AppState>, record: Arc<RunRecord>, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
+    let guard = DisconnectGuard { run_id: record.run_id.clone(), record: record.clone(), supervisor: state.supervisor.clone(), armed: arm };
+    if wants_sse(req) {
+        return Ok(sse_response(req, record, 0, guard));
+    }
+    if wait_false {
+        let mut g = guard;
+        g.disarm();
+        let status = if record.is_finished() { StatusCode::OK } else { StatusCode::ACCEPTED };
+        return Ok(HttpResponse::build(status).json(record.doc()));
+    }
+    // Dropping this future (the caller went away) drops the guard, which cancels the run.
+    record.finished().await;
+    let mut g = guard;
+    g.disarm();
+    Ok(HttpResponse::Ok().json(record.doc()))
+}
+
+/// Cancels the run when a caller that asked for `onDisconnect: abort` goes away before the end.
+struct DisconnectGuard {
+    run_id: String,
+    record: Arc<RunRecord>,
+    supervisor: Addr<Supervisor>,
+    armed: bool,
+}
+
+impl DisconnectGuard {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for DisconnectGuard {
+    fn drop(&mut self) {
+        if self.armed && !self.record.is_finished() {
+            tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
+            self.supervisor.do_send(CancelRun { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
+        }
+    }
+}
+
+struct SseState {
+    backlog: std::vec::IntoIter<Arc<StoredEvent>>,
+    rx: Option<tokio::sync::broadcast::Receiver<Arc<StoredEvent>>>,
+    last_id: u64,
+    done: bool,
+    guard: DisconnectGuard,
+}
+
+fn to_sse(ev: &StoredEvent) -> sse::Event {
+    sse::Event::Data(sse::Data::new(ev.data.clone()).event(ev.name).id(ev.id.to_string()))
+}
+
+fn sse_response(req: &HttpRequest, record: Arc<RunRecord>, after: u64, guard: DisconnectGuard) -> HttpResponse {
+    let (backlog, rx) = record.attach(after);
+    let st = SseState { backlog: backlog.into_iter(), rx, last_id: after, done: false, guard };
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let ev = match st.backlog.next() {
+            Some(ev) => ev,
+            None => loop {
+                let rx = st.rx.as_mut()?;
+                match rx.recv().await {
+                    Ok(ev) if ev.id <= st.last_id => continue,
+                    Ok(ev) => break ev,
+                    Err(RecvError::Lagged(n)) => {
+                        // Too slow: drop this client (it can re-attach with Last-Event-ID); the
+                        // run itself goes on.
+                        tracing::warn!(run_id = %st.guard.run_id, skipped = n, "SSE client too slow; disconnecting it");
+                        st.guard.disarm();
+                        return None;
+                    }
+                    Err(RecvError::Closed) => return None,
+                }
+            },
+        };
+        st.last_id = ev.id;
+        if ev.is_terminal() {
+            st.done = true;
+            st.guard.disarm();
+        }
+        Some((to_sse(&ev), st))
+    });
+    let mut resp = sse::Sse::from_infallible_stream(stream).with_keep_alive(KEEP_ALIVE).respond_to(req);
+    resp.headers_mut().insert(header::HeaderName::from_static("x-accel-buffering"), HeaderValue::from_static("no"));
+    resp.map_into_boxed_body()
+}
+
+use actix_web::Responder;
+
+async fn get_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
+    Ok(HttpResponse::Ok().json(record.doc()))
+}
+
+async fn run_events(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
+    let after = match req.headers().get("last-event-id") {
+        None => 0,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .ok_or_else(|| ApiError::invalid("header `Last-Event-ID`: must be an event id (a non-negative integer)"))?,
+    };
+    // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
+    let guard = DisconnectGuard { run_id: record.run_id.clone(), record: record.clone(), supervisor: state.supervisor.clone(), armed: false };
+    Ok(sse_response(&req, record, after, guard))
+}
+
+async fn abort_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
+    if record.is_finished() {
+        return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": false})));
+    }
+    let found = state
+        .supervisor
+        .send(CancelRun { run_id: record.run_id.clone(), reason: CancelReason::Api })
+        .timeout(ADMIT_TIMEOUT)
+        .await
+        .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
+    Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": found})))
+}
+
+async fn list_agents(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    Ok(HttpResponse::Ok().json(&state.agents))
+}
+
+async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+}
+
+async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    let s = match state.status.read() {
+        Ok(s) => s.clone(),
+        Err(p) => p.into_inner().clone(),
+    };
+    match s.ready() {
+        Ok(()) => HttpResponse::Ok().json(serde_json::json!({
+            "gateway": "connected",
+            "protocol": s.protocol,
+            "serverVersion": s.server_version,
+            "sessionScopedEvents": s.session_scoped,
+            "scopes": s.scopes,
+            "outboundHeaders": s.outbound_headers,
+        })),
+        Err(reason) => HttpResponse::ServiceUnavailable().insert_header((header::RETRY_AFTER, "2")).json(serde_json::json!({
+            "gateway": if s.connected { "connected" } else { "disconnected" },
+            "reason": reason,
+            "error": {"code": "gateway_unavailable", "message": reason},
+        })),
+    }
+}
+
+async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    let encoder = prometheus::TextEncoder::new();
+    match encoder.encode(&state.registry.gather(), &mut buf) {
+        Ok(()) => HttpResponse::Ok().content_type(encoder.format_type()).body(buf),
+        Err(e) => HttpResponse::InternalServerError().body(e.to_string()),
+    }
+}

@@ -1,0 +1,459 @@
+//! Configuration: a TOML file (`--config`) and environment variables; the environment wins.
+//!
+//! Names follow `docs/API.md`: `CLAWMUX_LISTEN` in the environment is `listen` in the file.
+//! Secrets that must never leave the host (`CLAWMUX_LLM_UPSTREAM_KEY`, `CLAWMUX_GITHUB_TOKEN`) are
+//! read from the environment only; every secret is wrapped in [`Secret`], whose `Debug`/`Display`
+//! print `<redacted>`.
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::Path;
+
+/// A secret value: never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+    /// The value, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// `CLAWMUX_OUTBOUND_HEADERS`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutboundHeaders {
+    /// Always send per-session headers (the Cogni fork).
+    On,
+    /// Never (stock OpenClaw).
+    Off,
+    /// Detect.
+    Auto,
+}
+
+/// `CLAWMUX_LOG_FORMAT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// JSON lines.
+    Json,
+}
+
+/// The effective configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// HTTP listen address.
+    pub listen: SocketAddr,
+    /// Bearer token for `/v1/*`; without it only loopback clients are served.
+    pub api_token: Option<Secret>,
+    /// Gateway URL (`ws://` or `wss://`).
+    pub gateway_url: Option<String>,
+    /// Gateway shared token.
+    pub gateway_token: Option<Secret>,
+    /// Per-session outbound headers policy.
+    pub outbound_headers: OutboundHeaders,
+    /// Default run timeout.
+    pub run_timeout_sec: u64,
+    /// Largest timeout a request may ask for.
+    pub max_run_timeout_sec: u64,
+    /// Largest accepted `message`, in bytes.
+    pub max_message_bytes: usize,
+    /// Tracing filter.
+    pub log: String,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// LLM attribution proxy listen address.
+    pub proxy_listen: SocketAddr,
+    /// Where the proxy forwards.
+    pub llm_upstream_url: Option<String>,
+    /// Upstream key (env only).
+    pub llm_upstream_key: Option<Secret>,
+    /// Container the relay runs git in.
+    pub relay_container: Option<String>,
+    /// Workspace root in that container.
+    pub relay_workspace: String,
+    /// Repository the relay pushes to.
+    pub relay_remote_url: Option<String>,
+    /// Default base ref.
+    pub relay_base_ref: String,
+    /// GitHub REST API base.
+    pub github_api_url: String,
+    /// GitHub token (env only).
+    pub github_token: Option<Secret>,
+    /// How long finished runs stay queryable.
+    pub run_retention_sec: u64,
+    /// How many finished runs stay queryable.
+    pub run_retention_max: usize,
+    /// Runs in flight (running + queued) before new ones get 503.
+    pub max_runs: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
+            api_token: None,
+            gateway_url: None,
+            gateway_token: None,
+            outbound_headers: OutboundHeaders::Auto,
+            run_timeout_sec: 600,
+            max_run_timeout_sec: 3600,
+            max_message_bytes: 1_048_576,
+            log: "info".to_owned(),
+            log_format: LogFormat::Text,
+            proxy_listen: SocketAddr::from(([127, 0, 0, 1], 8788)),
+            llm_upstream_url: None,
+            llm_upstream_key: None,
+            relay_container: None,
+            relay_workspace: "/workspace".to_owned(),
+            relay_remote_url: None,
+            relay_base_ref: "main".to_owned(),
+            github_api_url: "https://api.github.com".to_owned(),
+            github_token: None,
+            run_retention_sec: 3600,
+            run_retention_max: 10_000,
+            max_runs: 5000,
+        }
+    }
+}
+
+/// The file's shape: every key optional, unknown keys refused (a typo must not be ignored).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    api_token: Option<String>,
+    gateway_url: Option<String>,
+    gateway_token: Option<String>,
+    outbound_headers: Option<OutboundHeaders>,
+    run_timeout_sec: Option<u64>,
+    max_run_timeout_sec: Option<u64>,
+    max_message_bytes: Option<usize>,
+    log: Option<String>,
+    log_format: Option<LogFormat>,
+    proxy_listen: Option<String>,
+    llm_upstream_url: Option<String>,
+    relay_container: Option<String>,
+    relay_workspace: Option<String>,
+    relay_remote_url: Option<String>,
+    relay_base_ref: Option<String>,
+    github_api_url: Option<String>,
+    run_retention_sec: Option<u64>,
+    run_retention_max: Option<usize>,
+    max_runs: Option<usize>,
+}
+
+/// A configuration problem, naming the setting.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// Path.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the expected shape.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// Path.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A value is invalid.
+    #[error("{name}: {message}")]
+    Invalid {
+        /// Setting name (env spelling).
+        name: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn invalid(name: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { name, message: message.into() }
+}
+
+fn parse_addr(name: &'static str, v: &str) -> Result<SocketAddr, ConfigError> {
+    v.parse().map_err(|_| invalid(name, format!("{v:?} is not an address like 127.0.0.1:8787")))
+}
+
+fn parse_num<T: std::str::FromStr>(name: &'static str, v: &str) -> Result<T, ConfigError> {
+    v.trim().parse().map_err(|_| invalid(name, format!("{v:?} is not a valid number")))
+}
+
+impl Config {
+    /// Loads the file (if any), then applies `env` (the process environment in production).
+    pub fn load(file: Option<&Path>, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let mut c = Config::default();
+        if let Some(path) = file {
+            let p = path.display().to_string();
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+            let f: FileConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse { path: p, message: e.to_string() })?;
+            c.apply_file(f)?;
+        }
+        c.apply_env(env)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn apply_file(&mut self, f: FileConfig) -> Result<(), ConfigError> {
+        if let Some(v) = f.listen {
+            self.listen = parse_addr("listen", &v)?;
+        }
+        if let Some(v) = f.api_token {
+            self.api_token = Some(Secret::new(v));
+        }
+        if f.gateway_url.is_some() {
+            self.gateway_url = f.gateway_url;
+        }
+        if let Some(v) = f.gateway_token {
+            self.gateway_token = Some(Secret::new(v));
+        }
+        if let Some(v) = f.outbound_headers {
+            self.outbound_headers = v;
+        }
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = f.$field { self.$field = v; } )* };
+        }
+        set!(run_timeout_sec, max_run_timeout_sec, max_message_bytes, log, log_format, relay_workspace, relay_base_ref, github_api_url,
+             run_retention_sec, run_retention_max, max_runs);
+        if let Some(v) = f.proxy_listen {
+            self.proxy_listen = parse_addr("proxy_listen", &v)?;
+        }
+        if f.llm_upstream_url.is_some() {
+            self.llm_upstream_url = f.llm_upstream_url;
+        }
+        if f.relay_container.is_some() {
+            self.relay_container = f.relay_container;
+        }
+        if f.relay_remote_url.is_some() {
+            self.relay_remote_url = f.relay_remote_url;
+        }
+        Ok(())
+    }
+
+    fn apply_env(&mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let get = |k: &str| env(k).filter(|v| !v.is_empty());
+        if let Some(v) = get("CLAWMUX_LISTEN") {
+            self.listen = parse_addr("CLAWMUX_LISTEN", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_API_TOKEN") {
+            self.api_token = Some(Secret::new(v));
+        }
+        if let Some(v) = get("CLAWMUX_GATEWAY_URL") {
+            self.gateway_url = Some(v);
+        }
+        if let Some(v) = get("CLAWMUX_GATEWAY_TOKEN") {
+            self.gateway_token = Some(Secret::new(v));
+        }
+        if let Some(v) = get("CLAWMUX_OUTBOUND_HEADERS") {
+            self.outbound_headers = match v.as_str() {
+                "on" => OutboundHeaders::On,
+                "off" => OutboundHeaders::Off,
+                "auto" => OutboundHeaders::Auto,
+                other => return Err(invalid("CLAWMUX_OUTBOUND_HEADERS", format!("{other:?} is not one of on, off, auto"))),
+            };
+        }
+        if let Some(v) = get("CLAWMUX_RUN_TIMEOUT_SEC") {
+            self.run_timeout_sec = parse_num("CLAWMUX_RUN_TIMEOUT_SEC", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_MAX_RUN_TIMEOUT_SEC") {
+            self.max_run_timeout_sec = parse_num("CLAWMUX_MAX_RUN_TIMEOUT_SEC", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_MAX_MESSAGE_BYTES") {
+            self.max_message_bytes = parse_num("CLAWMUX_MAX_MESSAGE_BYTES", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_LOG") {
+            self.log = v;
+        }
+        if let Some(v) = get("CLAWMUX_LOG_FORMAT") {
+            self.log_format = match v.as_str() {
+                "json" => LogFormat::Json,
+                "text" => LogFormat::Text,
+                other => return Err(invalid("CLAWMUX_LOG_FORMAT", format!("{other:?} is not one of text, json"))),
+            };
+        }
+        if let Some(v) = get("CLAWMUX_PROXY_LISTEN") {
+            self.proxy_listen = parse_addr("CLAWMUX_PROXY_LISTEN", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_LLM_UPSTREAM_URL") {
+            self.llm_upstream_url = Some(v);
+        }
+        if let Some(v) = get("CLAWMUX_LLM_UPSTREAM_KEY") {
+            self.llm_upstream_key = Some(Secret::new(v));
+        }
+        if let Some(v) = get("CLAWMUX_RELAY_CONTAINER") {
+            self.relay_container = Some(v);
+        }
+        if let Some(v) = get("CLAWMUX_RELAY_WORKSPACE") {
+            self.relay_workspace = v;
+        }
+        if let Some(v) = get("CLAWMUX_RELAY_REMOTE_URL") {
+            self.relay_remote_url = Some(v);
+        }
+        if let Some(v) = get("CLAWMUX_RELAY_BASE_REF") {
+            self.relay_base_ref = v;
+        }
+        if let Some(v) = get("CLAWMUX_GITHUB_API_URL") {
+            self.github_api_url = v;
+        }
+        if let Some(v) = get("CLAWMUX_GITHUB_TOKEN") {
+            self.github_token = Some(Secret::new(v));
+        }
+        if let Some(v) = get("CLAWMUX_RUN_RETENTION_SEC") {
+            self.run_retention_sec = parse_num("CLAWMUX_RUN_RETENTION_SEC", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_RUN_RETENTION_MAX") {
+            self.run_retention_max = parse_num("CLAWMUX_RUN_RETENTION_MAX", &v)?;
+        }
+        if let Some(v) = get("CLAWMUX_MAX_RUNS") {
+            self.max_runs = parse_num("CLAWMUX_MAX_RUNS", &v)?;
+        }
+        Ok(())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.gateway_url {
+            if !(url.starts_with("ws://") || url.starts_with("wss://")) {
+                return Err(invalid("CLAWMUX_GATEWAY_URL", format!("{url:?} must start with ws:// or wss://")));
+            }
+            if url.contains('@') {
+                return Err(invalid("CLAWMUX_GATEWAY_URL", "must not carry credentials; use CLAWMUX_GATEWAY_TOKEN"));
+            }
+        }
+        if self.run_timeout_sec == 0 {
+            return Err(invalid("CLAWMUX_RUN_TIMEOUT_SEC", "must be at least 1"));
+        }
+        if self.max_run_timeout_sec < self.run_timeout_sec {
+            return Err(invalid("CLAWMUX_MAX_RUN_TIMEOUT_SEC", "must be at least CLAWMUX_RUN_TIMEOUT_SEC"));
+        }
+        if self.max_message_bytes == 0 {
+            return Err(invalid("CLAWMUX_MAX_MESSAGE_BYTES", "must be at least 1"));
+        }
+        if self.max_runs == 0 {
+            return Err(invalid("CLAWMUX_MAX_RUNS", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// The effective configuration as `doctor` prints it (secrets redacted).
+    pub fn describe(&self) -> Vec<(&'static str, String)> {
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "(not set)".to_owned());
+        let secret = |v: &Option<Secret>| if v.is_some() { "<redacted>".to_owned() } else { "(not set)".to_owned() };
+        vec![
+            ("CLAWMUX_LISTEN", self.listen.to_string()),
+            ("CLAWMUX_API_TOKEN", secret(&self.api_token)),
+            ("CLAWMUX_GATEWAY_URL", opt(&self.gateway_url)),
+            ("CLAWMUX_GATEWAY_TOKEN", secret(&self.gateway_token)),
+            ("CLAWMUX_OUTBOUND_HEADERS", format!("{:?}", self.outbound_headers).to_lowercase()),
+            ("CLAWMUX_RUN_TIMEOUT_SEC", self.run_timeout_sec.to_string()),
+            ("CLAWMUX_MAX_RUN_TIMEOUT_SEC", self.max_run_timeout_sec.to_string()),
+            ("CLAWMUX_MAX_MESSAGE_BYTES", self.max_message_bytes.to_string()),
+            ("CLAWMUX_LOG", self.log.clone()),
+            ("CLAWMUX_PROXY_LISTEN", self.proxy_listen.to_string()),
+            ("CLAWMUX_LLM_UPSTREAM_URL", opt(&self.llm_upstream_url)),
+            ("CLAWMUX_LLM_UPSTREAM_KEY", secret(&self.llm_upstream_key)),
+            ("CLAWMUX_RELAY_CONTAINER", opt(&self.relay_container)),
+            ("CLAWMUX_RELAY_WORKSPACE", self.relay_workspace.clone()),
+            ("CLAWMUX_RELAY_REMOTE_URL", opt(&self.relay_remote_url)),
+            ("CLAWMUX_RELAY_BASE_REF", self.relay_base_ref.clone()),
+            ("CLAWMUX_GITHUB_API_URL", self.github_api_url.clone()),
+            ("CLAWMUX_GITHUB_TOKEN", secret(&self.github_token)),
+            ("CLAWMUX_RUN_RETENTION_SEC", self.run_retention_sec.to_string()),
+            ("CLAWMUX_RUN_RETENTION_MAX", self.run_retention_max.to_string()),
+            ("CLAWMUX_MAX_RUNS", self.max_runs.to_string()),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn defaults_follow_the_contract() {
+        let c = Config::load(None, &env(&[])).expect("defaults are valid");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8787");
+        assert_eq!(c.run_timeout_sec, 600);
+        assert_eq!(c.max_run_timeout_sec, 3600);
+        assert_eq!(c.max_message_bytes, 1_048_576);
+        assert_eq!(c.outbound_headers, OutboundHeaders::Auto);
+        assert_eq!(c.proxy_listen.to_string(), "127.0.0.1:8788");
+    }
+
+    #[test]
+    fn env_wins_over_the_file() {
+        let dir = std::env::temp_dir().join(format!("clawmux-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "listen = \"127.0.0.1:9000\"\nrun_timeout_sec = 30\ngateway_url = \"ws://a:1\"\n").expect("write");
+        let c = Config::load(Some(&path), &env(&[("CLAWMUX_LISTEN", "127.0.0.1:9001")])).expect("valid");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:9001");
+        assert_eq!(c.run_timeout_sec, 30);
+        assert_eq!(c.gateway_url.as_deref(), Some("ws://a:1"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn bad_values_name_the_setting() {
+        for (k, v) in [
+            ("CLAWMUX_LISTEN", "nope"),
+            ("CLAWMUX_GATEWAY_URL", "http://x"),
+            ("CLAWMUX_OUTBOUND_HEADERS", "maybe"),
+            ("CLAWMUX_RUN_TIMEOUT_SEC", "ten"),
+            ("CLAWMUX_MAX_MESSAGE_BYTES", "0"),
+        ] {
+            let err = Config::load(None, &env(&[(k, v)])).expect_err("invalid");
+            assert!(err.to_string().contains(k), "{err}");
+        }
+    }
+
+    #[test]
+    fn unknown_file_keys_are_refused() {
+        let dir = std::env::temp_dir().join(format!("clawmux-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "lisen = \"127.0.0.1:9000\"\n").expect("write");
+        let err = Config::load(Some(&path), &env(&[])).expect_err("typo refused");
+        assert!(err.to_string().contains("lisen"), "{err}");
+        std::fs::write(&path, "github_token = \"x\"\n").expect("write");
+        assert!(Config::load(Some(&path), &env(&[])).is_err(), "host-only secrets are env-only");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn secrets_are_never_printed() {
+        let c = Config::load(None, &env(&[("CLAWMUX_GATEWAY_TOKEN", "s3cret-gw"), ("CLAWMUX_GITHUB_TOKEN", "ghp_s3cret")]))
+            .expect("valid");
+        let printed = format!("{c:?} {:?}", c.describe());
+        assert!(!printed.contains("s3cret"), "{printed}");
+    }
+}

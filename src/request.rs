@@ -1,0 +1,344 @@
+//! `POST /v1/runs` bodies: decoding (closed: unknown fields are errors) and validation, pure.
+
+use serde::{Deserialize, Serialize};
+
+/// The request body, exactly as the contract names it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RunRequest {
+    /// The user's message.
+    pub message: String,
+    /// Who pays.
+    pub billing_account_id: String,
+    /// Caller-chosen id (default: a new lowercase UUID v4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    /// Conversation key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_key: Option<String>,
+    /// Agent (default `main`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
+    /// Model override.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Graph id (default `sandbox:openclaw`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graph_id: Option<String>,
+    /// Timeout in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_sec: Option<u64>,
+    /// What a closed stream means.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_disconnect: Option<OnDisconnect>,
+    /// Git relay settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<BranchRequest>,
+}
+
+/// `onDisconnect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnDisconnect {
+    /// Cancel the gateway run when the caller goes away (default).
+    Abort,
+    /// Keep running; the caller can re-attach.
+    Continue,
+}
+
+/// `branch`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BranchRequest {
+    /// Explicit branch key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch_name: Option<String>,
+    /// Work item id, e.g. `task.0022`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_item_id: Option<String>,
+    /// Use the state key as branch key (opt-in).
+    #[serde(default)]
+    pub use_state_key: bool,
+    /// Base ref.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_ref: Option<String>,
+    /// PR title.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pr_title: Option<String>,
+    /// PR body.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pr_body: Option<String>,
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    /// `400 invalid_request`.
+    Invalid(String),
+    /// `413 payload_too_large`.
+    TooLarge(String),
+}
+
+/// Limits that come from configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest `message`.
+    pub max_message_bytes: usize,
+    /// Default timeout.
+    pub default_timeout_sec: u64,
+    /// Largest timeout.
+    pub max_timeout_sec: u64,
+}
+
+/// Decodes a body, naming the offending field on error.
+pub fn decode(body: &[u8]) -> Result<RunRequest, RequestError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = if path.is_empty() || path == "." {
+            format!("invalid JSON body: {inner}")
+        } else {
+            format!("field `{path}`: {inner}")
+        };
+        RequestError::Invalid(msg)
+    })
+}
+
+/// `[A-Za-z0-9._:-]{1,128}`.
+pub fn is_valid_id(s: &str) -> bool {
+    (1..=128).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+/// Branch-key rule: `[A-Za-z0-9._/-]{1,100}`, no `..`, no leading `/` or `-`, no `.lock` suffix;
+/// also none of git's other refname traps (`//`, trailing `/` or `.`, `@{`), and not a protected name.
+pub fn validate_branch_key(key: &str, base_ref: &str) -> Result<(), String> {
+    if !(1..=100).contains(&key.len()) {
+        return Err("must be 1 to 100 characters".to_owned());
+    }
+    if !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'/' | b'-')) {
+        return Err("may contain only letters, digits, '.', '_', '/' and '-'".to_owned());
+    }
+    if key.contains("..") {
+        return Err("must not contain '..'".to_owned());
+    }
+    if key.starts_with('/') || key.starts_with('-') {
+        return Err("must not start with '/' or '-'".to_owned());
+    }
+    if key.ends_with(".lock") || key.ends_with('/') || key.ends_with('.') || key.contains("//") || key.contains("/.") || key.starts_with('.') {
+        return Err("is not a valid git branch name".to_owned());
+    }
+    let protected = ["main", "master", "head", base_ref];
+    if protected.iter().any(|p| key.eq_ignore_ascii_case(p)) {
+        return Err(format!("{key:?} is a protected name"));
+    }
+    Ok(())
+}
+
+/// A validated request with defaults applied.
+#[derive(Debug, Clone)]
+pub struct ValidRun {
+    /// The request as sent (defaults not applied): its canonical JSON is the fingerprint.
+    pub request: RunRequest,
+    /// Run id (given or generated).
+    pub run_id: String,
+    /// Agent id.
+    pub agent_id: String,
+    /// Graph id.
+    pub graph_id: String,
+    /// Timeout.
+    pub timeout_sec: u64,
+    /// On disconnect.
+    pub on_disconnect: OnDisconnect,
+    /// The branch key, if the request has one.
+    pub branch_key: Option<String>,
+}
+
+/// Validates a decoded request against the contract's rules.
+pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -> String) -> Result<ValidRun, RequestError> {
+    let invalid = |m: String| Err(RequestError::Invalid(m));
+    if request.message.is_empty() {
+        return invalid("field `message`: must not be empty".to_owned());
+    }
+    if request.message.len() > limits.max_message_bytes {
+        return Err(RequestError::TooLarge(format!(
+            "field `message` is {} bytes; the limit is {} bytes (CLAWMUX_MAX_MESSAGE_BYTES)",
+            request.message.len(),
+            limits.max_message_bytes
+        )));
+    }
+    let ids = [
+        ("billingAccountId", Some(&request.billing_account_id)),
+        ("runId", request.run_id.as_ref()),
+        ("stateKey", request.state_key.as_ref()),
+        ("agentId", request.agent_id.as_ref()),
+    ];
+    for (name, value) in ids {
+        if let Some(v) = value {
+            if !is_valid_id(v) {
+                return invalid(format!("field `{name}`: must match [A-Za-z0-9._:-]{{1,128}}"));
+            }
+        }
+    }
+    if let Some(m) = &request.model {
+        if m.is_empty() || m.len() > 256 || m.chars().any(char::is_control) {
+            return invalid("field `model`: must be 1 to 256 printable characters".to_owned());
+        }
+    }
+    if let Some(g) = &request.graph_id {
+        if !is_valid_id(g) {
+            return invalid("field `graphId`: must match [A-Za-z0-9._:-]{1,128}".to_owned());
+        }
+    }
+    let timeout_sec = match request.timeout_sec {
+        None => limits.default_timeout_sec,
+        Some(0) => return invalid("field `timeoutSec`: must be at least 1".to_owned()),
+        Some(t) if t > limits.max_timeout_sec => {
+            return invalid(format!("field `timeoutSec`: must be at most {} (CLAWMUX_MAX_RUN_TIMEOUT_SEC)", limits.max_timeout_sec))
+        }
+        Some(t) => t,
+    };
+    let branch_key = match &request.branch {
+        None => None,
+        Some(b) => {
+            let base_ref = b.base_ref.as_deref().unwrap_or("main");
+            if let Some(r) = &b.base_ref {
+                if validate_branch_key(r, "").is_err() && !matches!(r.as_str(), "main" | "master") {
+                    return invalid("field `branch.baseRef`: is not a valid git ref name".to_owned());
+                }
+            }
+            let key = b
+                .branch_name
+                .clone()
+                .or_else(|| b.work_item_id.clone())
+                .or_else(|| if b.use_state_key { request.state_key.clone() } else { None });
+            if b.use_state_key && b.branch_name.is_none() && b.work_item_id.is_none() && request.state_key.is_none() {
+                return invalid("field `branch.useStateKey`: is true but the request has no `stateKey`".to_owned());
+            }
+            if let Some(k) = &key {
+                let field = if b.branch_name.is_some() {
+                    "branch.branchName"
+                } else if b.work_item_id.is_some() {
+                    "branch.workItemId"
+                } else {
+                    "stateKey"
+                };
+                validate_branch_key(k, base_ref).map_err(|m| RequestError::Invalid(format!("field `{field}`: branch key {m}")))?;
+            }
+            key
+        }
+    };
+    let run_id = request.run_id.clone().unwrap_or_else(new_run_id);
+    Ok(ValidRun {
+        agent_id: request.agent_id.clone().unwrap_or_else(|| "main".to_owned()),
+        graph_id: request.graph_id.clone().unwrap_or_else(|| "sandbox:openclaw".to_owned()),
+        on_disconnect: request.on_disconnect.unwrap_or(OnDisconnect::Abort),
+        timeout_sec,
+        branch_key,
+        run_id,
+        request,
+    })
+}
+
+/// A stable fingerprint of a request body (field order and whitespace do not matter).
+pub fn fingerprint(request: &RunRequest) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let canonical = serde_json::to_string(request).unwrap_or_default();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    canonical.hash(&mut h);
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits { max_message_bytes: 100, default_timeout_sec: 600, max_timeout_sec: 3600 };
+
+    fn ok(body: &str) -> ValidRun {
+        validate(decode(body.as_bytes()).expect("decodes"), LIMITS, || "generated".into()).expect("valid")
+    }
+
+    fn err(body: &str) -> RequestError {
+        match decode(body.as_bytes()) {
+            Err(e) => e,
+            Ok(r) => validate(r, LIMITS, || "generated".into()).expect_err("invalid"),
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let v = ok(r#"{"message":"hi","billingAccountId":"acct-42"}"#);
+        assert_eq!(v.run_id, "generated");
+        assert_eq!(v.agent_id, "main");
+        assert_eq!(v.graph_id, "sandbox:openclaw");
+        assert_eq!(v.timeout_sec, 600);
+        assert_eq!(v.on_disconnect, OnDisconnect::Abort);
+        assert_eq!(v.branch_key, None);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (r#"{"billingAccountId":"a"}"#, "message"),
+            (r#"{"message":"hi"}"#, "billingAccountId"),
+            (r#"{"message":"hi","billingAccountId":"a","mesage":"typo"}"#, "mesage"),
+            (r#"{"message":5,"billingAccountId":"a"}"#, "message"),
+            (r#"{"message":"","billingAccountId":"a"}"#, "message"),
+            (r#"{"message":"hi","billingAccountId":"a b"}"#, "billingAccountId"),
+            (r#"{"message":"hi","billingAccountId":"a","runId":"x/y"}"#, "runId"),
+            (r#"{"message":"hi","billingAccountId":"a","timeoutSec":0}"#, "timeoutSec"),
+            (r#"{"message":"hi","billingAccountId":"a","timeoutSec":3601}"#, "timeoutSec"),
+            (r#"{"message":"hi","billingAccountId":"a","onDisconnect":"later"}"#, "onDisconnect"),
+            (r#"{"message":"hi","billingAccountId":"a","branch":{"branchName":"x","extra":1}}"#, "extra"),
+        ];
+        for (body, field) in cases {
+            match err(body) {
+                RequestError::Invalid(m) => assert!(m.contains(field), "{body}: {m}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        assert!(matches!(err("{not json"), RequestError::Invalid(_)));
+    }
+
+    #[test]
+    fn oversize_message_is_413() {
+        let body = format!(r#"{{"message":"{}","billingAccountId":"a"}}"#, "x".repeat(101));
+        assert!(matches!(err(&body), RequestError::TooLarge(m) if m.contains("message")));
+    }
+
+    #[test]
+    fn branch_key_priority_and_opt_in() {
+        let v = ok(r#"{"message":"m","billingAccountId":"a","stateKey":"s1","branch":{"branchName":"feat/x","workItemId":"task.1"}}"#);
+        assert_eq!(v.branch_key.as_deref(), Some("feat/x"));
+        let v = ok(r#"{"message":"m","billingAccountId":"a","stateKey":"s1","branch":{"workItemId":"task.1"}}"#);
+        assert_eq!(v.branch_key.as_deref(), Some("task.1"));
+        let v = ok(r#"{"message":"m","billingAccountId":"a","stateKey":"s1","branch":{}}"#);
+        assert_eq!(v.branch_key, None, "the state key is used only on opt-in");
+        let v = ok(r#"{"message":"m","billingAccountId":"a","stateKey":"s1","branch":{"useStateKey":true}}"#);
+        assert_eq!(v.branch_key.as_deref(), Some("s1"));
+        let v = ok(r#"{"message":"m","billingAccountId":"a","runId":"r1","branch":{}}"#);
+        assert_eq!(v.branch_key, None, "never the run id");
+    }
+
+    #[test]
+    fn hostile_branch_keys_are_refused() {
+        let long = "a".repeat(300);
+        for key in ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "/abs", "main", "MASTER", "HEAD", "a//b", "a/", ".hidden", "a@{1}"] {
+            let body = format!(r#"{{"message":"m","billingAccountId":"a","branch":{{"branchName":{}}}}}"#, serde_json::json!(key));
+            assert!(matches!(err(&body), RequestError::Invalid(m) if m.contains("branchName")), "{key}");
+        }
+        assert!(validate_branch_key("task.0022", "main").is_ok());
+        assert!(validate_branch_key("feat/x-1_y", "main").is_ok());
+        assert!(validate_branch_key("develop", "develop").is_err(), "the base ref is protected");
+    }
+
+    #[test]
+    fn fingerprint_ignores_formatting_not_content() {
+        let a = decode(br#"{"message":"m","billingAccountId":"a"}"#).expect("decodes");
+        let b = decode(b"{ \"billingAccountId\" : \"a\",\n \"message\":\"m\" }").expect("decodes");
+        let c = decode(br#"{"message":"m2","billingAccountId":"a"}"#).expect("decodes");
+        assert_eq!(fingerprint(&a), fingerprint(&b));
+        assert_ne!(fingerprint(&a), fingerprint(&c));
+    }
+}

@@ -1,0 +1,124 @@
+//! Wiring: the supervisor, the run store, the HTTP server, signals.
+
+use crate::agents::AgentRegistry;
+use crate::api::{self, AppState};
+use crate::config::{Config, OutboundHeaders};
+use crate::store::RunStore;
+use actix::Actor;
+use actix_web::{web, App, HttpServer};
+use clawmux_actors::metrics::Metrics;
+use clawmux_actors::supervisor::{Disconnect, InFlight, ShutdownAll};
+use clawmux_actors::{OutboundHeadersMode, StatusHandle, Supervisor, SupervisorConfig};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A running clawmux (the HTTP server and its supervisor).
+pub struct Running {
+    /// Bound HTTP address (useful with port 0).
+    pub addr: SocketAddr,
+    /// Stops the HTTP server.
+    pub server: actix_web::dev::ServerHandle,
+    /// The shared state (tests read the store and status).
+    pub state: web::Data<AppState>,
+    /// Resolves when the HTTP server stops.
+    pub done: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// Supervisor settings from the configuration.
+pub fn supervisor_config(cfg: &Config, gateway_url: &str) -> SupervisorConfig {
+    let mut s = SupervisorConfig::new(gateway_url);
+    s.token = cfg.gateway_token.as_ref().map(|t| t.expose().to_owned());
+    s.outbound_headers = match cfg.outbound_headers {
+        OutboundHeaders::On => OutboundHeadersMode::On,
+        OutboundHeaders::Off => OutboundHeadersMode::Off,
+        OutboundHeaders::Auto => OutboundHeadersMode::Auto,
+    };
+    s.max_runs = cfg.max_runs;
+    s
+}
+
+/// Starts the supervisor and the HTTP server inside the current actix System. Signals are not
+/// handled here (see [`run_until_signal`]).
+pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Running> {
+    let registry = prometheus::Registry::new();
+    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?;
+    let status: StatusHandle = StatusHandle::default();
+    let supervisor = Supervisor::new(sup, metrics, status.clone()).start();
+    let store = Arc::new(RunStore::new(Duration::from_secs(cfg.run_retention_sec), cfg.run_retention_max));
+    let sweeper_store = store.clone();
+    actix::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            every.tick().await;
+            sweeper_store.sweep();
+        }
+    });
+    if cfg.api_token.is_none() {
+        tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");
+    }
+    let listen = cfg.listen;
+    let state = web::Data::new(AppState { cfg, store, supervisor, status, registry, agents: AgentRegistry::builtin() });
+    let app_state = state.clone();
+    let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
+        .disable_signals()
+        .shutdown_timeout(5)
+        .bind(listen)?;
+    let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound address"))?;
+    let server = server.run();
+    let handle = server.handle();
+    let done = actix::spawn(server);
+    Ok(Running { addr, server: handle, state, done })
+}
+
+/// Graceful stop: every run in flight gets a terminal event (its gateway run is cancelled), then the
+/// connection and the HTTP server close.
+pub async fn shutdown(running: &Running) {
+    let supervisor = &running.state.supervisor;
+    let cancelled = supervisor.send(ShutdownAll).await.unwrap_or(0);
+    if cancelled > 0 {
+        tracing::info!(cancelled, "shutting down: cancelling runs in flight");
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < deadline {
+        if supervisor.send(InFlight).await.unwrap_or(0) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    supervisor.do_send(Disconnect);
+    running.server.stop(true).await;
+}
+
+/// Runs until SIGINT or SIGTERM, then shuts down gracefully.
+pub async fn run_until_signal(running: Running) -> std::io::Result<()> {
+    wait_for_signal().await;
+    tracing::info!("signal received; shutting down");
+    shutdown(&running).await;
+    match running.done.await {
+        Ok(r) => r,
+        Err(e) => Err(std::io::Error::other(e)),
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+            (Ok(mut int), Ok(mut term)) => {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
