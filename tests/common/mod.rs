@@ -1,0 +1,173 @@
+//! Helpers shared by the integration tests: start clawmux in-process, post runs, read SSE.
+#![allow(dead_code)]
+
+use clawmux::config::{Config, Secret};
+use clawmux::server::{self, Running};
+use futures_util::StreamExt;
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// One parsed SSE event.
+#[derive(Debug, Clone)]
+pub struct SseEvent {
+    /// `id:`.
+    pub id: u64,
+    /// `event:`.
+    pub event: String,
+    /// `data:` as JSON.
+    pub data: Value,
+}
+
+/// Starts clawmux on 127.0.0.1:0 against `gateway_url`; `tweak` adjusts the config first.
+pub async fn start_clawmux(gateway_url: &str, token: Option<&str>, tweak: impl FnOnce(&mut Config)) -> Running {
+    let mut cfg = Config::load(None, &|_| None).expect("default config");
+    cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    cfg.gateway_url = Some(gateway_url.to_owned());
+    cfg.gateway_token = token.map(Secret::new);
+    tweak(&mut cfg);
+    let mut sup = server::supervisor_config(&cfg, gateway_url);
+    sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");
+    server::start(cfg, sup).await.expect("clawmux starts")
+}
+
+/// Starts clawmux with a custom supervisor config tweak too.
+pub async fn start_clawmux_with(
+    gateway_url: &str,
+    token: Option<&str>,
+    tweak: impl FnOnce(&mut Config),
+    tweak_sup: impl FnOnce(&mut clawmux_actors::SupervisorConfig),
+) -> Running {
+    let mut cfg = Config::load(None, &|_| None).expect("default config");
+    cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    cfg.gateway_url = Some(gateway_url.to_owned());
+    cfg.gateway_token = token.map(Secret::new);
+    tweak(&mut cfg);
+    let mut sup = server::supervisor_config(&cfg, gateway_url);
+    sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");
+    tweak_sup(&mut sup);
+    server::start(cfg, sup).await.expect("clawmux starts")
+}
+
+/// Base URL of a running clawmux.
+pub fn base(running: &Running) -> String {
+    format!("http://{}", running.addr)
+}
+
+/// Waits until `/readyz` answers 200 (bounded).
+pub async fn wait_ready(client: &reqwest::Client, base: &str, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
+            if r.status() == 200 {
+                return;
+            }
+        }
+        assert!(tokio::time::Instant::now() < deadline, "clawmux did not become ready within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Parses SSE text into events (comment lines ignored).
+pub fn parse_sse(text: &str) -> Vec<SseEvent> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut id = None;
+        let mut event = None;
+        let mut data = String::new();
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("id:") {
+                id = v.trim().parse().ok();
+            } else if let Some(v) = line.strip_prefix("event:") {
+                event = Some(v.trim().to_owned());
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.strip_prefix(' ').unwrap_or(v));
+            }
+        }
+        if let (Some(id), Some(event)) = (id, event) {
+            out.push(SseEvent { id, event, data: serde_json::from_str(&data).unwrap_or(Value::Null) });
+        }
+    }
+    out
+}
+
+/// An SSE stream being read incrementally.
+pub struct SseReader {
+    /// The response body stream.
+    stream: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
+    buf: String,
+    /// Events read so far.
+    pub events: Vec<SseEvent>,
+}
+
+impl SseReader {
+    /// Wraps a response.
+    pub fn new(resp: reqwest::Response) -> Self {
+        Self { stream: Box::pin(resp.bytes_stream()), buf: String::new(), events: Vec::new() }
+    }
+
+    /// Reads until an event satisfies `pred` (returns it) or the stream ends / `within` passes.
+    pub async fn until(&mut self, within: Duration, pred: impl Fn(&SseEvent) -> bool) -> Option<SseEvent> {
+        if let Some(e) = self.events.iter().find(|e| pred(e)) {
+            return Some(e.clone());
+        }
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let chunk = tokio::time::timeout_at(deadline, self.stream.next()).await.ok()??.ok()?;
+            self.buf.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(pos) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..pos + 2).collect();
+                for ev in parse_sse(&block) {
+                    let hit = pred(&ev);
+                    self.events.push(ev.clone());
+                    if hit {
+                        return Some(ev);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads to the terminal event.
+    pub async fn terminal(&mut self, within: Duration) -> Option<SseEvent> {
+        self.until(within, |e| e.event == "final" || e.event == "error").await
+    }
+
+    /// Concatenated `text_delta` texts.
+    pub fn text(&self) -> String {
+        self.events.iter().filter(|e| e.event == "text_delta").filter_map(|e| e.data["text"].as_str()).collect()
+    }
+}
+
+/// Posts a run asking for SSE.
+pub async fn post_sse(client: &reqwest::Client, base: &str, body: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut req = client.post(format!("{base}/v1/runs")).header("accept", "text/event-stream").json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.expect("POST /v1/runs")
+}
+
+/// Posts a run and waits for its document (JSON mode).
+pub async fn post_json(client: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
+    let r = client.post(format!("{base}/v1/runs")).json(body).send().await.expect("POST /v1/runs");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Reads `/metrics` and returns the value of the first sample whose line starts with `prefix`
+/// (summed over every matching line).
+pub async fn metric(client: &reqwest::Client, base: &str, prefix: &str) -> f64 {
+    let text = client.get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("metrics body");
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A fresh 32-hex trace id and its traceparent.
+pub fn new_traceparent() -> (String, String) {
+    let trace = uuid::Uuid::new_v4().simple().to_string();
+    let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    (trace.clone(), format!("00-{trace}-{span}-01"))
+}

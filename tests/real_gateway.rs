@@ -1,0 +1,247 @@
+//! clawmux against the REAL OpenClaw gateway (openclaw@2026.9.6 on Node 24, a fake LLM of ours).
+//!
+//! `tests/run.sh` installs both, starts them with `tests/support/gateway.sh`, runs this binary with
+//! `CLAWMUX_REAL_GATEWAY_ENV=<run dir>/env` and `--test-threads=1`, and stops them by PID.
+//! Without that variable these tests say so and return, unless `CLAWMUX_REQUIRE_REAL_GATEWAY=1`
+//! (set by `tests/run.sh` and CI), in which case they fail.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The running real gateway, from `RUN_DIR/env`.
+struct Gateway {
+    url: String,
+    token: String,
+    llm_log: String,
+    run_dir: String,
+}
+
+fn gateway() -> Option<Gateway> {
+    let Ok(path) = std::env::var("CLAWMUX_REAL_GATEWAY_ENV") else {
+        assert!(
+            std::env::var("CLAWMUX_REQUIRE_REAL_GATEWAY").as_deref() != Ok("1"),
+            "CLAWMUX_REQUIRE_REAL_GATEWAY=1 but CLAWMUX_REAL_GATEWAY_ENV is not set: run tests/run.sh"
+        );
+        eprintln!("real gateway not started (run tests/run.sh); skipping");
+        return None;
+    };
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    let env: HashMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
+    let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("{path} lacks {k}")).to_string();
+    Some(Gateway { url: get("GATEWAY_URL"), token: get("GATEWAY_TOKEN"), llm_log: get("LLM_LOG"), run_dir: get("RUN_DIR") })
+}
+
+/// Lines of the fake LLM's request log.
+fn llm_log(g: &Gateway) -> Vec<Value> {
+    std::fs::read_to_string(&g.llm_log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// LLM requests whose echoed user line contains `marker`.
+fn llm_requests_for(g: &Gateway, marker: &str) -> Vec<Value> {
+    llm_log(g).into_iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains(marker))).collect()
+}
+
+/// Waits (bounded) until the LLM stream of the request carrying `marker` ended; returns `completed`.
+async fn llm_stream_end(g: &Gateway, marker: &str, within: Duration) -> Option<bool> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let ids: Vec<String> = llm_requests_for(g, marker).iter().filter_map(|e| e["id"].as_str().map(str::to_owned)).collect();
+        let end = llm_log(g).into_iter().find(|e| e["event"] == "stream_end" && e["id"].as_str().is_some_and(|id| ids.iter().any(|i| i == id)));
+        if let Some(end) = end {
+            return end["completed"].as_bool();
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().expect("client")
+}
+
+#[actix_rt::test]
+async fn eight_concurrent_runs_from_four_accounts_each_get_only_their_own_text_model_and_trace() {
+    let Some(g) = gateway() else { return };
+    let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
+    let base = base(&running);
+    let c = client();
+    wait_ready(&c, &base, Duration::from_secs(30)).await;
+
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let mut runs = Vec::new();
+    for i in 0..8 {
+        let account = format!("acct-{}", i % 4);
+        let marker = format!("ISO{tag}R{i}X");
+        let model = if i % 2 == 0 { "cogni/fake-model" } else { "cogni/fake-model-b" };
+        let (trace_id, traceparent) = new_traceparent();
+        let body = json!({"message": format!("isolation check {marker}"), "billingAccountId": account, "model": model});
+        let c = c.clone();
+        let base = base.clone();
+        runs.push(tokio::spawn(async move {
+            let resp = post_sse(&c, &base, &body, &[("traceparent", traceparent.as_str())]).await;
+            assert_eq!(resp.status(), 200);
+            let mut sse = SseReader::new(resp);
+            let terminal = sse.terminal(Duration::from_secs(90)).await.expect("terminal event");
+            (i, marker, model, trace_id, terminal, sse.text(), sse.events.clone())
+        }));
+    }
+    let mut results = Vec::new();
+    for r in runs {
+        results.push(r.await.expect("run task"));
+    }
+    let markers: Vec<String> = results.iter().map(|r| r.1.clone()).collect();
+    for (i, marker, model, trace_id, terminal, text, events) in &results {
+        assert_eq!(terminal.event, "final", "run {i} ended with {terminal:?}");
+        let content = terminal.data["content"].as_str().expect("content");
+        assert!(content.contains(marker.as_str()), "run {i}: own marker missing from {content:?}");
+        assert!(text.contains(marker.as_str()), "run {i}: own marker missing from streamed text {text:?}");
+        assert!(content.starts_with(text.as_str()), "run {i}: deltas {text:?} are not a prefix of {content:?}");
+        for other in markers.iter().filter(|m| *m != marker) {
+            assert!(!content.contains(other.as_str()) && !text.contains(other.as_str()), "run {i} received {other}'s text");
+            for e in events {
+                assert!(!e.data.to_string().contains(other.as_str()), "run {i} got an event of {other}: {e:?}");
+            }
+        }
+        // The model override reached the LLM, and only this run's requests carry its marker.
+        let short_model = model.trim_start_matches("cogni/");
+        assert!(content.contains(&format!("model={short_model} ")), "run {i}: expected model {short_model} in {content:?}");
+        let reqs = llm_requests_for(&g, marker);
+        assert!(!reqs.is_empty(), "run {i}: the LLM never saw {marker}");
+        for r in &reqs {
+            assert_eq!(r["model"], short_model, "run {i}: LLM request with the wrong model");
+            let tp = r["headers"]["traceparent"].as_str().expect("traceparent header reaches the LLM");
+            assert_eq!(tp.split('-').nth(1), Some(trace_id.as_str()), "run {i}: trace id did not reach the LLM");
+        }
+        let accepted = events.iter().find(|e| e.event == "accepted").expect("accepted event");
+        assert_eq!(accepted.id, 1, "accepted comes first");
+    }
+    clawmux::server::shutdown(&running).await;
+}
+
+/// Starts a SLOW run, waits for its first text, then stops it with `stop`; the LLM stream must end
+/// incomplete (the gateway really cancelled the run).
+async fn slow_run_is_cancelled_by(stop: &str) {
+    let Some(g) = gateway() else { return };
+    let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
+    let base = base(&running);
+    let c = client();
+    wait_ready(&c, &base, Duration::from_secs(30)).await;
+    let marker = format!("CANCEL{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let run_id = format!("run-{marker}").to_lowercase();
+    let body = json!({"message": format!("please go SLOW {marker}"), "billingAccountId": "acct-cancel", "runId": run_id});
+    let resp = post_sse(&c, &base, &body, &[]).await;
+    let mut sse = SseReader::new(resp);
+    sse.until(Duration::from_secs(60), |e| e.event == "text_delta").await.expect("the slow run streams");
+    match stop {
+        "abort" => {
+            let r = c.post(format!("{base}/v1/runs/{run_id}/abort")).send().await.expect("abort");
+            assert_eq!(r.status(), 202);
+            assert_eq!(r.json::<Value>().await.expect("json")["aborted"], true);
+            let t = sse.terminal(Duration::from_secs(30)).await.expect("terminal after abort");
+            assert_eq!(t.event, "error");
+            assert_eq!(t.data["code"], "aborted");
+        }
+        "disconnect" => drop(sse),
+        other => panic!("unknown stop {other}"),
+    }
+    let completed = llm_stream_end(&g, &marker, Duration::from_secs(20)).await;
+    assert_eq!(completed, Some(false), "the LLM stream must be cut short, not run to its end");
+    // The run document says so too.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let doc: Value = c.get(format!("{base}/v1/runs/{run_id}")).send().await.expect("get").json().await.expect("doc");
+        if doc["status"] != "running" {
+            assert_eq!(doc["status"], "aborted", "{doc}");
+            assert_eq!(doc["error"]["code"], "aborted");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "run still running: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    clawmux::server::shutdown(&running).await;
+}
+
+#[actix_rt::test]
+async fn abort_stops_the_llm_stream() {
+    slow_run_is_cancelled_by("abort").await;
+}
+
+#[actix_rt::test]
+async fn client_disconnect_stops_the_llm_stream() {
+    slow_run_is_cancelled_by("disconnect").await;
+}
+
+#[actix_rt::test]
+async fn a_wrong_gateway_token_makes_readyz_503_with_a_reason() {
+    let Some(g) = gateway() else { return };
+    let running = start_clawmux(&g.url, Some("not-the-token"), |_| {}).await;
+    let base = base(&running);
+    let c = client();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = c.get(format!("{base}/readyz")).send().await.expect("readyz");
+        assert_eq!(r.status(), 503);
+        let body: Value = r.json().await.expect("json");
+        let reason = body["reason"].as_str().unwrap_or_default().to_owned();
+        if reason.contains("token") {
+            assert!(reason.contains("CLAWMUX_GATEWAY_TOKEN"), "{reason}");
+            assert!(!reason.contains(&g.token) && !reason.contains("not-the-token"), "the reason must not echo tokens");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no token reason in time: {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // And runs are refused with 503 rather than hanging.
+    let (status, body) = post_json(&c, &base, &json!({"message": "hi", "billingAccountId": "a"})).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "gateway_unavailable");
+    clawmux::server::shutdown(&running).await;
+}
+
+#[actix_rt::test]
+async fn killing_the_gateway_mid_run_ends_every_run_and_new_runs_succeed_after_reconnect() {
+    let Some(g) = gateway() else { return };
+    let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
+    let base = base(&running);
+    let c = client();
+    wait_ready(&c, &base, Duration::from_secs(30)).await;
+    let tag = &uuid::Uuid::new_v4().simple().to_string()[..8];
+    let mut readers = Vec::new();
+    for i in 0..3 {
+        let body = json!({"message": format!("SLOW restart {tag}-{i}"), "billingAccountId": format!("acct-r{i}")});
+        let resp = post_sse(&c, &base, &body, &[]).await;
+        let mut sse = SseReader::new(resp);
+        sse.until(Duration::from_secs(60), |e| e.event == "text_delta").await.expect("streaming before the restart");
+        readers.push(sse);
+    }
+    let out = std::process::Command::new("bash")
+        .args([concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/gateway.sh"), "restart-gateway", &g.run_dir])
+        .output()
+        .expect("gateway.sh runs");
+    assert!(out.status.success(), "restart failed: {}", String::from_utf8_lossy(&out.stderr));
+    for (i, sse) in readers.iter_mut().enumerate() {
+        let t = sse.terminal(Duration::from_secs(60)).await.unwrap_or_else(|| panic!("run {i} hangs after the restart"));
+        // The gateway restarted: the runs were lost with it and must say so (or, had they survived,
+        // finish normally).
+        assert!(t.event == "error" && t.data["code"] == "gateway_disconnected" || t.event == "final", "run {i}: {t:?}");
+    }
+    wait_ready(&c, &base, Duration::from_secs(60)).await;
+    let marker = format!("AFTER{tag}");
+    let (status, doc) = post_json(&c, &base, &json!({"message": format!("after restart {marker}"), "billingAccountId": "acct-r"})).await;
+    assert_eq!(status, 200, "{doc}");
+    assert_eq!(doc["status"], "ok", "{doc}");
+    assert!(doc["content"].as_str().unwrap_or_default().contains(&marker), "{doc}");
+    let reconnects = metric(&c, &base, "clawmux_gateway_connects_total{outcome=\"ok\"}").await;
+    assert!(reconnects >= 2.0, "expected a reconnect, saw {reconnects} connects");
+    clawmux::server::shutdown(&running).await;
+}
