@@ -1,0 +1,432 @@
+//! The methods a multiplexer calls, answered like the real gateway answers them.
+//!
+//! Order of checks, as on the gateway: unknown method, then scope, then the closed params schema,
+//! then the method's own rules. Every answer is queued on the caller's connection; methods that
+//! wait (`agent.wait`) run in their own task so the socket keeps reading.
+
+use super::cassette::{recorded_request_epoch_ms, track_index_for_message, RunContext};
+use super::run::{self, answer_abort, RunPlan};
+use super::schema::{self, Field, Wording};
+use super::state::{now_ms, wait_true, AbortKind, AbortRequest, ConnKey, RunEntry, RunRecord, RunStatus, Shared};
+use clawmux_protocol::frame::{encode_response, RequestFrame};
+use clawmux_protocol::methods::{name, AgentParams, AgentWaitParams, ChatAbortParams, SessionKeyParams, SessionsPatchParams};
+use clawmux_protocol::{ErrorShape, SessionKey};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+/// Every method this gateway implements (`hello-ok.features.methods`).
+pub(crate) const METHODS: [&str; 9] = [
+    name::HEALTH,
+    name::SESSIONS_PATCH,
+    name::SESSIONS_SUBSCRIBE,
+    name::SESSIONS_UNSUBSCRIBE,
+    name::AGENT,
+    name::AGENT_WAIT,
+    name::CHAT_ABORT,
+    name::SESSIONS_ABORT,
+    name::CHAT_HISTORY,
+];
+
+/// Default `agent.wait` timeout of the gateway.
+const AGENT_WAIT_DEFAULT_MS: u64 = 30_000;
+
+/// Queues a `res` for a connection.
+pub(crate) fn respond(shared: &Shared, conn: ConnKey, id: &str, result: Result<Value, ErrorShape>) {
+    let text = match &result {
+        Ok(v) => encode_response(id, Ok(v)),
+        Err(e) => encode_response(id, Err(e)),
+    };
+    if let Ok(text) = text {
+        shared.lock().send_to(conn, text);
+    }
+}
+
+/// `INVALID_REQUEST` with a message.
+pub(crate) fn invalid(message: impl Into<String>) -> ErrorShape {
+    ErrorShape::new("INVALID_REQUEST", message)
+}
+
+/// The scope a method needs on this protocol (`None`: no check, like `health`).
+fn required_scope(method: &str, protocol: u32) -> Option<&'static str> {
+    match method {
+        name::HEALTH => None,
+        name::SESSIONS_PATCH if protocol == 3 => Some("operator.admin"),
+        name::SESSIONS_PATCH | name::AGENT | name::AGENT_WAIT | name::CHAT_ABORT | name::SESSIONS_ABORT => Some("operator.write"),
+        _ => Some("operator.read"),
+    }
+}
+
+/// The missing-scope error: protocol 4 `FORBIDDEN` with details, protocol 3 plain `INVALID_REQUEST`.
+fn missing_scope(scope: &str, protocol: u32) -> ErrorShape {
+    let message = format!("missing scope: {scope}");
+    if protocol == 3 {
+        return invalid(message);
+    }
+    let mut e = ErrorShape::new("FORBIDDEN", message);
+    e.details = Some(json!({"code": "MISSING_SCOPE", "missingScope": scope, "requiredScopes": [scope]}));
+    e
+}
+
+/// Schema check (gateway wording), then decoding with the protocol crate's closed type.
+fn params<T: DeserializeOwned>(method: &str, raw: &Value, fields: &[Field], protocol: u32) -> Result<T, ErrorShape> {
+    let wording = if protocol == 3 { Wording::V3 } else { Wording::V4 };
+    schema::check(raw, fields, wording).map_err(|e| invalid(format!("invalid {method} params: {e}")))?;
+    serde_json::from_value(raw.clone()).map_err(|e| invalid(format!("invalid {method} params: {e}")))
+}
+
+/// Handles one request of a handshaken connection.
+pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, raw_params: Value) {
+    let protocol = shared.protocol();
+    if !METHODS.contains(&req.method.as_str()) {
+        return respond(shared, conn, &req.id, Err(invalid(format!("unknown method: {}", req.method))));
+    }
+    if let Some(scope) = required_scope(&req.method, protocol) {
+        let allowed = shared.lock().conns.get(&conn).is_some_and(|c| c.scopes.allows(scope));
+        if !allowed {
+            return respond(shared, conn, &req.id, Err(missing_scope(scope, protocol)));
+        }
+    }
+    let result = match req.method.as_str() {
+        name::HEALTH => Ok(json!({"ok": true, "ts": now_ms()})),
+        name::SESSIONS_PATCH => sessions_patch(shared, &raw_params),
+        name::SESSIONS_SUBSCRIBE | name::SESSIONS_UNSUBSCRIBE => subscribe(shared, conn, &req.method, &raw_params),
+        name::CHAT_HISTORY => chat_history(shared, &raw_params),
+        name::AGENT => return agent(shared, conn, &req, &raw_params),
+        name::AGENT_WAIT => return agent_wait(shared, conn, req.id, &raw_params),
+        name::CHAT_ABORT | name::SESSIONS_ABORT => return abort(shared, conn, &req, &raw_params),
+        _ => Err(invalid(format!("unknown method: {}", req.method))),
+    };
+    respond(shared, conn, &req.id, result);
+}
+
+/// Resolves a model name against the allowed list: `provider/model` exactly, or a bare model id
+/// that names exactly one allowed model.
+fn resolve_model(models: &[String], wanted: &str) -> Option<String> {
+    if models.iter().any(|m| m == wanted) {
+        return Some(wanted.to_owned());
+    }
+    let mut by_id = models.iter().filter(|m| m.split_once('/').is_some_and(|(_, id)| id == wanted));
+    match (by_id.next(), by_id.next()) {
+        (Some(m), None) => Some(m.clone()),
+        _ => None,
+    }
+}
+
+fn split_model(model: &str) -> (&str, &str) {
+    model.split_once('/').unwrap_or(("", model))
+}
+
+fn sessions_patch(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
+    let protocol = shared.protocol();
+    let fields = if shared.cfg.accept_outbound_headers { schema::SESSIONS_PATCH_FORK } else { schema::SESSIONS_PATCH };
+    let p: SessionsPatchParams = params(name::SESSIONS_PATCH, raw, fields, protocol)?;
+    let key = SessionKey::canonicalize(&p.key).as_str().to_owned();
+    // `null` clears a setting; absence leaves it (the protocol type cannot tell them apart).
+    let model_change = match raw.get("model") {
+        None => None,
+        Some(Value::Null) => Some(None),
+        Some(_) => {
+            let wanted = p.model.unwrap_or_default();
+            let resolved = resolve_model(&shared.cfg.models, &wanted).ok_or_else(|| invalid(format!("model not allowed: {wanted}")))?;
+            Some(Some(resolved))
+        }
+    };
+    let default_model = shared.cfg.models.first().cloned().unwrap_or_default();
+    let mut st = shared.lock();
+    let session = st.session_mut(&key);
+    if let Some(change) = model_change {
+        session.model_override = change;
+    }
+    match raw.get("outboundHeaders") {
+        Some(Value::Null) => session.outbound_headers.clear(),
+        Some(_) => session.outbound_headers = p.outbound_headers.unwrap_or_default(),
+        None => {}
+    }
+    session.updated_at = now_ms();
+    let effective = session.model_override.clone().unwrap_or_else(|| default_model.clone());
+    let (provider, model) = split_model(&effective);
+    let mut entry = json!({"sessionId": session.session_id, "updatedAt": session.updated_at});
+    if protocol >= 4 {
+        entry["createdAt"] = json!(session.created_at);
+        entry["createdVia"] = json!("operator");
+    }
+    // 2026.9.x reports any override; 2026.4.x only one that differs from the default model.
+    if let Some(ov) = &session.model_override {
+        if protocol >= 4 || *ov != default_model {
+            let (op, om) = split_model(ov);
+            entry["providerOverride"] = json!(op);
+            entry["modelOverride"] = json!(om);
+            if protocol >= 4 {
+                entry["modelOverrideSource"] = json!("user");
+            }
+        }
+    }
+    if shared.cfg.accept_outbound_headers && !session.outbound_headers.is_empty() {
+        entry["outboundHeaders"] = json!(session.outbound_headers);
+    }
+    Ok(json!({
+        "ok": true,
+        "path": "replay://sessions",
+        "key": key,
+        "entry": entry,
+        "resolved": {"modelProvider": provider, "model": model},
+    }))
+}
+
+fn subscribe(shared: &Shared, conn: ConnKey, method: &str, raw: &Value) -> Result<Value, ErrorShape> {
+    let p: SessionKeyParams = params(method, raw, schema::SESSION_KEY, shared.protocol())?;
+    let key = SessionKey::canonicalize(&p.key).as_str().to_owned();
+    let subscribing = method == name::SESSIONS_SUBSCRIBE;
+    let mut st = shared.lock();
+    if let Some(c) = st.conns.get_mut(&conn) {
+        if subscribing {
+            c.subscriptions.insert(key.clone());
+        } else {
+            c.subscriptions.remove(&key);
+        }
+    }
+    Ok(json!({"subscribed": subscribing, "key": key}))
+}
+
+fn chat_history(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
+    let wording = if shared.protocol() == 3 { Wording::V3 } else { Wording::V4 };
+    schema::check(raw, schema::CHAT_HISTORY, wording).map_err(|e| invalid(format!("invalid chat.history params: {e}")))?;
+    let key = SessionKey::canonicalize(raw.get("sessionKey").and_then(Value::as_str).unwrap_or_default()).as_str().to_owned();
+    let limit = raw.get("limit").and_then(Value::as_u64).unwrap_or(200).min(1000) as usize;
+    let st = shared.lock();
+    let Some(session) = st.sessions.get(&key) else {
+        return Ok(json!({"sessionKey": key, "messages": []}));
+    };
+    let skip = session.transcript.len().saturating_sub(limit);
+    Ok(json!({"sessionKey": key, "sessionId": session.session_id, "messages": session.transcript[skip..]}))
+}
+
+fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
+    let protocol = shared.protocol();
+    let p: AgentParams = match params(name::AGENT, raw, schema::AGENT, protocol) {
+        Ok(p) => p,
+        Err(e) => return respond(shared, conn, &req.id, Err(e)),
+    };
+    let session_key = SessionKey::canonicalize(&p.session_key).as_str().to_owned();
+    let run_id = p.idempotency_key.clone();
+    let requested_at = tokio::time::Instant::now();
+
+    let (plan_parts, abort_rx) = {
+        let mut st = shared.lock();
+        // Dedupe: a repeated idempotency key gets ONE res: the cached final, or while the run is
+        // in flight the cached ACK. No events are replayed again.
+        if let Some(existing) = st.runs.get(&run_id) {
+            let cached = existing.final_payload.clone().unwrap_or_else(|| existing.ack.clone());
+            drop(st);
+            return respond(shared, conn, &req.id, Ok(cached));
+        }
+        let track_idx = match track_index_for_message(&shared.tracks, &p.message) {
+            Some(i) => i,
+            None => {
+                let i = st.round_robin % shared.tracks.len().max(1);
+                st.round_robin = st.round_robin.wrapping_add(1);
+                i
+            }
+        };
+        let Some(track) = shared.tracks.get(track_idx) else {
+            drop(st);
+            return respond(shared, conn, &req.id, Err(ErrorShape::new("UNAVAILABLE", "replay gateway has no tracks")));
+        };
+        let default_model = shared.cfg.models.first().cloned().unwrap_or_default();
+        let conn_id = st.conns.get(&conn).map(|c| c.conn_id.clone()).unwrap_or_default();
+        let session = st.session_mut(&session_key);
+        let model_override = session.model_override.clone();
+        let model = model_override.clone().unwrap_or(default_model);
+        let session_id = session.session_id.clone();
+        let outbound_headers = session.outbound_headers.clone();
+        session.transcript.push(json!({
+            "role": "user", "content": p.message, "timestamp": now_ms(),
+            "idempotencyKey": format!("{run_id}:user"),
+        }));
+        let rendered = track.render(&RunContext {
+            session_key: &session_key,
+            run_id: &run_id,
+            session_id: &session_id,
+            message: &p.message,
+            model: &model,
+        });
+        let mut ack = rendered.ack.clone();
+        if let Some(obj) = ack.as_object_mut() {
+            if obj.contains_key("agentId") {
+                obj.insert("agentId".to_owned(), json!(p.agent_id));
+            }
+            if obj.contains_key("acceptedAt") {
+                obj.insert("acceptedAt".to_owned(), json!(now_ms()));
+            }
+        }
+        let (done_tx, done_rx) = watch::channel(false);
+        let prev = session.tail.replace(done_rx);
+        let (abort_tx, abort_rx) = if protocol >= 4 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        st.records.push(RunRecord {
+            run_id: run_id.clone(),
+            session_key: session_key.clone(),
+            message: p.message.clone(),
+            model,
+            model_override,
+            outbound_headers,
+            traceparent: req.traceparent.clone(),
+            extra_system_prompt: p.extra_system_prompt.clone(),
+            timeout_s: p.timeout,
+            track: track.name.clone(),
+            conn_id,
+            status: RunStatus::Queued,
+            aborted: false,
+        });
+        let record = st.records.len() - 1;
+        st.runs.insert(
+            run_id.clone(),
+            RunEntry {
+                record,
+                session_key: session_key.clone(),
+                ack: ack.clone(),
+                final_payload: None,
+                abort_tx,
+                playing: false,
+                wait_extras: serde_json::Map::new(),
+                ended_at: None,
+                started_at: None,
+                task: None,
+            },
+        );
+        let mut rendered = rendered;
+        rendered.ack = ack;
+        ((rendered, session_id, prev, done_tx, recorded_request_epoch_ms(track)), abort_rx)
+    };
+    let (rendered, session_id, prev, done, recorded_epoch_ms) = plan_parts;
+    let plan = RunPlan {
+        run_id: run_id.clone(),
+        session_key,
+        session_id,
+        agent_id: p.agent_id,
+        requester: conn,
+        request_id: req.id.clone(),
+        rendered,
+        recorded_epoch_ms,
+        requested_at,
+        prev,
+        done,
+        aborts: abort_rx,
+    };
+    let task = tokio::spawn(run::play(Arc::clone(shared), plan));
+    if let Some(run) = shared.lock().runs.get_mut(&run_id) {
+        run.task = Some(task.abort_handle());
+    }
+}
+
+fn agent_wait(shared: &Arc<Shared>, conn: ConnKey, id: String, raw: &Value) {
+    let p: AgentWaitParams = match params(name::AGENT_WAIT, raw, schema::AGENT_WAIT, shared.protocol()) {
+        Ok(p) => p,
+        Err(e) => return respond(shared, conn, &id, Err(e)),
+    };
+    let shared = Arc::clone(shared);
+    tokio::spawn(async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(p.timeout_ms.unwrap_or(AGENT_WAIT_DEFAULT_MS));
+        let mut changed = shared.runs_changed.subscribe();
+        let mut stopping = shared.stopping.subscribe();
+        loop {
+            let terminal = {
+                let st = shared.lock();
+                st.runs.get(&p.run_id).and_then(|r| {
+                    let fin = r.final_payload.as_ref()?;
+                    let mut out = serde_json::Map::new();
+                    out.insert("runId".to_owned(), json!(p.run_id));
+                    out.insert("status".to_owned(), fin.get("status").cloned().unwrap_or(json!("ok")));
+                    if let Some(e) = r.ended_at {
+                        out.insert("endedAt".to_owned(), json!(e));
+                    }
+                    for (k, v) in &r.wait_extras {
+                        out.insert(k.clone(), v.clone());
+                    }
+                    Some(Value::Object(out))
+                })
+            };
+            if let Some(t) = terminal {
+                return respond(&shared, conn, &id, Ok(t));
+            }
+            // Still running, or unknown (e.g. forgotten by a restart): wait, then `timeout`.
+            tokio::select! {
+                r = changed.changed() => if r.is_err() { return; },
+                _ = tokio::time::sleep_until(deadline) => {
+                    return respond(&shared, conn, &id, Ok(json!({"runId": p.run_id, "status": "timeout"})));
+                }
+                _ = wait_true(&mut stopping) => return,
+            }
+        }
+    });
+}
+
+fn abort(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
+    let protocol = shared.protocol();
+    let (kind, session_key, run_id) = if req.method == name::CHAT_ABORT {
+        match params::<ChatAbortParams>(name::CHAT_ABORT, raw, schema::CHAT_ABORT, protocol) {
+            Ok(p) => (AbortKind::Chat, p.session_key, p.run_id.filter(|r| !r.is_empty())),
+            Err(e) => return respond(shared, conn, &req.id, Err(e)),
+        }
+    } else {
+        match params::<SessionKeyParams>(name::SESSIONS_ABORT, raw, schema::SESSION_KEY, protocol) {
+            Ok(p) => (AbortKind::Session, p.key, None),
+            Err(e) => return respond(shared, conn, &req.id, Err(e)),
+        }
+    };
+    let request = AbortRequest { conn, request_id: req.id.clone(), kind };
+    // Protocol 3 cannot abort `agent` runs (only `chat.send` ones, which this gateway lacks).
+    if protocol == 3 {
+        return answer_abort(shared, &request, kind.nothing());
+    }
+    let key = SessionKey::canonicalize(&session_key).as_str().to_owned();
+    let st = shared.lock();
+    let target = match &run_id {
+        Some(id) => st.runs.get(id).filter(|r| r.session_key == key && r.abort_tx.is_some()).map(|_| id.clone()),
+        None => st.active_run_of(&key),
+    };
+    let sender = target.and_then(|id| st.runs.get(&id)).and_then(|r| r.abort_tx.clone());
+    drop(st);
+    match sender {
+        // The run task answers, between its lifecycle `end` and `error` events.
+        Some(tx) => {
+            if let Err(mpsc::error::SendError(request)) = tx.send(request) {
+                answer_abort(shared, &request, kind.nothing());
+            }
+        }
+        None => answer_abort(shared, &request, kind.nothing()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn models_resolve_by_full_name_or_unique_id() {
+        let models = vec!["cogni/fake-model".to_owned(), "cogni/fake-model-b".to_owned(), "other/fake-model-b".to_owned()];
+        assert_eq!(resolve_model(&models, "cogni/fake-model").as_deref(), Some("cogni/fake-model"));
+        assert_eq!(resolve_model(&models, "fake-model").as_deref(), Some("cogni/fake-model"));
+        assert_eq!(resolve_model(&models, "fake-model-b"), None);
+        assert_eq!(resolve_model(&models, "gpt-9"), None);
+    }
+
+    #[test]
+    fn scopes_per_protocol() {
+        assert_eq!(required_scope(name::SESSIONS_PATCH, 4), Some("operator.write"));
+        assert_eq!(required_scope(name::SESSIONS_PATCH, 3), Some("operator.admin"));
+        assert_eq!(required_scope(name::HEALTH, 4), None);
+        assert_eq!(required_scope(name::CHAT_HISTORY, 4), Some("operator.read"));
+        let e = missing_scope("operator.write", 4);
+        assert_eq!((e.code.as_str(), e.detail_code()), ("FORBIDDEN", Some("MISSING_SCOPE")));
+        let e = missing_scope("operator.admin", 3);
+        assert_eq!((e.code.as_str(), e.message.as_str(), e.details.is_none()), ("INVALID_REQUEST", "missing scope: operator.admin", true));
+    }
+}
