@@ -16,6 +16,7 @@
 
 pub mod agents;
 pub mod api;
+pub mod cli;
 
 pub mod config;
 pub mod replay;

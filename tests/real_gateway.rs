@@ -70,7 +70,7 @@ fn client() -> reqwest::Client {
 }
 
 #[actix_rt::test]
-async fn real_eight_concurrent_runs_from_four_accounts_each_get_only_their_own_text_model_and_trace() {
+async fn live_eight_concurrent_runs_from_four_accounts_each_get_only_their_own_text_model_and_trace() {
     let Some(g) = gateway() else { return };
     let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
     let base = base(&running);
@@ -172,17 +172,17 @@ async fn slow_run_is_cancelled_by(stop: &str) {
 }
 
 #[actix_rt::test]
-async fn real_abort_stops_the_llm_stream() {
+async fn live_abort_stops_the_llm_stream() {
     slow_run_is_cancelled_by("abort").await;
 }
 
 #[actix_rt::test]
-async fn real_client_disconnect_stops_the_llm_stream() {
+async fn live_client_disconnect_stops_the_llm_stream() {
     slow_run_is_cancelled_by("disconnect").await;
 }
 
 #[actix_rt::test]
-async fn real_wrong_gateway_token_makes_readyz_503_with_a_reason() {
+async fn live_wrong_gateway_token_makes_readyz_503_with_a_reason() {
     let Some(g) = gateway() else { return };
     let running = start_clawmux(&g.url, Some("not-the-token"), |_| {}).await;
     let base = base(&running);
@@ -209,7 +209,7 @@ async fn real_wrong_gateway_token_makes_readyz_503_with_a_reason() {
 }
 
 #[actix_rt::test]
-async fn real_killing_the_gateway_mid_run_ends_every_run_and_new_runs_succeed_after_reconnect() {
+async fn live_killing_the_gateway_mid_run_ends_every_run_and_new_runs_succeed_after_reconnect() {
     let Some(g) = gateway() else { return };
     let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
     let base = base(&running);

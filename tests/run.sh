@@ -23,7 +23,7 @@ cargo build --workspace --all-targets --locked
 
 say "unit and replay-gateway tests"
 # shellcheck disable=SC2086
-cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip real_
+cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
@@ -31,4 +31,4 @@ cleanup() { tests/support/gateway.sh stop "$RUN_DIR" >/dev/null 2>&1 || true; rm
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
 CLAWMUX_REAL_GATEWAY_ENV="$RUN_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
-  cargo test --locked --test real_gateway -- --test-threads=1 real_
+  cargo test --locked --test real_gateway -- --test-threads=1 live_

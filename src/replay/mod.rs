@@ -82,7 +82,7 @@ impl ReplayGateway {
             cfg,
             tracks,
             event_names,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State { boot_id: uuid::Uuid::new_v4().to_string(), ..State::default() }),
             ticks_enabled: AtomicBool::new(true),
             unavailable_connects: AtomicUsize::new(0),
             paused: watch::channel(false).0,
@@ -151,7 +151,8 @@ impl ReplayHandle {
 
     /// Closes every socket abruptly (no close frame), as a crash looks to clients. With
     /// `forget_runs`, runs are also forgotten like by a restarted gateway: in-flight runs stop
-    /// without any further frame, and their ids (and the dedupe cache) are unknown afterwards.
+    /// without any further frame, their ids (and the dedupe cache) are unknown afterwards, and
+    /// the next `hello-ok` carries a new `bootId`.
     /// Without it, runs go on (their frames go nowhere) and `agent.wait` still knows them.
     pub fn drop_connections(&self, forget_runs: bool) {
         let mut st = self.inner.shared.lock();
@@ -159,6 +160,7 @@ impl ReplayHandle {
             let _ = c.tx.send(Outbound::Drop);
         }
         if forget_runs {
+            st.boot_id = uuid::Uuid::new_v4().to_string();
             let runs: Vec<_> = st.runs.drain().collect();
             for (_, run) in runs {
                 if let Some(task) = &run.task {

@@ -343,6 +343,7 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
     });
     if protocol >= 4 {
         hello["auth"] = json!({"role": "operator", "scopes": granted});
+        hello["server"]["bootId"] = json!(shared.lock().boot_id.clone());
     }
     if let Ok(text) = encode_response(&id, Ok(&hello)) {
         shared.lock().send_to(key, text);

@@ -305,6 +305,9 @@ pub(crate) struct State {
     pub next_conn: ConnKey,
     /// Next track in round-robin order.
     pub round_robin: usize,
+    /// `hello-ok.server.bootId` (protocol 4): a new one after a simulated restart, so clients can
+    /// tell a reconnect to the same process from one to a restarted gateway, as with the real one.
+    pub boot_id: String,
 }
 
 /// State plus the immutable configuration and the lock-free knobs.

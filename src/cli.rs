@@ -1,0 +1,254 @@
+//! The command line: `serve`, `demo`, `replay-gateway`, `doctor`.
+
+use crate::config::{Config, LogFormat};
+use crate::server;
+use clap::{Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// clawmux: one multiplexed connection to an OpenClaw gateway for many concurrent agent runs.
+#[derive(Debug, Parser)]
+#[command(name = "clawmux", version, about)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The service: HTTP API + one multiplexed connection to an OpenClaw gateway.
+    Serve {
+        /// TOML configuration file (the environment wins over it).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// `serve` plus an in-process replay gateway (recorded real chat streams), on 127.0.0.1.
+    Demo {
+        /// TOML configuration file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Replay speed (1.0 = recorded timing).
+        #[arg(long, default_value_t = 1.0)]
+        speed: f64,
+    },
+    /// A stand-alone fake OpenClaw gateway replaying a cassette.
+    ReplayGateway {
+        /// Cassette file (JSON lines); default: the bundled one recorded from openclaw 2026.9.6.
+        #[arg(long)]
+        cassette: Option<PathBuf>,
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:18789")]
+        listen: SocketAddr,
+        /// Replay speed factor (1.0 = recorded timing, 0 = no delays).
+        #[arg(long, default_value_t = 1.0)]
+        speed: f64,
+        /// Protocol to speak (3 or 4).
+        #[arg(long, default_value_t = 4)]
+        protocol: u32,
+        /// Required token (default: read CLAWMUX_REPLAY_TOKEN; none = accept any).
+        #[arg(long, env = "CLAWMUX_REPLAY_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+    },
+    /// Print the effective configuration (secrets redacted) and check the gateway.
+    Doctor {
+        /// TOML configuration file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+/// Process exit codes.
+pub mod exit {
+    /// Success.
+    pub const OK: i32 = 0;
+    /// Runtime failure.
+    pub const FAILURE: i32 = 1;
+    /// Configuration error (one clear line on stderr).
+    pub const CONFIG: i32 = 2;
+}
+
+fn load_config(path: Option<&PathBuf>) -> Result<Config, i32> {
+    Config::load(path.map(PathBuf::as_path), &|k| std::env::var(k).ok()).map_err(|e| {
+        eprintln!("clawmux: configuration error: {e}");
+        exit::CONFIG
+    })
+}
+
+fn init_tracing(cfg: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&cfg.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match cfg.log_format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Runs the command line; returns the exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve { config } => {
+            let cfg = match load_config(config.as_ref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let Some(url) = cfg.gateway_url.clone() else {
+                eprintln!("clawmux: no gateway configured: set CLAWMUX_GATEWAY_URL (e.g. ws://127.0.0.1:18789) or gateway_url in --config");
+                return exit::CONFIG;
+            };
+            init_tracing(&cfg);
+            run_system(async move {
+                let sup = server::supervisor_config(&cfg, &url);
+                let running = server::start(cfg, sup).await?;
+                tracing::info!(addr = %running.addr, gateway = %url, "clawmux listening");
+                server::run_until_signal(running).await
+            })
+        }
+        Command::Demo { config, speed } => {
+            let cfg = match load_config(config.as_ref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            init_tracing(&cfg);
+            run_system(demo(cfg, speed))
+        }
+        Command::ReplayGateway { cassette, listen, speed, protocol, token } => {
+            let cfg = Config::default();
+            init_tracing(&cfg);
+            run_system(async move {
+                let cassette = match cassette {
+                    Some(p) => crate::replay::Cassette::from_path(&p),
+                    None => crate::replay::Cassette::bundled(),
+                }
+                .map_err(std::io::Error::other)?;
+                let mut rc = crate::replay::ReplayConfig::new(cassette).speed(speed).protocol(protocol);
+                if let Some(t) = token {
+                    rc = rc.token(t);
+                }
+                crate::replay::run_standalone(listen, rc).await
+            })
+        }
+        Command::Doctor { config } => {
+            let cfg = match load_config(config.as_ref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            run_system_code(doctor(cfg))
+        }
+    }
+}
+
+fn run_system(fut: impl std::future::Future<Output = std::io::Result<()>> + 'static) -> i32 {
+    match actix_rt::System::new().block_on(fut) {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("clawmux: {e}");
+            exit::FAILURE
+        }
+    }
+}
+
+fn run_system_code(fut: impl std::future::Future<Output = i32> + 'static) -> i32 {
+    actix_rt::System::new().block_on(fut)
+}
+
+async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
+    let cassette = crate::replay::Cassette::bundled().map_err(std::io::Error::other)?;
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    let rc = crate::replay::ReplayConfig::new(cassette).speed(speed).token(token.clone());
+    let gateway = crate::replay::ReplayGateway::start(SocketAddr::from(([127, 0, 0, 1], 0)), rc)?;
+    cfg.gateway_url = Some(gateway.url());
+    cfg.gateway_token = Some(crate::config::Secret::new(token));
+    if !cfg.listen.ip().is_loopback() {
+        cfg.listen = SocketAddr::from(([127, 0, 0, 1], cfg.listen.port()));
+    }
+    let url = gateway.url();
+    let sup = server::supervisor_config(&cfg, &url);
+    let auth = if cfg.api_token.is_some() { " -H \"Authorization: Bearer $CLAWMUX_API_TOKEN\"" } else { "" };
+    let running = server::start(cfg, sup).await?;
+    // Wait (bounded) for the embedded gateway connection so the printed curl works at once.
+    for _ in 0..100 {
+        if running.state.status.read().map(|s| s.connected).unwrap_or(false) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("clawmux demo: API on http://{} , replay gateway on {url}", running.addr);
+    println!("Stream a run (Ctrl-C stops the demo):");
+    println!();
+    println!(
+        "  curl -N{auth} -H 'Accept: text/event-stream' -H 'Content-Type: application/json' \\\n    -d '{{\"message\":\"Hello from the clawmux demo\",\"billingAccountId\":\"demo-account\"}}' \\\n    http://{}/v1/runs",
+        running.addr
+    );
+    println!();
+    server::run_until_signal(running).await
+}
+
+async fn doctor(cfg: Config) -> i32 {
+    println!("clawmux doctor\n\nEffective configuration (environment over file; secrets redacted):");
+    for (k, v) in cfg.describe() {
+        println!("  {k:<30} {v}");
+    }
+    println!();
+    let Some(url) = cfg.gateway_url.clone() else {
+        println!("gateway: NOT CONFIGURED. Fix: set CLAWMUX_GATEWAY_URL to the gateway's ws:// URL.");
+        return exit::CONFIG;
+    };
+    let sup = server::supervisor_config(&cfg, &url);
+    let params = clawmux_protocol::ConnectParams::multiplexer(&sup.client_version, sup.token.clone());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let probe = Probe(tx);
+    let task = actix::spawn(clawmux_actors::connection::run(url.clone(), params, Duration::from_secs(10), probe));
+    let outcome = tokio::time::timeout(Duration::from_secs(15), rx.recv()).await;
+    task.abort();
+    match outcome {
+        Ok(Some(Ok(hello))) => {
+            let scopes = hello.auth.as_ref().map(|a| a.scopes.join(", ")).unwrap_or_else(|| "(not reported: protocol 3)".to_owned());
+            let scoped = hello.features.has_method("sessions.messages.subscribe") && hello.protocol >= 4;
+            println!("gateway: OK ({url})");
+            println!("  protocol                       {}", hello.protocol);
+            println!("  server version                 {}", hello.server.version);
+            println!("  granted scopes                 {scopes}");
+            println!("  delivery                       {}", if scoped { "session-scoped events" } else { "broadcast (fail-closed routing is the only wall)" });
+            println!("  trace id to LLM (attribution)  {}", if hello.protocol >= 4 { "traceparent" } else { "not available on protocol 3" });
+            println!("  outbound headers               {:?} (auto detects on the first run)", cfg.outbound_headers);
+            println!("  tick interval                  {} ms, max payload {} bytes", hello.policy.tick_interval_ms, hello.policy.max_payload);
+            let status = clawmux_actors::GatewayStatus {
+                connected: true,
+                scopes: hello.auth.as_ref().map(|a| a.scopes.clone()),
+                ..Default::default()
+            };
+            match status.ready() {
+                Ok(()) => exit::OK,
+                Err(reason) => {
+                    println!("gateway: NOT READY: {reason}");
+                    exit::FAILURE
+                }
+            }
+        }
+        Ok(Some(Err(reason))) => {
+            println!("gateway: FAILED: {reason}");
+            exit::FAILURE
+        }
+        _ => {
+            println!("gateway: FAILED: no answer from {url} within 15 s");
+            exit::FAILURE
+        }
+    }
+}
+
+struct Probe(tokio::sync::mpsc::UnboundedSender<Result<Box<clawmux_protocol::HelloOk>, String>>);
+
+impl clawmux_actors::connection::ConnEvents for Probe {
+    fn up(&self, hello: clawmux_protocol::HelloOk, _tx: tokio::sync::mpsc::UnboundedSender<String>) {
+        let _ = self.0.send(Ok(Box::new(hello)));
+    }
+    fn failed(&self, failure: clawmux_actors::connection::ConnectFailure) {
+        let _ = self.0.send(Err(failure.reason));
+    }
+    fn frame(&self, _frame: Result<clawmux_protocol::Frame, String>) {}
+    fn closed(&self, _reason: String) {}
+}
