@@ -38,6 +38,8 @@ pub struct AppState {
     pub registry: prometheus::Registry,
     /// `GET /v1/agents`.
     pub agents: AgentRegistry,
+    /// Live runs by trace id (the LLM proxy attributes calls with it); `None` without a proxy.
+    pub attributions: Option<Arc<crate::attribution::Attributions>>,
 }
 
 /// An error answer: `{"error":{"code","message"}}`.
@@ -238,6 +240,26 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
         }
     };
 
+    let trace_id = traceparent.trace_id().to_owned();
+    // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
+    if let Some(registry) = &state.attributions {
+        let billing = Arc::new(crate::attribution::RunBilling::new(
+            &run.run_id,
+            &run.request.billing_account_id,
+            &run.graph_id,
+            record.doc().session_key.as_str(),
+            traceparent.trace_id(),
+        ));
+        if let Err(owner) = registry.register(billing.clone()) {
+            state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("the traceparent's trace id is in use by live run {owner:?}; concurrent runs need distinct trace ids"),
+            ));
+        }
+        record.set_billing(billing, registry.clone());
+    }
     let spec = RunSpec {
         run_id: run.run_id.clone(),
         gateway_run_id: uuid::Uuid::new_v4().to_string(),
@@ -261,6 +283,9 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
         Err(_) => Some(ApiError::unavailable("clawmux is overloaded; retry shortly")),
     };
     if let Some(e) = refusal {
+        if let Some(registry) = &state.attributions {
+            registry.unregister(&trace_id, &run.run_id);
+        }
         state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
         return Err(e);
     }

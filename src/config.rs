@@ -87,6 +87,10 @@ pub struct Config {
     pub llm_upstream_url: Option<String>,
     /// Upstream key (env only).
     pub llm_upstream_key: Option<Secret>,
+    /// Directory of the LLM-call audit log.
+    pub audit_dir: std::path::PathBuf,
+    /// Size at which the audit log rotates.
+    pub audit_max_bytes: u64,
     /// Container the relay runs git in.
     pub relay_container: Option<String>,
     /// Workspace root in that container.
@@ -107,6 +111,17 @@ pub struct Config {
     pub max_runs: usize,
 }
 
+/// `$XDG_STATE_HOME/clawmux/audit`, else `$HOME/.local/state/clawmux/audit`, else `./clawmux-audit`.
+fn default_audit_dir() -> std::path::PathBuf {
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+        return std::path::PathBuf::from(d).join("clawmux/audit");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        return std::path::PathBuf::from(h).join(".local/state/clawmux/audit");
+    }
+    std::path::PathBuf::from("clawmux-audit")
+}
+
 impl Default for Config {
     fn default() -> Self {
         Self {
@@ -123,6 +138,8 @@ impl Default for Config {
             proxy_listen: SocketAddr::from(([127, 0, 0, 1], 8788)),
             llm_upstream_url: None,
             llm_upstream_key: None,
+            audit_dir: default_audit_dir(),
+            audit_max_bytes: 64 * 1024 * 1024,
             relay_container: None,
             relay_workspace: "/workspace".to_owned(),
             relay_remote_url: None,
@@ -152,6 +169,8 @@ struct FileConfig {
     log_format: Option<LogFormat>,
     proxy_listen: Option<String>,
     llm_upstream_url: Option<String>,
+    audit_dir: Option<String>,
+    audit_max_bytes: Option<u64>,
     relay_container: Option<String>,
     relay_workspace: Option<String>,
     relay_remote_url: Option<String>,
@@ -245,6 +264,12 @@ impl Config {
         if f.llm_upstream_url.is_some() {
             self.llm_upstream_url = f.llm_upstream_url;
         }
+        if let Some(v) = f.audit_dir {
+            self.audit_dir = v.into();
+        }
+        if let Some(v) = f.audit_max_bytes {
+            self.audit_max_bytes = v;
+        }
         if f.relay_container.is_some() {
             self.relay_container = f.relay_container;
         }
@@ -304,6 +329,12 @@ impl Config {
         if let Some(v) = get("CLAWMUX_LLM_UPSTREAM_KEY") {
             self.llm_upstream_key = Some(Secret::new(v));
         }
+        if let Some(v) = get("CLAWMUX_AUDIT_DIR") {
+            self.audit_dir = v.into();
+        }
+        if let Some(v) = get("CLAWMUX_AUDIT_MAX_BYTES") {
+            self.audit_max_bytes = parse_num("CLAWMUX_AUDIT_MAX_BYTES", &v)?;
+        }
         if let Some(v) = get("CLAWMUX_RELAY_CONTAINER") {
             self.relay_container = Some(v);
         }
@@ -352,6 +383,14 @@ impl Config {
         if self.max_message_bytes == 0 {
             return Err(invalid("CLAWMUX_MAX_MESSAGE_BYTES", "must be at least 1"));
         }
+        if let Some(url) = &self.llm_upstream_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid("CLAWMUX_LLM_UPSTREAM_URL", format!("{url:?} must start with http:// or https://")));
+            }
+            if url.contains('@') {
+                return Err(invalid("CLAWMUX_LLM_UPSTREAM_URL", "must not carry credentials; use CLAWMUX_LLM_UPSTREAM_KEY"));
+            }
+        }
         if self.max_runs == 0 {
             return Err(invalid("CLAWMUX_MAX_RUNS", "must be at least 1"));
         }
@@ -375,6 +414,8 @@ impl Config {
             ("CLAWMUX_PROXY_LISTEN", self.proxy_listen.to_string()),
             ("CLAWMUX_LLM_UPSTREAM_URL", opt(&self.llm_upstream_url)),
             ("CLAWMUX_LLM_UPSTREAM_KEY", secret(&self.llm_upstream_key)),
+            ("CLAWMUX_AUDIT_DIR", self.audit_dir.display().to_string()),
+            ("CLAWMUX_AUDIT_MAX_BYTES", self.audit_max_bytes.to_string()),
             ("CLAWMUX_RELAY_CONTAINER", opt(&self.relay_container)),
             ("CLAWMUX_RELAY_WORKSPACE", self.relay_workspace.clone()),
             ("CLAWMUX_RELAY_REMOTE_URL", opt(&self.relay_remote_url)),

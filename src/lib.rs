@@ -10,15 +10,20 @@
 //!   - [`store`]: run documents, event logs, re-attachment, idempotency, retention.
 //!   - [`api`]: the HTTP + SSE API (actix-web).
 //!   - [`agents`]: the agent registry.
+//!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
+//!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
 //!   - [`server`]: wiring and graceful shutdown.
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`).
 
 pub mod agents;
 pub mod api;
+pub mod attribution;
+pub mod audit;
 pub mod cli;
 
 pub mod config;
+pub mod proxy;
 pub mod replay;
 pub mod request;
 pub mod server;

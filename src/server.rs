@@ -23,6 +23,8 @@ pub struct Running {
     pub state: web::Data<AppState>,
     /// Resolves when the HTTP server stops.
     pub done: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The LLM attribution proxy, when an upstream is configured: its bound address and handle.
+    pub proxy: Option<(SocketAddr, actix_web::dev::ServerHandle)>,
 }
 
 /// Supervisor settings from the configuration.
@@ -58,7 +60,17 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");
     }
     let listen = cfg.listen;
-    let state = web::Data::new(AppState { cfg, store, supervisor, status, registry, agents: AgentRegistry::builtin() });
+    let (proxy, attributions) = match &cfg.llm_upstream_url {
+        Some(upstream) => {
+            let attributions = Arc::new(crate::attribution::Attributions::new());
+            let (addr, handle) = start_proxy(&cfg, upstream, attributions.clone(), &registry)?;
+            tracing::info!(%addr, upstream = %upstream, "LLM attribution proxy listening");
+            (Some((addr, handle)), Some(attributions))
+        }
+        None => (None, None),
+    };
+    let state =
+        web::Data::new(AppState { cfg, store, supervisor, status, registry, agents: AgentRegistry::builtin(), attributions });
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
         .disable_signals()
@@ -68,7 +80,42 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     let server = server.run();
     let handle = server.handle();
     let done = actix::spawn(server);
-    Ok(Running { addr, server: handle, state, done })
+    Ok(Running { addr, server: handle, state, done, proxy })
+}
+
+/// Starts the LLM attribution proxy on `cfg.proxy_listen`.
+fn start_proxy(
+    cfg: &Config,
+    upstream: &str,
+    attributions: Arc<crate::attribution::Attributions>,
+    registry: &prometheus::Registry,
+) -> std::io::Result<(SocketAddr, actix_web::dev::ServerHandle)> {
+    let audit = crate::audit::AuditLog::open(&cfg.audit_dir, cfg.audit_max_bytes)
+        .map_err(|e| std::io::Error::other(format!("cannot open the audit log in {}: {e}", cfg.audit_dir.display())))?;
+    tracing::info!(path = %audit.path().display(), "LLM call audit log");
+    let metrics = crate::proxy::ProxyMetrics::new(registry).map_err(std::io::Error::other)?;
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build()
+        .map_err(std::io::Error::other)?;
+    let state = web::Data::new(crate::proxy::ProxyState {
+        attributions,
+        upstream: upstream.to_owned(),
+        key: cfg.llm_upstream_key.clone(),
+        client,
+        audit: crate::proxy::AuditSink::start(Arc::new(audit)),
+        metrics,
+    });
+    let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))
+        .disable_signals()
+        .shutdown_timeout(5)
+        .bind(cfg.proxy_listen)?;
+    let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound proxy address"))?;
+    let server = server.run();
+    let handle = server.handle();
+    actix::spawn(server);
+    Ok((addr, handle))
 }
 
 /// Graceful stop: every run in flight gets a terminal event (its gateway run is cancelled), then the
@@ -88,6 +135,9 @@ pub async fn shutdown(running: &Running) {
     }
     supervisor.do_send(Disconnect);
     running.server.stop(true).await;
+    if let Some((_, proxy)) = &running.proxy {
+        proxy.stop(true).await;
+    }
 }
 
 /// Runs until SIGINT or SIGTERM, then shuts down gracefully.

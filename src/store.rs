@@ -47,6 +47,19 @@ pub struct Usage {
     pub llm_calls: u64,
     /// `proxy` (billing truth) or `gateway` (OpenClaw's own numbers, a hint).
     pub source: &'static str,
+    /// OpenClaw's own numbers when `source` is `proxy` (kept as a hint, never billed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway_hint: Option<GatewayHint>,
+}
+
+/// OpenClaw's own token counts.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayHint {
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
 }
 
 /// `error` of the run document.
@@ -107,6 +120,9 @@ pub struct RunRecord {
     pub abort_on_disconnect: bool,
     state: Mutex<RunState>,
     tx: broadcast::Sender<Arc<StoredEvent>>,
+    /// The run's billing identity and the registry it is live in (set when the LLM proxy is on):
+    /// the run stops being attributable with its terminal event.
+    billing: std::sync::OnceLock<(Arc<crate::attribution::RunBilling>, Arc<crate::attribution::Attributions>)>,
     /// Flips to true with the terminal event (waiters that only need the end use this, so a lagging
     /// broadcast receiver can never make them miss it).
     done: tokio::sync::watch::Sender<bool>,
@@ -122,7 +138,25 @@ impl RunRecord {
 
     /// The current document.
     pub fn doc(&self) -> RunDoc {
-        self.lock().doc.clone()
+        let mut doc = self.lock().doc.clone();
+        self.apply_proxy_usage(&mut doc);
+        doc
+    }
+
+    /// Ties the run to its billing identity (its LLM calls are attributed until it ends).
+    pub fn set_billing(&self, billing: Arc<crate::attribution::RunBilling>, registry: Arc<crate::attribution::Attributions>) {
+        let _ = self.billing.set((billing, registry));
+    }
+
+    /// Usage from the proxy's records is the truth; OpenClaw's own numbers stay as a hint.
+    fn apply_proxy_usage(&self, doc: &mut RunDoc) {
+        let Some((billing, _)) = self.billing.get() else { return };
+        let (input, output, calls) = billing.usage();
+        if calls == 0 && doc.usage.is_some() {
+            return;
+        }
+        let hint = doc.usage.take().map(|u| GatewayHint { input_tokens: u.input_tokens, output_tokens: u.output_tokens });
+        doc.usage = Some(Usage { input_tokens: input, output_tokens: output, llm_calls: calls, source: "proxy", gateway_hint: hint });
     }
 
     /// Resolves once the run has its terminal event.
@@ -185,7 +219,11 @@ impl RunSink for RunRecord {
                 st.doc.content = outcome.content;
                 st.doc.finished_at = Some(rfc3339(OffsetDateTime::now_utc()));
                 if let Some((input, output)) = outcome.gateway_usage {
-                    st.doc.usage = Some(Usage { input_tokens: input, output_tokens: output, llm_calls: 0, source: "gateway" });
+                    st.doc.usage = Some(Usage { input_tokens: input, output_tokens: output, llm_calls: 0, source: "gateway", gateway_hint: None });
+                }
+                if let Some((billing, registry)) = self.billing.get() {
+                    // LLM calls after the end belong to no run and are refused (fail-closed).
+                    registry.unregister(&billing.trace_id, &billing.run_id);
                 }
                 match (&outcome.error, outcome.status) {
                     (Some(e), s) if s != RunStatus::Ok => {
@@ -194,7 +232,9 @@ impl RunSink for RunRecord {
                         self.push(&mut st, "error", data);
                     }
                     _ => {
-                        let data = serde_json::to_string(&st.doc).unwrap_or_default();
+                        let mut doc = st.doc.clone();
+                        self.apply_proxy_usage(&mut doc);
+                        let data = serde_json::to_string(&doc).unwrap_or_default();
                         self.push(&mut st, "final", data);
                     }
                 }
@@ -288,6 +328,7 @@ impl RunStore {
                         finished_at: None,
                     }),
                     tx,
+                    billing: std::sync::OnceLock::new(),
                     done: tokio::sync::watch::channel(false).0,
                 });
                 v.insert(record.clone());

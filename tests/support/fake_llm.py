@@ -25,6 +25,8 @@ Reply (deterministic, echoes the caller):
 Log: one JSON line per request to FAKE_LLM_LOG (default ./llm-requests.jsonl), flushed at once:
   {"ts","id","method","path","headers"{lower-cased},"model","stream","last_user","n_messages",
    "has_tool_result","reply"}            reply = text | slow | tool_call | after_tool | error | models | not_found
+plus, per completion, the usage it reports:
+  {"event":"usage","id","prompt_tokens","completion_tokens","ts"}
 plus, when a streamed response ends:
   {"event":"stream_end","id","completed":true|false,"chunks_sent":n,"chunks_planned":n,"ts"}
   completed:false = the client disconnected mid-stream. chunks_sent counts SSE data events written.
@@ -256,6 +258,8 @@ class Handler(BaseHTTPRequestHandler):
             tool_call = {"id": "call_" + secrets.token_hex(12), "type": "function",
                          "function": {"name": "exec", "arguments": args}}
             completion_tokens = max(1, len(args) // 4)
+            log({"event": "usage", "id": call_id, "prompt_tokens": prompt_tokens,
+                 "completion_tokens": completion_tokens})
             if not stream:
                 self._send_json(200, self._completion(call_id, created, model, {
                     "role": "assistant", "content": None, "tool_calls": [tool_call]}, "tool_calls",
@@ -277,6 +281,9 @@ class Handler(BaseHTTPRequestHandler):
             head += f"after-tool: {tool_echo} | "
         text = head + " ".join(words)
         completion_tokens = len(words)
+        # The usage this call reports (tests sum it to check billing-grade usage).
+        log({"event": "usage", "id": call_id, "prompt_tokens": prompt_tokens,
+             "completion_tokens": completion_tokens})
         if not stream:
             self._send_json(200, self._completion(call_id, created, model, {
                 "role": "assistant", "content": text}, "stop", prompt_tokens, completion_tokens), call_id)

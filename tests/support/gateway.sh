@@ -27,6 +27,9 @@
 #                                stays warm: ~8 s to ready instead of ~12 s)
 #   GATEWAY_READY_TIMEOUT        seconds to wait for /readyz (default 90)
 #   FAKE_LLM_DELAY, FAKE_LLM_CHUNKS, FAKE_LLM_LOG_BODY   passed on to fake_llm.py
+#   PROVIDER_BASE_URL            the gateway's model provider baseUrl (default: the fake LLM, i.e.
+#                                http://127.0.0.1:<LLM_PORT>/v1); point it at clawmux's LLM proxy to
+#                                test billing attribution (the fake LLM is then the proxy's upstream)
 #
 # Files in RUN_DIR: openclaw.json (the config, mode 0600), home/, state/, gateway.log (stdout+stderr),
 # gateway-file.log (the gateway's file log; v3 ignores it and writes /tmp/openclaw/ instead),
@@ -365,7 +368,7 @@ with open(src) as f:
     c = json.load(f)
 c["gateway"]["port"] = int(gw)
 c["gateway"]["auth"] = {"mode": "token", "token": tok}
-c["models"]["providers"]["cogni"]["baseUrl"] = f"http://127.0.0.1:{llm}/v1"
+c["models"]["providers"]["cogni"]["baseUrl"] = os.environ.get("PROVIDER_BASE_URL") or f"http://127.0.0.1:{llm}/v1"
 c.setdefault("logging", {})["file"] = os.path.join(rd, "gateway-file.log")
 fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 with os.fdopen(fd, "w") as f:

@@ -1,0 +1,144 @@
+//! Which live run owns an LLM call: trace id → the run's billing identity, and the usage its calls
+//! reported.
+//!
+//! A run is registered before it is admitted (the gateway may call the LLM right after `agent`) and
+//! removed when its terminal event is emitted: an LLM call whose trace id belongs to no live run is
+//! refused by the proxy (fail-closed). Two live runs can never share a trace id: the second is
+//! refused at admission, otherwise its calls could not be told apart.
+
+use dashmap::DashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The billing identity of a run and the usage of its LLM calls so far.
+#[derive(Debug)]
+pub struct RunBilling {
+    /// API run id.
+    pub run_id: String,
+    /// Billing account (LiteLLM end user).
+    pub billing_account_id: String,
+    /// Graph id.
+    pub graph_id: String,
+    /// Canonical session key.
+    pub session_key: String,
+    /// Attempt number (0 for the first).
+    pub attempt: u32,
+    /// The trace id the run's LLM calls carry.
+    pub trace_id: String,
+    /// Input tokens reported by the upstream, summed.
+    pub input_tokens: AtomicU64,
+    /// Output tokens reported by the upstream, summed.
+    pub output_tokens: AtomicU64,
+    /// Proxied LLM calls.
+    pub llm_calls: AtomicU64,
+}
+
+impl RunBilling {
+    /// A run's billing identity with no usage yet.
+    pub fn new(run_id: &str, billing_account_id: &str, graph_id: &str, session_key: &str, trace_id: &str) -> Self {
+        Self {
+            run_id: run_id.to_owned(),
+            billing_account_id: billing_account_id.to_owned(),
+            graph_id: graph_id.to_owned(),
+            session_key: session_key.to_owned(),
+            attempt: 0,
+            trace_id: trace_id.to_owned(),
+            input_tokens: AtomicU64::new(0),
+            output_tokens: AtomicU64::new(0),
+            llm_calls: AtomicU64::new(0),
+        }
+    }
+
+    /// `x-litellm-spend-logs-metadata`: run id, graph id, attempt, session key.
+    pub fn spend_logs_metadata(&self) -> String {
+        serde_json::json!({
+            "run_id": self.run_id,
+            "graph_id": self.graph_id,
+            "attempt": self.attempt,
+            "session_key": self.session_key,
+        })
+        .to_string()
+    }
+
+    /// `(input, output, calls)` so far.
+    pub fn usage(&self) -> (u64, u64, u64) {
+        (self.input_tokens.load(Ordering::Relaxed), self.output_tokens.load(Ordering::Relaxed), self.llm_calls.load(Ordering::Relaxed))
+    }
+
+    /// Adds one call's usage.
+    pub fn add_usage(&self, input: u64, output: u64) {
+        self.input_tokens.fetch_add(input, Ordering::Relaxed);
+        self.output_tokens.fetch_add(output, Ordering::Relaxed);
+    }
+}
+
+/// Live runs by trace id.
+#[derive(Debug, Default)]
+pub struct Attributions {
+    by_trace: DashMap<String, Arc<RunBilling>>,
+}
+
+impl Attributions {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a live run; refuses when another live run already owns the trace id.
+    pub fn register(&self, billing: Arc<RunBilling>) -> Result<(), String> {
+        match self.by_trace.entry(billing.trace_id.clone()) {
+            dashmap::mapref::entry::Entry::Occupied(o) => Err(o.get().run_id.clone()),
+            dashmap::mapref::entry::Entry::Vacant(v) => {
+                v.insert(billing);
+                Ok(())
+            }
+        }
+    }
+
+    /// The live run owning `trace_id`.
+    pub fn lookup(&self, trace_id: &str) -> Option<Arc<RunBilling>> {
+        self.by_trace.get(trace_id).map(|b| b.clone())
+    }
+
+    /// Forgets a run (it ended). Only removes the entry if it still belongs to `run_id`.
+    pub fn unregister(&self, trace_id: &str, run_id: &str) {
+        self.by_trace.remove_if(trace_id, |_, b| b.run_id == run_id);
+    }
+
+    /// Number of live runs.
+    pub fn len(&self) -> usize {
+        self.by_trace.len()
+    }
+
+    /// True when no run is live.
+    pub fn is_empty(&self) -> bool {
+        self.by_trace.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_live_run_per_trace_id() {
+        let a = Attributions::new();
+        a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("first");
+        assert_eq!(a.register(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t1"))), Err("r1".to_owned()));
+        assert_eq!(a.lookup("t1").map(|b| b.run_id.clone()).as_deref(), Some("r1"));
+        a.unregister("t1", "r2");
+        assert!(a.lookup("t1").is_some(), "only the owner can unregister");
+        a.unregister("t1", "r1");
+        assert!(a.lookup("t1").is_none());
+    }
+
+    #[test]
+    fn metadata_names_the_run() {
+        let b = RunBilling::new("r1", "acct-1", "sandbox:openclaw", "agent:main:acct-1:r1", "t");
+        let m: serde_json::Value = serde_json::from_str(&b.spend_logs_metadata()).expect("json");
+        assert_eq!(m["run_id"], "r1");
+        assert_eq!(m["graph_id"], "sandbox:openclaw");
+        assert_eq!(m["attempt"], 0);
+        assert_eq!(m["session_key"], "agent:main:acct-1:r1");
+    }
+}

@@ -1,0 +1,222 @@
+//! The durable audit log of proxied LLM calls: JSON lines, one `write` + `fsync` per record,
+//! append-only, rotated by size. It never holds prompts, completions or keys.
+//!
+//! A crash can at worst leave a partial last line (a record whose write was not acknowledged);
+//! opening the log truncates such a torn tail, so every line in the file is a whole record and
+//! every acknowledged record (the append returned `Ok`) is in the file.
+
+use serde::Serialize;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// One proxied LLM call.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AuditRecord {
+    /// RFC 3339 time the call started.
+    pub time: String,
+    /// API run id.
+    pub run_id: String,
+    /// Billing account charged.
+    pub billing_account_id: String,
+    /// Model asked for.
+    pub model: Option<String>,
+    /// Path called, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// Upstream HTTP status (0 when the upstream could not be reached).
+    pub status: u16,
+    /// How the call ended: `ok`, `upstream_error`, `client_closed`, `unreachable`.
+    pub outcome: String,
+    /// Milliseconds from request to the end of the response.
+    pub latency_ms: u64,
+    /// Streamed (SSE) or not.
+    pub streamed: bool,
+    /// Input tokens reported by the upstream.
+    pub input_tokens: Option<u64>,
+    /// Output tokens reported by the upstream.
+    pub output_tokens: Option<u64>,
+    /// The upstream's call id header (`x-litellm-call-id`).
+    pub upstream_call_id: Option<String>,
+}
+
+/// The append-only log.
+#[derive(Debug)]
+pub struct AuditLog {
+    path: PathBuf,
+    max_bytes: u64,
+    file: Mutex<(File, u64)>,
+}
+
+fn open_append(path: &Path) -> std::io::Result<(File, u64)> {
+    let mut file = OpenOptions::new().create(true).read(true).append(true).open(path)?;
+    let len = repair_torn_tail(&mut file, path)?;
+    Ok((file, len))
+}
+
+/// Truncates a partial last line left by a crash; returns the resulting length.
+fn repair_torn_tail(file: &mut File, path: &Path) -> std::io::Result<u64> {
+    let len = file.metadata()?.len();
+    if len == 0 {
+        return Ok(0);
+    }
+    // Find the last newline by scanning back in blocks.
+    let mut end = len;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let start = end.saturating_sub(buf.len() as u64);
+        let n = (end - start) as usize;
+        file.seek(SeekFrom::Start(start))?;
+        file.read_exact(&mut buf[..n])?;
+        if let Some(pos) = buf[..n].iter().rposition(|b| *b == b'\n') {
+            let keep = start + pos as u64 + 1;
+            if keep != len {
+                tracing::warn!(path = %path.display(), dropped_bytes = len - keep, "audit log had a torn last record; truncated it");
+                file.set_len(keep)?;
+                file.sync_all()?;
+            }
+            return Ok(keep);
+        }
+        if start == 0 {
+            tracing::warn!(path = %path.display(), dropped_bytes = len, "audit log held no complete record; truncated it");
+            file.set_len(0)?;
+            file.sync_all()?;
+            return Ok(0);
+        }
+        end = start;
+    }
+}
+
+impl AuditLog {
+    /// Opens (creating) `dir/audit.jsonl`; rotates to `audit-<unix ms>.jsonl` past `max_bytes`.
+    pub fn open(dir: &Path, max_bytes: u64) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("audit.jsonl");
+        let file = open_append(&path)?;
+        Ok(Self { path, max_bytes: max_bytes.max(1024), file: Mutex::new(file) })
+    }
+
+    /// The current file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one record durably (returns after `fsync`).
+    pub fn append(&self, record: &AuditRecord) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        let mut guard = match self.file.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if guard.1 > 0 && guard.1 + line.len() as u64 > self.max_bytes {
+            let stamp = time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000;
+            let rotated = self.path.with_file_name(format!("audit-{stamp}.jsonl"));
+            guard.0.sync_all()?;
+            std::fs::rename(&self.path, &rotated)?;
+            *guard = open_append(&self.path)?;
+            if let Some(dir) = self.path.parent() {
+                // Make the rename itself durable.
+                if let Ok(d) = File::open(dir) {
+                    let _ = d.sync_all();
+                }
+            }
+        }
+        guard.0.write_all(&line)?;
+        guard.0.sync_data()?;
+        guard.1 += line.len() as u64;
+        Ok(())
+    }
+}
+
+/// Reads every record of a log file (tests, tools).
+pub fn read_records(path: &Path) -> std::io::Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path)?;
+    text.lines().map(|l| serde_json::from_str(l).map_err(std::io::Error::other)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(run: &str) -> AuditRecord {
+        AuditRecord {
+            time: "2026-11-21T00:00:00Z".into(),
+            run_id: run.into(),
+            billing_account_id: "acct".into(),
+            model: Some("m".into()),
+            path: "/v1/chat/completions".into(),
+            status: 200,
+            outcome: "ok".into(),
+            latency_ms: 5,
+            streamed: true,
+            input_tokens: Some(10),
+            output_tokens: Some(3),
+            upstream_call_id: Some("c1".into()),
+        }
+    }
+
+    fn tmp() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&d).expect("tmp");
+        d
+    }
+
+    #[test]
+    fn appends_whole_lines() {
+        let d = tmp();
+        let log = AuditLog::open(&d, 1 << 20).expect("open");
+        log.append(&record("r1")).expect("append");
+        log.append(&record("r2")).expect("append");
+        let recs = read_records(log.path()).expect("read");
+        assert_eq!(recs.len(), 2);
+        assert_eq!(recs[1]["runId"], "r2");
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn a_torn_tail_is_truncated_on_open() {
+        let d = tmp();
+        {
+            let log = AuditLog::open(&d, 1 << 20).expect("open");
+            log.append(&record("r1")).expect("append");
+        }
+        let path = d.join("audit.jsonl");
+        let mut f = OpenOptions::new().append(true).open(&path).expect("open");
+        f.write_all(br#"{"time":"2026","runId":"r2","billin"#).expect("torn write");
+        drop(f);
+        let log = AuditLog::open(&d, 1 << 20).expect("reopen");
+        log.append(&record("r3")).expect("append");
+        let recs = read_records(&path).expect("every line is a whole record");
+        assert_eq!(recs.iter().map(|r| r["runId"].as_str().unwrap_or_default().to_owned()).collect::<Vec<_>>(), ["r1", "r3"]);
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn rotates_by_size_and_keeps_everything() {
+        let d = tmp();
+        let log = AuditLog::open(&d, 1024).expect("open");
+        for i in 0..20 {
+            log.append(&record(&format!("r{i}"))).expect("append");
+        }
+        let mut total = 0;
+        for e in std::fs::read_dir(&d).expect("dir") {
+            let p = e.expect("entry").path();
+            assert!(std::fs::metadata(&p).expect("meta").len() <= 1024 + 400);
+            total += read_records(&p).expect("records").len();
+        }
+        assert_eq!(total, 20, "rotation loses nothing");
+        assert!(std::fs::read_dir(&d).expect("dir").count() > 1, "it rotated");
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn records_hold_no_prompt_or_key_fields() {
+        let v = serde_json::to_value(record("r")).expect("json");
+        let keys: Vec<&String> = v.as_object().expect("object").keys().collect();
+        for k in keys {
+            assert!(!["messages", "prompt", "content", "authorization", "apiKey"].contains(&k.as_str()), "{k}");
+        }
+    }
+}

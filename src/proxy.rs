@@ -1,0 +1,552 @@
+//! The LLM attribution proxy: an OpenAI-compatible endpoint the gateway's model provider points at.
+//!
+//! For every call it reads the W3C `traceparent`, finds the live run that owns its trace id, and
+//! only then forwards it upstream (LiteLLM) with the upstream key injected and the billing headers
+//! OVERWRITTEN from the run: `x-litellm-end-user-id`, `x-litellm-spend-logs-metadata`,
+//! `x-cogni-run-id`. A call with no trace id, or one that belongs to no live run, is refused (403)
+//! and counted: an agent with a shell cannot bill another account. Answers stream back as they
+//! arrive; the usage the upstream reports is summed into the run and every call is audited.
+
+use crate::attribution::{Attributions, RunBilling};
+use crate::audit::{AuditLog, AuditRecord};
+use crate::config::Secret;
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::Bytes;
+use futures_util::Stream;
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+/// Largest request body forwarded (OpenClaw sends ~40 KB).
+const MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
+/// Largest non-streamed answer (it is read whole to find its usage).
+const MAX_BUFFERED_RESPONSE: usize = 64 * 1024 * 1024;
+
+/// Headers never forwarded: hop-by-hop, recomputed, or ours to set.
+const DROPPED: [&str; 12] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "authorization",
+];
+
+/// The trace id of a `traceparent` header value, if it is valid.
+pub fn trace_id_of(traceparent: Option<&str>) -> Option<String> {
+    clawmux_protocol::TraceParent::parse(traceparent?).ok().map(|t| t.trace_id().to_owned())
+}
+
+/// Billing headers a client might send: never trusted, always removed before ours are set.
+fn is_billing_header(name: &str) -> bool {
+    name.starts_with("x-litellm-") || name.starts_with("x-cogni-")
+}
+
+/// The headers sent upstream: the caller's, minus hop-by-hop, auth and any billing header, plus
+/// the upstream key and the run's billing headers.
+pub fn upstream_headers(incoming: &[(String, String)], billing: &RunBilling, key: Option<&Secret>) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = incoming
+        .iter()
+        .filter(|(k, _)| {
+            let k = k.to_ascii_lowercase();
+            !DROPPED.contains(&k.as_str()) && !is_billing_header(&k)
+        })
+        .cloned()
+        .collect();
+    if let Some(key) = key {
+        out.push(("authorization".to_owned(), format!("Bearer {}", key.expose())));
+    }
+    out.push(("x-litellm-end-user-id".to_owned(), billing.billing_account_id.clone()));
+    out.push(("x-litellm-spend-logs-metadata".to_owned(), billing.spend_logs_metadata()));
+    out.push(("x-cogni-run-id".to_owned(), billing.run_id.clone()));
+    out
+}
+
+/// Finds `usage` in an OpenAI answer: `prompt_tokens`/`completion_tokens` (or `input_tokens`/
+/// `output_tokens`).
+pub fn usage_of(value: &serde_json::Value) -> Option<(u64, u64)> {
+    let u = value.get("usage")?;
+    if !u.is_object() {
+        return None;
+    }
+    let get = |a: &str, b: &str| u.get(a).or_else(|| u.get(b)).and_then(serde_json::Value::as_u64);
+    Some((get("prompt_tokens", "input_tokens").unwrap_or(0), get("completion_tokens", "output_tokens").unwrap_or(0)))
+}
+
+/// Watches an SSE byte stream for `data:` lines carrying `usage`, across chunk boundaries.
+#[derive(Debug, Default)]
+pub struct UsageScanner {
+    line: Vec<u8>,
+    /// The last usage seen (the upstream sends it once, in the last chunk).
+    pub usage: Option<(u64, u64)>,
+}
+
+/// Longest SSE line kept for inspection; a longer one cannot be a usage chunk worth parsing.
+const MAX_LINE: usize = 1024 * 1024;
+
+impl UsageScanner {
+    /// Feeds bytes; returns a usage found in a line completed by them.
+    pub fn feed(&mut self, bytes: &[u8]) -> Option<(u64, u64)> {
+        let mut found = None;
+        for &b in bytes {
+            if b == b'\n' {
+                if let Some(u) = self.parse_line() {
+                    self.usage = Some(u);
+                    found = Some(u);
+                }
+                self.line.clear();
+            } else if self.line.len() < MAX_LINE {
+                self.line.push(b);
+            }
+        }
+        found
+    }
+
+    fn parse_line(&self) -> Option<(u64, u64)> {
+        let line = std::str::from_utf8(&self.line).ok()?.trim_end_matches('\r');
+        let data = line.strip_prefix("data:")?.trim_start();
+        if !data.contains("\"usage\"") {
+            return None;
+        }
+        usage_of(&serde_json::from_str(data).ok()?)
+    }
+}
+
+/// The proxy's metrics.
+#[derive(Clone)]
+pub struct ProxyMetrics {
+    /// Calls forwarded, by outcome (`ok`, `upstream_error`, `client_closed`, `unreachable`).
+    pub calls: IntCounterVec,
+    /// Tokens reported by the upstream, by kind (`input`, `output`).
+    pub tokens: IntCounterVec,
+    /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`).
+    pub refusals: IntCounterVec,
+    /// Time from forwarding a call to the upstream's response headers.
+    pub upstream_latency: Histogram,
+    /// Calls whose client-sent billing headers disagreed with the trace attribution.
+    pub disagreements: IntCounter,
+}
+
+impl ProxyMetrics {
+    /// Creates and registers the metrics.
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            calls: IntCounterVec::new(Opts::new("clawmux_proxy_calls_total", "LLM calls forwarded, by outcome"), &["outcome"])?,
+            tokens: IntCounterVec::new(Opts::new("clawmux_proxy_tokens_total", "Tokens reported by the upstream"), &["kind"])?,
+            refusals: IntCounterVec::new(
+                Opts::new("clawmux_proxy_refusals_total", "LLM calls refused because no live run owns them"),
+                &["reason"],
+            )?,
+            upstream_latency: Histogram::with_opts(
+                HistogramOpts::new("clawmux_proxy_upstream_latency_seconds", "Time to the upstream's response headers")
+                    .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]),
+            )?,
+            disagreements: IntCounter::new(
+                "clawmux_proxy_billing_header_disagreements_total",
+                "Calls whose incoming billing headers disagreed with the trace attribution",
+            )?,
+        };
+        registry.register(Box::new(m.calls.clone()))?;
+        registry.register(Box::new(m.tokens.clone()))?;
+        registry.register(Box::new(m.refusals.clone()))?;
+        registry.register(Box::new(m.upstream_latency.clone()))?;
+        registry.register(Box::new(m.disagreements.clone()))?;
+        Ok(m)
+    }
+}
+
+/// What the proxy handlers share.
+pub struct ProxyState {
+    /// Live runs by trace id.
+    pub attributions: Arc<Attributions>,
+    /// Upstream base URL (LiteLLM's root).
+    pub upstream: String,
+    /// Upstream key (host only).
+    pub key: Option<Secret>,
+    /// HTTP client.
+    pub client: reqwest::Client,
+    /// Audit log writer.
+    pub audit: AuditSink,
+    /// Metrics.
+    pub metrics: ProxyMetrics,
+}
+
+/// Hands audit records to a writer thread (appends block on `fsync`, never the event loop).
+#[derive(Clone)]
+pub struct AuditSink(Option<std::sync::mpsc::Sender<AuditRecord>>);
+
+impl AuditSink {
+    /// Starts the writer thread for `log`.
+    pub fn start(log: Arc<AuditLog>) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<AuditRecord>();
+        let spawned = std::thread::Builder::new().name("clawmux-audit".to_owned()).spawn(move || {
+            while let Ok(rec) = rx.recv() {
+                if let Err(e) = log.append(&rec) {
+                    tracing::error!(error = %e, run_id = %rec.run_id, "cannot write the audit record of an LLM call");
+                }
+            }
+        });
+        match spawned {
+            Ok(_) => Self(Some(tx)),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the audit writer");
+                Self(None)
+            }
+        }
+    }
+
+    /// No audit log (tests of other parts).
+    pub fn disabled() -> Self {
+        Self(None)
+    }
+
+    fn write(&self, rec: AuditRecord) {
+        if let Some(tx) = &self.0 {
+            let _ = tx.send(rec);
+        }
+    }
+}
+
+/// Joins the upstream root and the called path (`.../v1` roots are accepted too).
+pub fn upstream_url(base: &str, path_and_query: &str) -> String {
+    let base = base.trim_end_matches('/');
+    let base = if path_and_query.starts_with("/v1/") || path_and_query == "/v1" { base.strip_suffix("/v1").unwrap_or(base) } else { base };
+    format!("{base}{path_and_query}")
+}
+
+fn refuse(state: &ProxyState, reason: &'static str, message: String) -> HttpResponse {
+    state.metrics.refusals.with_label_values(&[reason]).inc();
+    tracing::warn!(reason, %message, "LLM call refused");
+    HttpResponse::build(StatusCode::FORBIDDEN)
+        .json(serde_json::json!({"error": {"code": "attribution_refused", "type": "attribution_refused", "message": message}}))
+}
+
+fn now_rfc3339() -> String {
+    time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+}
+
+/// Ends a call once: the audit record, counters and usage.
+struct CallFinisher {
+    state: web::Data<ProxyState>,
+    billing: Arc<RunBilling>,
+    record: Option<AuditRecord>,
+    started: Instant,
+}
+
+impl CallFinisher {
+    fn finish(&mut self, outcome: &str, usage: Option<(u64, u64)>) {
+        let Some(mut rec) = self.record.take() else { return };
+        rec.outcome = outcome.to_owned();
+        rec.latency_ms = self.started.elapsed().as_millis() as u64;
+        if let Some((i, o)) = usage {
+            rec.input_tokens = Some(i);
+            rec.output_tokens = Some(o);
+        }
+        self.state.metrics.calls.with_label_values(&[outcome]).inc();
+        tracing::info!(
+            run_id = %rec.run_id, status = rec.status, outcome, streamed = rec.streamed,
+            input_tokens = ?rec.input_tokens, output_tokens = ?rec.output_tokens, latency_ms = rec.latency_ms,
+            "LLM call"
+        );
+        self.state.audit.write(rec);
+        let _ = &self.billing;
+    }
+}
+
+impl Drop for CallFinisher {
+    fn drop(&mut self) {
+        // The gateway went away mid-answer (abort): the upstream stream is dropped with us.
+        self.finish("client_closed", None);
+    }
+}
+
+/// A streamed answer passed through as it arrives, metered on the way.
+struct MeteredStream {
+    inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>>>>,
+    scanner: UsageScanner,
+    finisher: CallFinisher,
+}
+
+impl Stream for MeteredStream {
+    type Item = Result<Bytes, actix_web::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.inner.as_mut().poll_next(cx) {
+            Poll::Ready(Some(Ok(bytes))) => {
+                if let Some((i, o)) = self.scanner.feed(&bytes) {
+                    // Counted before the bytes go on: the gateway cannot finish the run before it.
+                    self.finisher.billing.add_usage(i, o);
+                    self.finisher.state.metrics.tokens.with_label_values(&["input"]).inc_by(i);
+                    self.finisher.state.metrics.tokens.with_label_values(&["output"]).inc_by(o);
+                }
+                Poll::Ready(Some(Ok(bytes)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                let usage = self.scanner.usage;
+                self.finisher.finish("upstream_error", usage);
+                Poll::Ready(Some(Err(actix_web::error::ErrorBadGateway(format!("upstream stream failed: {e}")))))
+            }
+            Poll::Ready(None) => {
+                let usage = self.scanner.usage;
+                let status = self.finisher.record.as_ref().map_or(0, |r| r.status);
+                self.finisher.finish(if (200..300).contains(&status) { "ok" } else { "upstream_error" }, usage);
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Every `/v1/*` call.
+pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<ProxyState>) -> HttpResponse {
+    let path_and_query = req.uri().path_and_query().map_or_else(|| req.path().to_owned(), |p| p.as_str().to_owned());
+    // The model list is not an LLM call and bills nothing: forwarded without attribution.
+    let is_model_list = req.method() == actix_web::http::Method::GET && req.path() == "/v1/models";
+    let traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok());
+    let billing = match trace_id_of(traceparent) {
+        Some(trace) => match state.attributions.lookup(&trace) {
+            Some(b) => Some(b),
+            None if is_model_list => None,
+            None => {
+                return refuse(&state, "unknown_trace", format!("trace id {trace} belongs to no live clawmux run; LLM calls are only forwarded for live runs"))
+            }
+        },
+        None if is_model_list => None,
+        None => return refuse(&state, "no_traceparent", "the call carries no valid W3C traceparent; it cannot be attributed to a run".to_owned()),
+    };
+
+    let body = match read_limited(body, MAX_REQUEST_BYTES).await {
+        Ok(b) => b,
+        Err(resp) => {
+            state.metrics.refusals.with_label_values(&["body_too_large"]).inc();
+            return resp;
+        }
+    };
+    let incoming: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str().to_ascii_lowercase(), v.to_owned())))
+        .collect();
+    let url = upstream_url(&state.upstream, &path_and_query);
+    let method = match reqwest::Method::from_bytes(req.method().as_str().as_bytes()) {
+        Ok(m) => m,
+        Err(_) => return HttpResponse::MethodNotAllowed().finish(),
+    };
+
+    let Some(billing) = billing else {
+        // Model list: forward with the upstream key, nothing billed.
+        let mut r = state.client.request(method, &url);
+        if let Some(k) = &state.key {
+            r = r.bearer_auth(k.expose());
+        }
+        return match r.send().await {
+            Ok(resp) => relay_buffered(resp).await,
+            Err(e) => HttpResponse::BadGateway().json(serde_json::json!({"error": {"code": "upstream_unreachable", "message": e.to_string()}})),
+        };
+    };
+
+    // Headers a fork gateway set per session: they must agree with the trace, or we say so.
+    for (name, expected) in [("x-litellm-end-user-id", &billing.billing_account_id), ("x-cogni-run-id", &billing.run_id)] {
+        if let Some((_, given)) = incoming.iter().find(|(k, _)| k == name) {
+            if given != expected {
+                state.metrics.disagreements.inc();
+                tracing::warn!(header = name, given = %given, attributed = %expected, run_id = %billing.run_id,
+                    "incoming billing header disagrees with the trace attribution; the trace wins");
+            }
+        }
+    }
+
+    let parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+    let model = parsed.as_ref().and_then(|v| v.get("model")).and_then(|m| m.as_str()).map(str::to_owned);
+    let streamed = parsed.as_ref().and_then(|v| v.get("stream")).and_then(serde_json::Value::as_bool).unwrap_or(false);
+    billing.llm_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+
+    let mut r = state.client.request(method, &url).body(body);
+    for (k, v) in upstream_headers(&incoming, &billing, state.key.as_ref()) {
+        r = r.header(k, v);
+    }
+    let started = Instant::now();
+    let mut finisher = CallFinisher {
+        state: state.clone(),
+        billing: billing.clone(),
+        record: Some(AuditRecord {
+            time: now_rfc3339(),
+            run_id: billing.run_id.clone(),
+            billing_account_id: billing.billing_account_id.clone(),
+            model,
+            path: req.path().to_owned(),
+            status: 0,
+            outcome: String::new(),
+            latency_ms: 0,
+            streamed,
+            input_tokens: None,
+            output_tokens: None,
+            upstream_call_id: None,
+        }),
+        started,
+    };
+    let resp = match r.send().await {
+        Ok(resp) => resp,
+        Err(e) => {
+            finisher.finish("unreachable", None);
+            return HttpResponse::BadGateway()
+                .json(serde_json::json!({"error": {"code": "upstream_unreachable", "message": format!("the LLM upstream is unreachable: {e}")}}));
+        }
+    };
+    state.metrics.upstream_latency.observe(started.elapsed().as_secs_f64());
+    let status = resp.status().as_u16();
+    let call_id = resp.headers().get("x-litellm-call-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    if let Some(rec) = finisher.record.as_mut() {
+        rec.status = status;
+        rec.upstream_call_id = call_id;
+    }
+    let mut out = HttpResponse::build(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY));
+    for (k, v) in resp.headers() {
+        let name = k.as_str();
+        if !DROPPED.contains(&name) {
+            out.insert_header((name, v.as_bytes()));
+        }
+    }
+    let is_sse = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).is_some_and(|ct| ct.starts_with("text/event-stream"));
+    if is_sse {
+        let stream = MeteredStream { inner: Box::pin(resp.bytes_stream()), scanner: UsageScanner::default(), finisher };
+        return out.streaming(stream);
+    }
+    match read_response_limited(resp, MAX_BUFFERED_RESPONSE).await {
+        Ok(bytes) => {
+            let usage = serde_json::from_slice::<serde_json::Value>(&bytes).ok().as_ref().and_then(usage_of);
+            if let Some((i, o)) = usage {
+                billing.add_usage(i, o);
+                state.metrics.tokens.with_label_values(&["input"]).inc_by(i);
+                state.metrics.tokens.with_label_values(&["output"]).inc_by(o);
+            }
+            finisher.finish(if (200..300).contains(&status) { "ok" } else { "upstream_error" }, usage);
+            out.body(bytes)
+        }
+        Err(e) => {
+            finisher.finish("upstream_error", None);
+            HttpResponse::BadGateway().json(serde_json::json!({"error": {"code": "upstream_error", "message": e}}))
+        }
+    }
+}
+
+async fn relay_buffered(resp: reqwest::Response) -> HttpResponse {
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let ct = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("application/json").to_owned();
+    match read_response_limited(resp, MAX_BUFFERED_RESPONSE).await {
+        Ok(b) => HttpResponse::build(status).content_type(ct).body(b),
+        Err(e) => HttpResponse::BadGateway().json(serde_json::json!({"error": {"code": "upstream_error", "message": e}})),
+    }
+}
+
+async fn read_response_limited(resp: reqwest::Response, limit: usize) -> Result<Bytes, String> {
+    use futures_util::StreamExt;
+    let mut out = bytes::BytesMut::new();
+    let mut s = resp.bytes_stream();
+    while let Some(chunk) = s.next().await {
+        let chunk = chunk.map_err(|e| format!("reading the upstream answer failed: {e}"))?;
+        if out.len() + chunk.len() > limit {
+            return Err(format!("the upstream answer exceeds {limit} bytes"));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
+}
+
+async fn read_limited(mut payload: web::Payload, limit: usize) -> Result<Bytes, HttpResponse> {
+    use futures_util::StreamExt;
+    let mut out = bytes::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| HttpResponse::BadRequest().json(serde_json::json!({"error": {"code": "invalid_request", "message": e.to_string()}})))?;
+        if out.len() + chunk.len() > limit {
+            return Err(HttpResponse::PayloadTooLarge()
+                .json(serde_json::json!({"error": {"code": "payload_too_large", "message": format!("request body exceeds {limit} bytes")}})));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
+}
+
+/// The proxy's routes.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.service(web::resource("/v1/{tail:.*}").to(forward)).default_service(web::to(|| async {
+        HttpResponse::NotFound().json(serde_json::json!({"error": {"code": "not_found", "message": "the LLM proxy serves /v1/* only"}}))
+    }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn billing() -> RunBilling {
+        RunBilling::new("run-1", "acct-1", "sandbox:openclaw", "agent:main:acct-1:run-1", "0af7651916cd43dd8448eb211c80319c")
+    }
+
+    #[test]
+    fn forged_billing_headers_and_auth_are_replaced() {
+        let incoming = vec![
+            ("authorization".to_owned(), "Bearer gateway-provider-key".to_owned()),
+            ("x-litellm-end-user-id".to_owned(), "someone-else".to_owned()),
+            ("X-LiteLLM-Spend-Logs-Metadata".to_owned(), "{\"run_id\":\"forged\"}".to_owned()),
+            ("x-cogni-run-id".to_owned(), "forged".to_owned()),
+            ("x-litellm-api-key".to_owned(), "sk-forged".to_owned()),
+            ("traceparent".to_owned(), "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_owned()),
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("connection".to_owned(), "keep-alive".to_owned()),
+        ];
+        let out = upstream_headers(&incoming, &billing(), Some(&Secret::new("sk-upstream")));
+        let get = |k: &str| out.iter().filter(|(n, _)| n.eq_ignore_ascii_case(k)).map(|(_, v)| v.as_str()).collect::<Vec<_>>();
+        assert_eq!(get("authorization"), ["Bearer sk-upstream"]);
+        assert_eq!(get("x-litellm-end-user-id"), ["acct-1"]);
+        assert_eq!(get("x-cogni-run-id"), ["run-1"]);
+        assert_eq!(get("x-litellm-api-key"), Vec::<&str>::new());
+        assert_eq!(get("connection"), Vec::<&str>::new());
+        assert_eq!(get("traceparent").len(), 1, "the trace goes on upstream");
+        let meta: serde_json::Value = serde_json::from_str(get("x-litellm-spend-logs-metadata")[0]).expect("json");
+        assert_eq!(meta["run_id"], "run-1");
+    }
+
+    #[test]
+    fn trace_ids_are_read_only_from_valid_traceparents() {
+        assert_eq!(trace_id_of(Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")).as_deref(), Some("0af7651916cd43dd8448eb211c80319c"));
+        assert_eq!(trace_id_of(Some("garbage")), None);
+        assert_eq!(trace_id_of(None), None);
+    }
+
+    #[test]
+    fn usage_is_found_across_chunk_boundaries() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"completion_tokens\":7,\"total_tokens\":127}}\n\ndata: [DONE]\n\n";
+        for split in 1..stream.len() {
+            let mut s = UsageScanner::default();
+            let mut found = None;
+            for part in [&stream.as_bytes()[..split], &stream.as_bytes()[split..]] {
+                if let Some(u) = s.feed(part) {
+                    found = Some(u);
+                }
+            }
+            assert_eq!(found, Some((120, 7)), "split at {split}");
+        }
+    }
+
+    #[test]
+    fn content_mentioning_usage_is_not_usage() {
+        let mut s = UsageScanner::default();
+        assert_eq!(s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"the \\\"usage\\\" field\"}}]}\n"), None);
+    }
+
+    #[test]
+    fn upstream_urls_join_roots_and_v1_roots() {
+        assert_eq!(upstream_url("http://litellm:4000", "/v1/chat/completions"), "http://litellm:4000/v1/chat/completions");
+        assert_eq!(upstream_url("http://litellm:4000/", "/v1/models"), "http://litellm:4000/v1/models");
+        assert_eq!(upstream_url("http://127.0.0.1:9/v1", "/v1/chat/completions?x=1"), "http://127.0.0.1:9/v1/chat/completions?x=1");
+    }
+}
