@@ -1,4 +1,4 @@
-//! The command line: `serve`, `demo`, `replay-gateway`, `doctor`.
+//! The command line: `serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`.
 
 use crate::config::{Config, LogFormat};
 use crate::server;
@@ -52,12 +52,68 @@ pub enum Command {
         #[arg(long, env = "CLAWMUX_REPLAY_TOKEN", hide_env_values = true)]
         token: Option<String>,
     },
+    /// Load driver: N runs at concurrency C, each with a unique marker; checks isolation and
+    /// prints throughput and latency percentiles. Exit 0 when every run ended `final` with no
+    /// violation, 1 otherwise, 2 on bad arguments.
+    Load {
+        /// clawmux base URL, e.g. http://127.0.0.1:8787 (required unless --direct per-call).
+        #[arg(long)]
+        target: Option<String>,
+        /// Runs to start.
+        #[arg(long)]
+        runs: usize,
+        /// Runs in flight at once.
+        #[arg(long)]
+        concurrency: usize,
+        /// clawmux API bearer token (default: CLAWMUX_API_TOKEN).
+        #[arg(long, env = "CLAWMUX_API_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Message of every run; a unique marker `load-<uuid>` is put in front of it.
+        #[arg(long, default_value = "clawmux load test")]
+        message: String,
+        /// Model of every run (e.g. cogni/fake-model).
+        #[arg(long)]
+        model: Option<String>,
+        /// Billing account of the runs.
+        #[arg(long, default_value = "load")]
+        account: String,
+        /// Per-run timeout in seconds (sent as timeoutSec).
+        #[arg(long, default_value_t = 120)]
+        timeout_sec: u64,
+        /// Bound on the whole load in seconds: then runs in flight are dropped and the report
+        /// says interrupted.
+        #[arg(long)]
+        deadline_sec: Option<u64>,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Drive the gateway directly with the connection-per-call design instead of clawmux.
+        #[arg(long, value_enum, requires = "gateway")]
+        direct: Option<DirectDesign>,
+        /// Gateway ws:// URL for --direct.
+        #[arg(long)]
+        gateway: Option<String>,
+        /// Gateway token for --direct (default: CLAWMUX_GATEWAY_TOKEN).
+        #[arg(long, env = "CLAWMUX_GATEWAY_TOKEN", hide_env_values = true)]
+        gateway_token: Option<String>,
+        /// No progress bar (it is also hidden when stderr is not a terminal).
+        #[arg(long)]
+        no_progress: bool,
+    },
     /// Print the effective configuration (secrets redacted) and check the gateway.
     Doctor {
         /// TOML configuration file.
         #[arg(long)]
         config: Option<PathBuf>,
     },
+}
+
+/// Designs `clawmux load --direct` can drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DirectDesign {
+    /// The reference client: a new connection + handshake for `sessions.patch`, another for
+    /// `agent`, broadcast events filtered fail-closed by sessionKey and runId.
+    PerCall,
 }
 
 /// Process exit codes.
@@ -131,6 +187,49 @@ pub fn main() -> i32 {
                 crate::replay::run_standalone(listen, rc).await
             })
         }
+        Command::Load {
+            target,
+            runs,
+            concurrency,
+            token,
+            message,
+            model,
+            account,
+            timeout_sec,
+            deadline_sec,
+            json,
+            direct,
+            gateway,
+            gateway_token,
+            no_progress,
+        } => {
+            let mode = match (direct, gateway) {
+                (Some(DirectDesign::PerCall), Some(gateway)) => crate::load::Mode::PerCall { gateway, token: gateway_token },
+                _ => crate::load::Mode::Clawmux,
+            };
+            let target = match (target, &mode) {
+                (Some(t), _) => t,
+                (None, crate::load::Mode::PerCall { .. }) => String::from("http://unused"),
+                (None, crate::load::Mode::Clawmux) => {
+                    eprintln!("clawmux load: --target URL is required (or --direct per-call --gateway WS_URL)");
+                    return exit::CONFIG;
+                }
+            };
+            let cfg = crate::load::LoadConfig {
+                target,
+                runs,
+                concurrency,
+                token,
+                message,
+                model,
+                account,
+                timeout: Duration::from_secs(timeout_sec),
+                deadline: deadline_sec.map(Duration::from_secs),
+                mode,
+                progress: !no_progress,
+            };
+            load(cfg, json)
+        }
         Command::Doctor { config } => {
             let cfg = match load_config(config.as_ref()) {
                 Ok(c) => c,
@@ -138,6 +237,63 @@ pub fn main() -> i32 {
             };
             run_system_code(doctor(cfg))
         }
+    }
+}
+
+/// `clawmux load` on a multi-threaded runtime (the driver has no actors; it wants both cores).
+fn load(cfg: crate::load::LoadConfig, json: bool) -> i32 {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("clawmux load: cannot start the runtime: {e}");
+            return exit::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            if wait_for_stop_signal().await.is_ok() {
+                stop_tx.send_replace(true);
+            }
+        });
+        match crate::load::run_until(cfg, stop_rx).await {
+            Ok(report) => {
+                if json {
+                    println!("{}", report.to_json());
+                } else {
+                    print!("{}", report.to_text());
+                }
+                if report.all_good() {
+                    exit::OK
+                } else {
+                    exit::FAILURE
+                }
+            }
+            Err(e @ crate::load::LoadError::Config(_)) => {
+                eprintln!("clawmux load: {e}");
+                exit::CONFIG
+            }
+            Err(e) => {
+                eprintln!("clawmux load: {e}");
+                exit::FAILURE
+            }
+        }
+    })
+}
+
+/// SIGINT or SIGTERM.
+async fn wait_for_stop_signal() -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r,
+            _ = term.recv() => Ok(()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await
     }
 }
 

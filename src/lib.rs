@@ -14,7 +14,8 @@
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
 //!   - [`server`]: wiring and graceful shutdown.
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
-//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`).
+//!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
+//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`).
 
 pub mod agents;
 pub mod api;
@@ -23,6 +24,7 @@ pub mod audit;
 pub mod cli;
 
 pub mod config;
+pub mod load;
 pub mod proxy;
 pub mod replay;
 pub mod request;
