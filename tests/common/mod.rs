@@ -171,3 +171,63 @@ pub fn new_traceparent() -> (String, String) {
     let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
     (trace.clone(), format!("00-{trace}-{span}-01"))
 }
+
+/// The project's fake LLM (tests/support/fake_llm.py) as a child process; killed on drop.
+pub struct FakeLlm {
+    child: std::process::Child,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// Its request log (JSON lines).
+    pub log: std::path::PathBuf,
+}
+
+impl FakeLlm {
+    /// Starts it with a fresh log in `dir`.
+    pub fn start(dir: &std::path::Path) -> Self {
+        std::fs::create_dir_all(dir).expect("dir");
+        let port_file = dir.join("llm.port");
+        let log = dir.join("llm-requests.jsonl");
+        let child = std::process::Command::new("python3")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/fake_llm.py"))
+            .env("FAKE_LLM_PORT", "0")
+            .env("FAKE_LLM_PORT_FILE", &port_file)
+            .env("FAKE_LLM_LOG", &log)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("python3 runs the fake LLM");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let port = loop {
+            if let Some(p) = std::fs::read_to_string(&port_file).ok().and_then(|s| s.trim().parse::<u16>().ok()) {
+                break p;
+            }
+            assert!(std::time::Instant::now() < deadline, "the fake LLM did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Self { child, port, log }
+    }
+
+    /// Its base URL (root).
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Every logged line.
+    pub fn entries(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.log).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+}
+
+impl Drop for FakeLlm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A fresh temporary directory under the system temp dir.
+pub fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("clawmux-test-{tag}-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
