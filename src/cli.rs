@@ -51,6 +51,16 @@ pub enum Command {
         /// Required token (default: read CLAWMUX_REPLAY_TOKEN; none = accept any).
         #[arg(long, env = "CLAWMUX_REPLAY_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// Re-cut every track's answer into N streamed deltas (load tests: frames per run).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        deltas: Option<u32>,
+        /// Interval of `tick` events in ms (the real gateway: 30000).
+        #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+        tick_interval_ms: u64,
+        /// Also serve the counters (connections, handshakes, frames and bytes sent per connection
+        /// and in total) as JSON at http://ADDR/stats.
+        #[arg(long)]
+        stats_listen: Option<SocketAddr>,
     },
     /// Load driver: N runs at concurrency C, each with a unique marker; checks isolation and
     /// prints throughput and latency percentiles. Exit 0 when every run ended `final` with no
@@ -171,7 +181,7 @@ pub fn main() -> i32 {
             init_tracing(&cfg);
             run_system(demo(cfg, speed))
         }
-        Command::ReplayGateway { cassette, listen, speed, protocol, token } => {
+        Command::ReplayGateway { cassette, listen, speed, protocol, token, deltas, tick_interval_ms, stats_listen } => {
             let cfg = Config::default();
             init_tracing(&cfg);
             run_system(async move {
@@ -180,11 +190,15 @@ pub fn main() -> i32 {
                     None => crate::replay::Cassette::bundled(),
                 }
                 .map_err(std::io::Error::other)?;
-                let mut rc = crate::replay::ReplayConfig::new(cassette).speed(speed).protocol(protocol);
+                let mut rc = crate::replay::ReplayConfig::new(cassette)
+                    .speed(speed)
+                    .protocol(protocol)
+                    .tick_interval_ms(tick_interval_ms)
+                    .deltas_override(deltas.map(|n| n as usize));
                 if let Some(t) = token {
                     rc = rc.token(t);
                 }
-                crate::replay::run_standalone(listen, rc).await
+                crate::replay::run_standalone(listen, rc, stats_listen).await
             })
         }
         Command::Load {

@@ -233,15 +233,114 @@ impl ReplayHandle {
 }
 
 /// `clawmux replay-gateway`: serves until ctrl-c (or SIGTERM), printing the URL to connect to.
-pub async fn run_standalone(listen: SocketAddr, cfg: ReplayConfig) -> io::Result<()> {
+/// With `stats_listen`, also serves the counters as JSON (`GET /stats`, see [`stats_json`]).
+pub async fn run_standalone(listen: SocketAddr, cfg: ReplayConfig, stats_listen: Option<SocketAddr>) -> io::Result<()> {
     let tracks: Vec<String> = cfg.cassette.tracks.iter().map(|t| t.name.clone()).collect();
     let source = cfg.cassette.source.clone();
     let protocol = cfg.protocol;
     let gw = ReplayGateway::start(listen, cfg)?;
     println!("replay gateway ({source}, protocol {protocol}, tracks: {}) listening on {}", tracks.join(", "), gw.url());
+    let stats_task = match stats_listen {
+        Some(addr) => {
+            let (bound, task) = start_stats_server(addr, gw.clone())?;
+            println!("replay gateway stats on http://{bound}/stats");
+            Some(task)
+        }
+        None => None,
+    };
     wait_for_signal().await?;
+    if let Some(t) = stats_task {
+        t.abort();
+    }
     gw.stop().await;
     Ok(())
+}
+
+/// The counters as one JSON object: totals since start (`framesSent`, `bytesSent`,
+/// `eventsSent` by name, connections opened and open, handshakes) and every listed connection
+/// (`connId`, `open`, `handshaken`, `sessionScoped`, `framesSent`, `bytesSent`, `eventsSent`).
+/// Benchmarks read it before and after a load and compare client designs by the difference.
+pub fn stats_json(stats: &ReplayStats) -> serde_json::Value {
+    let conns: Vec<serde_json::Value> = stats
+        .connections
+        .iter()
+        .map(|c| {
+            json!({
+                "connId": c.conn_id, "open": c.open, "handshaken": c.handshaken, "scopes": c.scopes,
+                "sessionScoped": c.session_scoped, "framesSent": c.frames_sent, "bytesSent": c.bytes_sent,
+                "eventsSent": c.events_sent,
+            })
+        })
+        .collect();
+    json!({
+        "connectionsOpened": stats.connections_opened,
+        "connectionsCurrent": stats.connections_current,
+        "handshakesOk": stats.handshakes_ok,
+        "handshakesFailed": stats.handshakes_failed,
+        "framesSent": stats.frames_sent,
+        "bytesSent": stats.bytes_sent,
+        "eventsSent": stats.events_sent,
+        "connections": conns,
+    })
+}
+
+/// Largest request head the stats server reads.
+const STATS_MAX_REQUEST: usize = 8 * 1024;
+/// How long a stats client may take to send its request.
+const STATS_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serves `GET /stats` (JSON, [`stats_json`]) on `addr` until the task is aborted. A plain
+/// HTTP/1.1 responder (one request per connection, `Connection: close`): the bench script and
+/// tests only need `curl`, and a web framework would add threads to the process being measured.
+pub fn start_stats_server(addr: SocketAddr, gw: ReplayHandle) -> io::Result<(SocketAddr, JoinHandle<()>)> {
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| io::Error::other("the stats server must start within a tokio runtime"))?;
+    let std_listener = std::net::TcpListener::bind(addr)?;
+    std_listener.set_nonblocking(true)?;
+    let bound = std_listener.local_addr()?;
+    let listener = {
+        let _guard = runtime.enter();
+        tokio::net::TcpListener::from_std(std_listener)?
+    };
+    let task = runtime.spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
+            let gw = gw.clone();
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(STATS_READ_TIMEOUT, answer_stats(stream, &gw)).await;
+            });
+        }
+    });
+    Ok((bound, task))
+}
+
+async fn answer_stats(mut stream: tokio::net::TcpStream, gw: &ReplayHandle) -> io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < STATS_MAX_REQUEST {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut parts = head.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+    let (status, body) = match (method, path.split('?').next().unwrap_or_default()) {
+        ("GET", "/stats") => ("200 OK", stats_json(&gw.stats()).to_string()),
+        ("GET", _) => ("404 Not Found", json!({"error": {"code": "not_found", "message": "only GET /stats is served here"}}).to_string()),
+        _ => ("405 Method Not Allowed", json!({"error": {"code": "method_not_allowed", "message": "use GET /stats"}}).to_string()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
 }
 
 #[cfg(unix)]
@@ -256,4 +355,35 @@ async fn wait_for_signal() -> io::Result<()> {
 #[cfg(not(unix))]
 async fn wait_for_signal() -> io::Result<()> {
     tokio::signal::ctrl_c().await
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod stats_tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    #[tokio::test]
+    async fn stats_endpoint_reports_totals_and_connections() {
+        let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0)).unwrap();
+        let (addr, task) = start_stats_server("127.0.0.1:0".parse().unwrap(), gw.clone()).unwrap();
+        // One socket: the gateway sends it the challenge.
+        let (mut ws, _) = tokio_tungstenite::connect_async(gw.url()).await.unwrap();
+        let first = tokio::time::timeout(std::time::Duration::from_secs(5), ws.next()).await.unwrap().unwrap().unwrap();
+        let challenge_len = first.into_text().unwrap().len() as u64;
+        let http = reqwest::Client::new();
+        let v: serde_json::Value = http.get(format!("http://{addr}/stats")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(v["connectionsOpened"], 1);
+        assert_eq!(v["framesSent"], 1);
+        assert_eq!(v["bytesSent"], challenge_len);
+        assert_eq!(v["eventsSent"]["connect.challenge"], 1);
+        assert_eq!(v["connections"][0]["framesSent"], 1);
+        assert_eq!(v["connections"][0]["handshaken"], false);
+        let r = http.get(format!("http://{addr}/other")).send().await.unwrap();
+        assert_eq!(r.status(), 404);
+        let r = http.post(format!("http://{addr}/stats")).send().await.unwrap();
+        assert_eq!(r.status(), 405);
+        task.abort();
+        gw.stop().await;
+    }
 }

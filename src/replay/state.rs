@@ -130,6 +130,13 @@ pub struct ReplayStats {
     pub handshakes_failed: u64,
     /// Every connection in accept order (closed ones too, the last 1024 of them).
     pub connections: Vec<ConnStats>,
+    /// Text frames written since start, all connections (including ones no longer listed):
+    /// what a benchmark compares between client designs.
+    pub frames_sent: u64,
+    /// Bytes of those frames.
+    pub bytes_sent: u64,
+    /// Events written since start by event name, all connections.
+    pub events_sent: BTreeMap<String, u64>,
 }
 
 impl ReplayStats {
@@ -280,6 +287,12 @@ pub(crate) struct Totals {
     pub handshakes_ok: u64,
     /// Connects refused or timed out.
     pub handshakes_failed: u64,
+    /// Text frames written, all sockets (closed ones too, even after their stats were trimmed).
+    pub frames_sent: u64,
+    /// Bytes of those frames.
+    pub bytes_sent: u64,
+    /// Events written, by name, all sockets.
+    pub events_sent: BTreeMap<String, u64>,
 }
 
 /// Everything mutable.
@@ -410,6 +423,16 @@ impl State {
 
     /// Counts a frame the socket task has written.
     pub fn count_sent(&mut self, key: ConnKey, bytes: usize, event: Option<&str>) {
+        self.totals.frames_sent += 1;
+        self.totals.bytes_sent += bytes as u64;
+        if let Some(name) = event {
+            match self.totals.events_sent.get_mut(name) {
+                Some(n) => *n += 1,
+                None => {
+                    self.totals.events_sent.insert(name.to_owned(), 1);
+                }
+            }
+        }
         if let Some(s) = self.stats.get_mut(&key) {
             s.frames_sent += 1;
             s.bytes_sent += bytes as u64;
@@ -491,6 +514,9 @@ impl State {
             handshakes_ok: self.totals.handshakes_ok,
             handshakes_failed: self.totals.handshakes_failed,
             connections: self.stats_order.iter().filter_map(|k| self.stats.get(k).cloned()).collect(),
+            frames_sent: self.totals.frames_sent,
+            bytes_sent: self.totals.bytes_sent,
+            events_sent: self.totals.events_sent.clone(),
         }
     }
 
