@@ -245,3 +245,157 @@ async fn live_killing_the_gateway_mid_run_ends_every_run_and_new_runs_succeed_af
     assert!(reconnects >= 2.0, "expected a reconnect, saw {reconnects} connects");
     clawmux::server::shutdown(&running).await;
 }
+
+// -------------------------------------------------------------------------------------------------
+// Billing attribution: the gateway's model provider points at clawmux's LLM proxy (tests/run.sh
+// starts a second gateway with PROVIDER_BASE_URL=http://127.0.0.1:$PROXY_PORT/v1 and passes its env
+// file as CLAWMUX_BILLING_GATEWAY_ENV); the fake LLM is the proxy's upstream.
+// -------------------------------------------------------------------------------------------------
+
+struct BillingGateway {
+    gw: Gateway,
+    proxy_port: u16,
+    llm_port: u16,
+    gateway_pid: String,
+}
+
+fn billing_gateway() -> Option<BillingGateway> {
+    let Ok(path) = std::env::var("CLAWMUX_BILLING_GATEWAY_ENV") else {
+        assert!(
+            std::env::var("CLAWMUX_REQUIRE_REAL_GATEWAY").as_deref() != Ok("1"),
+            "CLAWMUX_REQUIRE_REAL_GATEWAY=1 but CLAWMUX_BILLING_GATEWAY_ENV is not set: run tests/run.sh"
+        );
+        eprintln!("billing gateway not started (run tests/run.sh); skipping");
+        return None;
+    };
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    let env: HashMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
+    let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("{path} lacks {k}")).to_string();
+    Some(BillingGateway {
+        gw: Gateway { url: get("GATEWAY_URL"), token: get("GATEWAY_TOKEN"), llm_log: get("LLM_LOG"), run_dir: get("RUN_DIR") },
+        proxy_port: get("PROXY_PORT").parse().expect("PROXY_PORT"),
+        llm_port: get("LLM_PORT").parse().expect("LLM_PORT"),
+        gateway_pid: get("GATEWAY_PID"),
+    })
+}
+
+#[actix_rt::test]
+async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_run() {
+    let Some(b) = billing_gateway() else { return };
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
+    let running = start_clawmux(&b.gw.url, Some(&b.gw.token), |cfg| {
+        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], b.proxy_port));
+        cfg.llm_upstream_url = Some(format!("http://127.0.0.1:{}", b.llm_port));
+        cfg.llm_upstream_key = Some(clawmux::config::Secret::new(key.clone()));
+        cfg.audit_dir = audit_dir.clone();
+    })
+    .await;
+    let base = base(&running);
+    let c = client();
+    wait_ready(&c, &base, Duration::from_secs(30)).await;
+
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let mut runs = Vec::new();
+    for i in 0..8 {
+        let account = format!("acct-bill-{}", i % 4);
+        let marker = format!("BILL{tag}R{i}X");
+        let run_id = format!("run-{marker}").to_lowercase();
+        // TOOL: the fake LLM first asks for an `exec` tool call, then answers: two LLM calls per run.
+        let body = json!({"message": format!("TOOL:{marker} billing check {marker}"), "billingAccountId": account, "runId": run_id});
+        let c = c.clone();
+        let base = base.clone();
+        runs.push(tokio::spawn(async move {
+            let resp = post_sse(&c, &base, &body, &[]).await;
+            let mut sse = SseReader::new(resp);
+            let t = sse.terminal(Duration::from_secs(120)).await.expect("terminal");
+            (marker, account, run_id, t, sse.events)
+        }));
+    }
+    let mut all_events = String::new();
+    for r in runs {
+        let (marker, account, run_id, t, events) = r.await.expect("run");
+        assert_eq!(t.event, "final", "{marker}: {t:?}");
+        let content = t.data["content"].as_str().unwrap_or_default();
+        assert!(content.contains("after-tool"), "{marker}: the tool round trip did not happen: {content}");
+        let reqs = llm_requests_for(&b.gw, &marker);
+        assert!(reqs.len() >= 2, "{marker}: expected a tool call and a follow-up, saw {} LLM calls", reqs.len());
+        for r in &reqs {
+            let h = &r["headers"];
+            assert_eq!(h["x-litellm-end-user-id"], account.as_str(), "{marker}: billed to the wrong account");
+            assert_eq!(h["x-cogni-run-id"], run_id.as_str(), "{marker}: attributed to the wrong run");
+            let meta: Value = serde_json::from_str(h["x-litellm-spend-logs-metadata"].as_str().expect("metadata")).expect("json");
+            assert_eq!(meta["run_id"], run_id.as_str());
+            assert_eq!(h["authorization"], format!("Bearer {key}"));
+        }
+        // No request carrying another run's marker was billed to this run.
+        let foreign: Vec<Value> = llm_log(&b.gw)
+            .into_iter()
+            .filter(|e| e["headers"]["x-cogni-run-id"] == run_id.as_str())
+            .filter(|e| !e["last_user"].as_str().unwrap_or_default().contains(&marker))
+            .collect();
+        assert!(foreign.is_empty(), "{marker}: calls of other runs billed here: {foreign:?}");
+        // Usage in the run document = the sum of what the upstream reported for this run's calls.
+        let ids: Vec<&str> = reqs.iter().filter_map(|r| r["id"].as_str()).collect();
+        let log = llm_log(&b.gw);
+        let (mut input, mut output) = (0u64, 0u64);
+        for u in log.iter().filter(|e| e["event"] == "usage" && e["id"].as_str().is_some_and(|id| ids.contains(&id))) {
+            input += u["prompt_tokens"].as_u64().unwrap_or(0);
+            output += u["completion_tokens"].as_u64().unwrap_or(0);
+        }
+        let doc = &t.data;
+        assert_eq!(doc["usage"]["source"], "proxy", "{doc}");
+        assert_eq!(doc["usage"]["llmCalls"].as_u64(), Some(reqs.len() as u64), "{doc}");
+        assert_eq!(doc["usage"]["inputTokens"].as_u64(), Some(input), "{doc}");
+        assert_eq!(doc["usage"]["outputTokens"].as_u64(), Some(output), "{doc}");
+        for e in &events {
+            all_events.push_str(&e.data.to_string());
+        }
+    }
+    // The upstream key is nowhere the gateway or a caller could see it.
+    let run_dir = std::path::Path::new(&b.gw.run_dir);
+    for f in ["openclaw.json", "gateway.log", "gateway-file.log"] {
+        let text = std::fs::read_to_string(run_dir.join(f)).unwrap_or_default();
+        assert!(!text.contains(&key), "the upstream key is in the gateway's {f}");
+    }
+    let environ = std::fs::read(format!("/proc/{}/environ", b.gateway_pid)).unwrap_or_default();
+    assert!(!String::from_utf8_lossy(&environ).contains(&key), "the upstream key is in the gateway's environment");
+    assert!(!all_events.contains(&key), "the upstream key is in an SSE event");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let audit = std::fs::read_to_string(audit_dir.join("audit.jsonl")).expect("audit log");
+    assert!(!audit.contains(&key), "the upstream key is in the audit log");
+    let recs = clawmux::audit::read_records(&audit_dir.join("audit.jsonl")).expect("records");
+    assert!(recs.len() >= 16, "every LLM call is audited: {}", recs.len());
+    clawmux::server::shutdown(&running).await;
+    let _ = std::fs::remove_dir_all(audit_dir);
+}
+
+#[actix_rt::test]
+async fn proxied_calls_without_a_live_run_are_refused() {
+    let Some(b) = billing_gateway() else { return };
+    let audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
+    let running = start_clawmux(&b.gw.url, Some(&b.gw.token), |cfg| {
+        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], b.proxy_port));
+        cfg.llm_upstream_url = Some(format!("http://127.0.0.1:{}", b.llm_port));
+        cfg.audit_dir = audit_dir.clone();
+    })
+    .await;
+    let c = client();
+    let proxy = format!("http://127.0.0.1:{}", b.proxy_port);
+    // What an agent with a shell inside the gateway container could try: call the LLM directly,
+    // claiming someone else's account.
+    let marker = format!("ROGUE{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    for tp in [None, Some(new_traceparent().1)] {
+        let mut r = c
+            .post(format!("{proxy}/v1/chat/completions"))
+            .header("x-litellm-end-user-id", "acct-bill-0")
+            .json(&json!({"model": "fake-model", "stream": true, "messages": [{"role": "user", "content": marker}]}));
+        if let Some(tp) = tp {
+            r = r.header("traceparent", tp);
+        }
+        assert_eq!(r.send().await.expect("call").status(), 403);
+    }
+    assert!(llm_requests_for(&b.gw, &marker).is_empty(), "a refused call reached the upstream");
+    clawmux::server::shutdown(&running).await;
+    let _ = std::fs::remove_dir_all(audit_dir);
+}
