@@ -110,6 +110,34 @@ pub enum Command {
         #[arg(long)]
         no_progress: bool,
     },
+    /// Record runs from a real gateway into a cassette (docs/cassette.md): one track per
+    /// --message. The token and the challenge nonce are never written.
+    Record {
+        /// Gateway ws:// URL.
+        #[arg(long)]
+        gateway: String,
+        /// Gateway token (default: CLAWMUX_GATEWAY_TOKEN).
+        #[arg(long, env = "CLAWMUX_GATEWAY_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Cassette file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// A run's message (repeat for more runs/tracks).
+        #[arg(long = "message", required = true)]
+        messages: Vec<String>,
+        /// Track names, one per --message (default run1, run2, ...).
+        #[arg(long = "name")]
+        names: Vec<String>,
+        /// Model to patch onto each run's session (sessions.patch) first.
+        #[arg(long)]
+        model: Option<String>,
+        /// Per-run timeout in seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout_sec: u64,
+        /// Header note (how the cassette was made).
+        #[arg(long)]
+        note: Option<String>,
+    },
     /// Print the effective configuration (secrets redacted) and check the gateway.
     Doctor {
         /// TOML configuration file.
@@ -243,6 +271,41 @@ pub fn main() -> i32 {
                 progress: !no_progress,
             };
             load(cfg, json)
+        }
+        Command::Record { gateway, token, out, messages, names, model, timeout_sec, note } => {
+            let mut rc = crate::record::RecordConfig::new(gateway, messages);
+            rc.token = token;
+            rc.names = names;
+            rc.model = model;
+            rc.timeout = Duration::from_secs(timeout_sec.max(1));
+            rc.note = note;
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("clawmux record: cannot start the runtime: {e}");
+                    return exit::FAILURE;
+                }
+            };
+            match runtime.block_on(crate::record::record(&rc)).and_then(|rec| rec.write(&out).map(|()| rec)) {
+                Ok(rec) => {
+                    let summary: Vec<String> = rec
+                        .cassette
+                        .tracks
+                        .iter()
+                        .map(|t| format!("{} ({} events, final at {} ms)", t.name, t.steps.len().saturating_sub(1), t.steps.iter().map(|s| s.t_ms).max().unwrap_or(0)))
+                        .collect();
+                    println!("clawmux record: wrote {} ({}): {}", out.display(), rec.cassette.source, summary.join(", "));
+                    exit::OK
+                }
+                Err(e @ crate::record::RecordError::Config(_)) => {
+                    eprintln!("clawmux record: {e}");
+                    exit::CONFIG
+                }
+                Err(e) => {
+                    eprintln!("clawmux record: {e}");
+                    exit::FAILURE
+                }
+            }
         }
         Command::Doctor { config } => {
             let cfg = match load_config(config.as_ref()) {

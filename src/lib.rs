@@ -15,6 +15,7 @@
 //!   - [`server`]: wiring and graceful shutdown.
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
+//!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
 //!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`).
 
 pub mod agents;
@@ -25,6 +26,7 @@ pub mod cli;
 
 pub mod config;
 pub mod load;
+pub mod record;
 pub mod proxy;
 pub mod replay;
 pub mod request;

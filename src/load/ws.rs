@@ -73,22 +73,27 @@ pub struct GatewayConn {
     pub frames: u64,
     /// Bytes of those frames.
     pub bytes: u64,
+    /// The challenge nonce: kept only so that a recorder can prove it wrote it nowhere.
+    nonce: String,
 }
 
 impl GatewayConn {
-    /// Connects and handshakes. The challenge's nonce is read and dropped: it is never logged or
-    /// stored (a shared-token client does not sign it).
+    /// Connects and handshakes. The challenge's nonce is not signed (a shared-token client does
+    /// not need to) and never logged; [`GatewayConn::leaks_nonce`] checks output against it.
     pub async fn open(url: &str, params: &ConnectParams) -> Result<GatewayConn, WsError> {
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let (ws, _) = tokio::time::timeout_at(deadline, tokio_tungstenite::connect_async(url))
             .await
             .map_err(|_| WsError::Timeout("connect"))?
             .map_err(|e| WsError::Connect { url: url.to_owned(), reason: e.to_string() })?;
-        let mut conn = GatewayConn { ws, next_id: 0, hello: placeholder_hello(), frames: 0, bytes: 0 };
+        let mut conn = GatewayConn { ws, next_id: 0, hello: placeholder_hello(), frames: 0, bytes: 0, nonce: String::new() };
         // 1. The challenge.
         let first = conn.next_until(deadline, "challenge").await?;
         match first.frame {
-            Ok(Frame::Event(ev)) if matches!(ev.event, GatewayEvent::ConnectChallenge(_)) => {}
+            Ok(Frame::Event(ev)) => match ev.event {
+                GatewayEvent::ConnectChallenge(c) => conn.nonce = c.nonce,
+                _ => return Err(WsError::Handshake("the first frame was not connect.challenge".to_owned())),
+            },
             _ => return Err(WsError::Handshake("the first frame was not connect.challenge".to_owned())),
         }
         // 2. connect → hello-ok.
@@ -154,6 +159,11 @@ impl GatewayConn {
                 _ => other(&r),
             }
         }
+    }
+
+    /// True when `text` contains this connection's challenge nonce.
+    pub fn leaks_nonce(&self, text: &str) -> bool {
+        !self.nonce.is_empty() && text.contains(&self.nonce)
     }
 
     /// Closes politely, bounded: the per-call design closes every socket after its call.
