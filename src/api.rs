@@ -241,15 +241,20 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
     };
 
     let trace_id = traceparent.trace_id().to_owned();
+    let attribution_token = state.attributions.as_ref().map(|_| crate::attribution::new_token());
     // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
     if let Some(registry) = &state.attributions {
-        let billing = Arc::new(crate::attribution::RunBilling::new(
+        let mut billing = crate::attribution::RunBilling::new(
             &run.run_id,
             &run.request.billing_account_id,
             &run.graph_id,
             record.doc().session_key.as_str(),
             traceparent.trace_id(),
-        ));
+        );
+        if let Some(t) = &attribution_token {
+            billing = billing.with_token(t.clone());
+        }
+        let billing = Arc::new(billing);
         if let Err(owner) = registry.register(billing.clone()) {
             state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
             return Err(ApiError::new(
@@ -271,6 +276,7 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
         graph_id: run.graph_id.clone(),
         timeout: Duration::from_secs(run.timeout_sec),
         traceparent,
+        attribution_token,
     };
     let admitted = state.supervisor.send(StartRun { spec, sink: record.clone() }).timeout(ADMIT_TIMEOUT).await;
     let refusal = match admitted {

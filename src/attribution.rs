@@ -31,6 +31,11 @@ pub struct RunBilling {
     pub output_tokens: AtomicU64,
     /// Proxied LLM calls.
     pub llm_calls: AtomicU64,
+    /// The per-run token of protocol-3 attribution (carried in `extraSystemPrompt`).
+    pub token: Option<String>,
+    /// Cancelled when the run ends: the proxy cuts the run's in-flight LLM streams with it (on
+    /// protocol 3 this is what stops an aborted run's LLM stream).
+    pub revoked: tokio_util::sync::CancellationToken,
 }
 
 impl RunBilling {
@@ -46,7 +51,15 @@ impl RunBilling {
             input_tokens: AtomicU64::new(0),
             output_tokens: AtomicU64::new(0),
             llm_calls: AtomicU64::new(0),
+            token: None,
+            revoked: tokio_util::sync::CancellationToken::new(),
         }
+    }
+
+    /// With a protocol-3 attribution token.
+    pub fn with_token(mut self, token: String) -> Self {
+        self.token = Some(token);
+        self
     }
 
     /// `x-litellm-spend-logs-metadata`: run id, graph id, attempt, session key.
@@ -72,10 +85,41 @@ impl RunBilling {
     }
 }
 
-/// Live runs by trace id.
+/// Live runs by trace id (protocol 4) and by attribution token (protocol 3).
 #[derive(Debug, Default)]
 pub struct Attributions {
     by_trace: DashMap<String, Arc<RunBilling>>,
+    by_token: DashMap<String, Arc<RunBilling>>,
+}
+
+/// The marker the proxy looks for in a request body (see `clawmux_actors::run::attribution_prompt`).
+pub const TOKEN_MARKER: &str = "clawmux-attribution: ";
+
+/// A fresh, unguessable attribution token.
+pub fn new_token() -> String {
+    format!("cmx-{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
+}
+
+/// The attribution tokens named in a request body (raw bytes; JSON escaping does not touch them).
+pub fn tokens_in(body: &[u8]) -> Vec<String> {
+    let marker = TOKEN_MARKER.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i + marker.len() <= body.len() {
+        if &body[i..i + marker.len()] == marker {
+            let start = i + marker.len();
+            let end = body[start..].iter().position(|b| !(b.is_ascii_alphanumeric() || *b == b'-')).map_or(body.len(), |p| start + p);
+            if let Ok(t) = std::str::from_utf8(&body[start..end]) {
+                if t.starts_with("cmx-") && !out.iter().any(|o| o == t) {
+                    out.push(t.to_owned());
+                }
+            }
+            i = end;
+        } else {
+            i += 1;
+        }
+    }
+    out
 }
 
 impl Attributions {
@@ -87,12 +131,20 @@ impl Attributions {
     /// Registers a live run; refuses when another live run already owns the trace id.
     pub fn register(&self, billing: Arc<RunBilling>) -> Result<(), String> {
         match self.by_trace.entry(billing.trace_id.clone()) {
-            dashmap::mapref::entry::Entry::Occupied(o) => Err(o.get().run_id.clone()),
+            dashmap::mapref::entry::Entry::Occupied(o) => return Err(o.get().run_id.clone()),
             dashmap::mapref::entry::Entry::Vacant(v) => {
-                v.insert(billing);
-                Ok(())
+                v.insert(billing.clone());
             }
         }
+        if let Some(t) = &billing.token {
+            self.by_token.insert(t.clone(), billing.clone());
+        }
+        Ok(())
+    }
+
+    /// The live run owning an attribution token.
+    pub fn lookup_token(&self, token: &str) -> Option<Arc<RunBilling>> {
+        self.by_token.get(token).map(|b| b.clone())
     }
 
     /// The live run owning `trace_id`.
@@ -102,7 +154,12 @@ impl Attributions {
 
     /// Forgets a run (it ended). Only removes the entry if it still belongs to `run_id`.
     pub fn unregister(&self, trace_id: &str, run_id: &str) {
-        self.by_trace.remove_if(trace_id, |_, b| b.run_id == run_id);
+        if let Some((_, b)) = self.by_trace.remove_if(trace_id, |_, b| b.run_id == run_id) {
+            if let Some(t) = &b.token {
+                self.by_token.remove(t);
+            }
+            b.revoked.cancel();
+        }
     }
 
     /// Number of live runs.
@@ -130,6 +187,21 @@ mod tests {
         assert!(a.lookup("t1").is_some(), "only the owner can unregister");
         a.unregister("t1", "r1");
         assert!(a.lookup("t1").is_none());
+    }
+
+    #[test]
+    fn tokens_are_found_in_bodies_and_revoked_with_the_run() {
+        let a = Attributions::new();
+        let tok = new_token();
+        let b = Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1").with_token(tok.clone()));
+        a.register(b.clone()).expect("register");
+        let body = format!(r#"{{"messages":[{{"role":"system","content":"... {TOKEN_MARKER}{tok}\n(Billing ...)"}}]}}"#);
+        assert_eq!(tokens_in(body.as_bytes()), vec![tok.clone()]);
+        assert_eq!(a.lookup_token(&tok).map(|b| b.run_id.clone()).as_deref(), Some("r1"));
+        assert!(tokens_in(b"no marker here").is_empty());
+        a.unregister("t1", "r1");
+        assert!(a.lookup_token(&tok).is_none());
+        assert!(b.revoked.is_cancelled());
     }
 
     #[test]

@@ -194,8 +194,14 @@ pub fn main() -> i32 {
                 return exit::CONFIG;
             };
             init_tracing(&cfg);
+            let sup = match server::supervisor_config(&cfg, &url) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("clawmux: device identity: {e}");
+                    return exit::CONFIG;
+                }
+            };
             run_system(async move {
-                let sup = server::supervisor_config(&cfg, &url);
                 let running = server::start(cfg, sup).await?;
                 tracing::info!(addr = %running.addr, gateway = %url, "clawmux listening");
                 server::run_until_signal(running).await
@@ -399,7 +405,7 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
         cfg.listen = SocketAddr::from(([127, 0, 0, 1], cfg.listen.port()));
     }
     let url = gateway.url();
-    let sup = server::supervisor_config(&cfg, &url);
+    let sup = server::supervisor_config(&cfg, &url).map_err(std::io::Error::other)?;
     let auth = if cfg.api_token.is_some() { " -H \"Authorization: Bearer $CLAWMUX_API_TOKEN\"" } else { "" };
     let running = server::start(cfg, sup).await?;
     // Wait (bounded) for the embedded gateway connection so the printed curl works at once.
@@ -421,6 +427,7 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
 }
 
 async fn doctor(cfg: Config) -> i32 {
+    use actix::Actor;
     println!("clawmux doctor\n\nEffective configuration (environment over file; secrets redacted):");
     for (k, v) in cfg.describe() {
         println!("  {k:<30} {v}");
@@ -430,58 +437,91 @@ async fn doctor(cfg: Config) -> i32 {
         println!("gateway: NOT CONFIGURED. Fix: set CLAWMUX_GATEWAY_URL to the gateway's ws:// URL.");
         return exit::CONFIG;
     };
-    let sup = server::supervisor_config(&cfg, &url);
-    let params = clawmux_protocol::ConnectParams::multiplexer(&sup.client_version, sup.token.clone());
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let probe = Probe(tx);
-    let task = actix::spawn(clawmux_actors::connection::run(url.clone(), params, Duration::from_secs(10), probe));
-    let outcome = tokio::time::timeout(Duration::from_secs(15), rx.recv()).await;
-    task.abort();
-    match outcome {
-        Ok(Some(Ok(hello))) => {
-            let scopes = hello.auth.as_ref().map(|a| a.scopes.join(", ")).unwrap_or_else(|| "(not reported: protocol 3)".to_owned());
-            let scoped = hello.features.has_method("sessions.messages.subscribe") && hello.protocol >= 4;
-            println!("gateway: OK ({url})");
-            println!("  protocol                       {}", hello.protocol);
-            println!("  server version                 {}", hello.server.version);
-            println!("  granted scopes                 {scopes}");
-            println!("  delivery                       {}", if scoped { "session-scoped events" } else { "broadcast (fail-closed routing is the only wall)" });
-            println!("  trace id to LLM (attribution)  {}", if hello.protocol >= 4 { "traceparent" } else { "not available on protocol 3" });
-            println!("  outbound headers               {:?} (auto detects on the first run)", cfg.outbound_headers);
-            println!("  tick interval                  {} ms, max payload {} bytes", hello.policy.tick_interval_ms, hello.policy.max_payload);
-            let status = clawmux_actors::GatewayStatus {
-                connected: true,
-                scopes: hello.auth.as_ref().map(|a| a.scopes.clone()),
-                ..Default::default()
-            };
-            match status.ready() {
-                Ok(()) => exit::OK,
-                Err(reason) => {
-                    println!("gateway: NOT READY: {reason}");
-                    exit::FAILURE
-                }
-            }
+    let sup = match server::supervisor_config(&cfg, &url) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("device identity: FAILED: {e}");
+            return exit::CONFIG;
         }
-        Ok(Some(Err(reason))) => {
-            println!("gateway: FAILED: {reason}");
-            exit::FAILURE
+    };
+    let device = sup.device.as_ref().map(|d| (d.device_id().to_owned(), d.path().display().to_string()));
+    // The same supervisor `serve` runs, so doctor sees exactly what the service would.
+    let registry = prometheus::Registry::new();
+    let Ok(metrics) = clawmux_actors::metrics::Metrics::new(&registry) else { return exit::FAILURE };
+    let status = clawmux_actors::StatusHandle::default();
+    let supervisor = clawmux_actors::Supervisor::new(sup, metrics.clone(), status.clone()).start();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let snapshot = loop {
+        let s = status.read().map(|s| s.clone()).unwrap_or_default();
+        let attempts_failed = metrics.connects.with_label_values(&["failed"]).get();
+        let probed = s.protocol.unwrap_or(4) >= 4 || s.writes_accepted.is_some();
+        if (s.connected && probed) || (!s.connected && attempts_failed > 0) || tokio::time::Instant::now() >= deadline {
+            break s;
         }
-        _ => {
-            println!("gateway: FAILED: no answer from {url} within 15 s");
-            exit::FAILURE
-        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    supervisor.do_send(clawmux_actors::supervisor::Disconnect);
+    print!("{}", doctor_report(&url, &cfg, &snapshot, device.as_ref()));
+    match snapshot.ready() {
+        Ok(()) => exit::OK,
+        Err(_) => exit::FAILURE,
     }
 }
 
-struct Probe(tokio::sync::mpsc::UnboundedSender<Result<Box<clawmux_protocol::HelloOk>, String>>);
-
-impl clawmux_actors::connection::ConnEvents for Probe {
-    fn up(&self, hello: clawmux_protocol::HelloOk, _tx: tokio::sync::mpsc::UnboundedSender<String>) {
-        let _ = self.0.send(Ok(Box::new(hello)));
+/// The gateway half of `doctor`'s output (pure, so it is tested).
+pub fn doctor_report(url: &str, cfg: &Config, s: &clawmux_actors::GatewayStatus, device: Option<&(String, String)>) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let line = |out: &mut String, k: &str, v: &str| {
+        let _ = writeln!(out, "  {k:<30} {v}");
+    };
+    let _ = writeln!(out, "gateway ({url}): {}", if s.connected { "CONNECTED" } else { "NOT CONNECTED" });
+    if let Some(p) = s.protocol {
+        line(&mut out, "protocol", &p.to_string());
     }
-    fn failed(&self, failure: clawmux_actors::connection::ConnectFailure) {
-        let _ = self.0.send(Err(failure.reason));
+    if let Some(v) = &s.server_version {
+        line(&mut out, "server version", v);
     }
-    fn frame(&self, _frame: Result<clawmux_protocol::Frame, String>) {}
-    fn closed(&self, _reason: String) {}
+    let scopes = match (&s.scopes, s.writes_accepted) {
+        (Some(sc), _) => sc.join(", "),
+        (None, Some(true)) => "not reported (protocol 3); writes accepted".to_owned(),
+        (None, Some(false)) => format!("not reported (protocol 3); refused: {}", s.missing_scopes.join(", ")),
+        (None, None) if s.connected => "not reported (protocol 3)".to_owned(),
+        _ => "unknown".to_owned(),
+    };
+    line(&mut out, "granted scopes", &scopes);
+    if s.connected {
+        line(&mut out, "delivery", if s.session_scoped { "session-scoped events" } else { "broadcast (fail-closed routing is the only wall)" });
+        let attribution = match (s.protocol.unwrap_or(4) >= 4, cfg.llm_upstream_url.is_some()) {
+            (true, true) => "traceparent trace id (LLM proxy on)",
+            (true, false) => "traceparent trace id (LLM proxy OFF: set CLAWMUX_LLM_UPSTREAM_URL)",
+            (false, true) => "per-run token in extraSystemPrompt (LLM proxy on)",
+            (false, false) => "none (protocol 3 and no LLM proxy: set CLAWMUX_LLM_UPSTREAM_URL)",
+        };
+        line(&mut out, "billing attribution", attribution);
+        let abort = if s.protocol.unwrap_or(4) >= 4 { "chat.abort" } else { "agent timeout + LLM proxy cuts the run's calls" };
+        line(&mut out, "abort mechanism", abort);
+        let outbound = match s.outbound_headers {
+            Some(true) => "accepted (per-session billing headers sent)",
+            Some(false) => "not used",
+            None => "auto (detected on the first run)",
+        };
+        line(&mut out, "outbound headers", outbound);
+    }
+    let device_line = match device {
+        None => "none (CLAWMUX_DEVICE_IDENTITY=off or no key)".to_owned(),
+        Some((id, path)) if s.pairing_required => {
+            format!("{id} ({path}): PAIRING REQUIRED: run `openclaw devices approve {id}` on the gateway host")
+        }
+        Some((id, path)) if s.connected => format!("{id} ({path}): accepted"),
+        Some((id, path)) => format!("{id} ({path})"),
+    };
+    line(&mut out, "device identity", &device_line);
+    match s.ready() {
+        Ok(()) => out.push_str("ready: yes\n"),
+        Err(reason) => {
+            let _ = writeln!(out, "ready: NO: {reason}");
+        }
+    }
+    out
 }

@@ -58,6 +58,19 @@ pub enum LogFormat {
     Json,
 }
 
+/// `CLAWMUX_DEVICE_IDENTITY`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceMode {
+    /// Sign `connect` with the device key; a key that cannot be loaded or created stops startup.
+    On,
+    /// Never send a device identity.
+    Off,
+    /// Send it (default); a key file that cannot be created is a warning, not a stop. A corrupt
+    /// existing key file still stops startup: silently becoming another device would lose its pairing.
+    Auto,
+}
+
 /// The effective configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -71,6 +84,10 @@ pub struct Config {
     pub gateway_token: Option<Secret>,
     /// Per-session outbound headers policy.
     pub outbound_headers: OutboundHeaders,
+    /// Device identity policy.
+    pub device_identity: DeviceMode,
+    /// Where the device key lives (owner-only file, created on first start).
+    pub device_key_file: std::path::PathBuf,
     /// Default run timeout.
     pub run_timeout_sec: u64,
     /// Largest timeout a request may ask for.
@@ -111,15 +128,20 @@ pub struct Config {
     pub max_runs: usize,
 }
 
-/// `$XDG_STATE_HOME/clawmux/audit`, else `$HOME/.local/state/clawmux/audit`, else `./clawmux-audit`.
-fn default_audit_dir() -> std::path::PathBuf {
+/// `$XDG_STATE_HOME/clawmux`, else `$HOME/.local/state/clawmux`, else `./clawmux-state`.
+fn state_dir() -> std::path::PathBuf {
     if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
-        return std::path::PathBuf::from(d).join("clawmux/audit");
+        return std::path::PathBuf::from(d).join("clawmux");
     }
     if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-        return std::path::PathBuf::from(h).join(".local/state/clawmux/audit");
+        return std::path::PathBuf::from(h).join(".local/state/clawmux");
     }
-    std::path::PathBuf::from("clawmux-audit")
+    std::path::PathBuf::from("clawmux-state")
+}
+
+/// `<state dir>/audit`.
+fn default_audit_dir() -> std::path::PathBuf {
+    state_dir().join("audit")
 }
 
 impl Default for Config {
@@ -130,6 +152,8 @@ impl Default for Config {
             gateway_url: None,
             gateway_token: None,
             outbound_headers: OutboundHeaders::Auto,
+            device_identity: DeviceMode::Auto,
+            device_key_file: state_dir().join("device-key.json"),
             run_timeout_sec: 600,
             max_run_timeout_sec: 3600,
             max_message_bytes: 1_048_576,
@@ -162,6 +186,8 @@ struct FileConfig {
     gateway_url: Option<String>,
     gateway_token: Option<String>,
     outbound_headers: Option<OutboundHeaders>,
+    device_identity: Option<DeviceMode>,
+    device_key_file: Option<String>,
     run_timeout_sec: Option<u64>,
     max_run_timeout_sec: Option<u64>,
     max_message_bytes: Option<usize>,
@@ -253,6 +279,12 @@ impl Config {
         if let Some(v) = f.outbound_headers {
             self.outbound_headers = v;
         }
+        if let Some(v) = f.device_identity {
+            self.device_identity = v;
+        }
+        if let Some(v) = f.device_key_file {
+            self.device_key_file = v.into();
+        }
         macro_rules! set {
             ($($field:ident),*) => { $( if let Some(v) = f.$field { self.$field = v; } )* };
         }
@@ -300,6 +332,17 @@ impl Config {
                 "auto" => OutboundHeaders::Auto,
                 other => return Err(invalid("CLAWMUX_OUTBOUND_HEADERS", format!("{other:?} is not one of on, off, auto"))),
             };
+        }
+        if let Some(v) = get("CLAWMUX_DEVICE_IDENTITY") {
+            self.device_identity = match v.as_str() {
+                "on" => DeviceMode::On,
+                "off" => DeviceMode::Off,
+                "auto" => DeviceMode::Auto,
+                other => return Err(invalid("CLAWMUX_DEVICE_IDENTITY", format!("{other:?} is not one of on, off, auto"))),
+            };
+        }
+        if let Some(v) = get("CLAWMUX_DEVICE_KEY_FILE") {
+            self.device_key_file = v.into();
         }
         if let Some(v) = get("CLAWMUX_RUN_TIMEOUT_SEC") {
             self.run_timeout_sec = parse_num("CLAWMUX_RUN_TIMEOUT_SEC", &v)?;
@@ -407,6 +450,8 @@ impl Config {
             ("CLAWMUX_GATEWAY_URL", opt(&self.gateway_url)),
             ("CLAWMUX_GATEWAY_TOKEN", secret(&self.gateway_token)),
             ("CLAWMUX_OUTBOUND_HEADERS", format!("{:?}", self.outbound_headers).to_lowercase()),
+            ("CLAWMUX_DEVICE_IDENTITY", format!("{:?}", self.device_identity).to_lowercase()),
+            ("CLAWMUX_DEVICE_KEY_FILE", self.device_key_file.display().to_string()),
             ("CLAWMUX_RUN_TIMEOUT_SEC", self.run_timeout_sec.to_string()),
             ("CLAWMUX_MAX_RUN_TIMEOUT_SEC", self.max_run_timeout_sec.to_string()),
             ("CLAWMUX_MAX_MESSAGE_BYTES", self.max_message_bytes.to_string()),

@@ -15,6 +15,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use futures_util::Stream;
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -88,6 +89,8 @@ pub struct UsageScanner {
     line: Vec<u8>,
     /// The last usage seen (the upstream sends it once, in the last chunk).
     pub usage: Option<(u64, u64)>,
+    /// `data: [DONE]` went by: the answer is complete.
+    pub done: bool,
 }
 
 /// Longest SSE line kept for inspection; a longer one cannot be a usage chunk worth parsing.
@@ -111,9 +114,13 @@ impl UsageScanner {
         found
     }
 
-    fn parse_line(&self) -> Option<(u64, u64)> {
+    fn parse_line(&mut self) -> Option<(u64, u64)> {
         let line = std::str::from_utf8(&self.line).ok()?.trim_end_matches('\r');
         let data = line.strip_prefix("data:")?.trim_start();
+        if data == "[DONE]" {
+            self.done = true;
+            return None;
+        }
         if !data.contains("\"usage\"") {
             return None;
         }
@@ -124,7 +131,8 @@ impl UsageScanner {
 /// The proxy's metrics.
 #[derive(Clone)]
 pub struct ProxyMetrics {
-    /// Calls forwarded, by outcome (`ok`, `upstream_error`, `client_closed`, `unreachable`).
+    /// Calls forwarded, by outcome (`ok`, `upstream_error`, `client_closed`, `unreachable`,
+    /// `run_ended`: cut because the run ended, e.g. aborted).
     pub calls: IntCounterVec,
     /// Tokens reported by the upstream, by kind (`input`, `output`).
     pub tokens: IntCounterVec,
@@ -274,12 +282,23 @@ struct MeteredStream {
     inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>>>>,
     scanner: UsageScanner,
     finisher: CallFinisher,
+    /// Resolves when the run ends: the answer is cut there (an aborted run's LLM stream stops).
+    revoked: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
 }
 
 impl Stream for MeteredStream {
     type Item = Result<Bytes, actix_web::Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        // A complete answer is never cut (the run may end the moment the gateway has read it).
+        if self.finisher.record.is_some() && !self.scanner.done && self.revoked.as_mut().poll(cx).is_ready() {
+            let usage = self.scanner.usage;
+            self.finisher.finish("run_ended", usage);
+            return Poll::Ready(Some(Err(actix_web::error::ErrorGone("the run this LLM call belongs to has ended"))));
+        }
+        if self.finisher.record.is_none() {
+            return Poll::Ready(None);
+        }
         match self.inner.as_mut().poll_next(cx) {
             Poll::Ready(Some(Ok(bytes))) => {
                 if let Some((i, o)) = self.scanner.feed(&bytes) {
@@ -312,6 +331,15 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
     // The model list is not an LLM call and bills nothing: forwarded without attribution.
     let is_model_list = req.method() == actix_web::http::Method::GET && req.path() == "/v1/models";
     let traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok());
+    let body = match read_limited(body, MAX_REQUEST_BYTES).await {
+        Ok(b) => b,
+        Err(resp) => {
+            state.metrics.refusals.with_label_values(&["body_too_large"]).inc();
+            return resp;
+        }
+    };
+    // Protocol 4: the trace id of the `agent` frame. Protocol 3 sends none; there the run's token
+    // rides in the system prompt. Exactly one live run must match, or the call is refused.
     let billing = match trace_id_of(traceparent) {
         Some(trace) => match state.attributions.lookup(&trace) {
             Some(b) => Some(b),
@@ -321,14 +349,17 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
             }
         },
         None if is_model_list => None,
-        None => return refuse(&state, "no_traceparent", "the call carries no valid W3C traceparent; it cannot be attributed to a run".to_owned()),
-    };
-
-    let body = match read_limited(body, MAX_REQUEST_BYTES).await {
-        Ok(b) => b,
-        Err(resp) => {
-            state.metrics.refusals.with_label_values(&["body_too_large"]).inc();
-            return resp;
+        None => {
+            let tokens = crate::attribution::tokens_in(&body);
+            let owners: Vec<Arc<RunBilling>> = tokens.iter().filter_map(|t| state.attributions.lookup_token(t)).collect();
+            match (tokens.len(), owners.len()) {
+                (0, _) => {
+                    return refuse(&state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned())
+                }
+                (1, 1) => owners.into_iter().next(),
+                (1, _) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
+                _ => return refuse(&state, "ambiguous_token", "the call names several attribution tokens; refusing to guess".to_owned()),
+            }
         }
     };
     let incoming: Vec<(String, String)> = req
@@ -418,7 +449,8 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
     }
     let is_sse = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).is_some_and(|ct| ct.starts_with("text/event-stream"));
     if is_sse {
-        let stream = MeteredStream { inner: Box::pin(resp.bytes_stream()), scanner: UsageScanner::default(), finisher };
+        let revoked = Box::pin(billing.revoked.clone().cancelled_owned());
+        let stream = MeteredStream { inner: Box::pin(resp.bytes_stream()), scanner: UsageScanner::default(), finisher, revoked };
         return out.streaming(stream);
     }
     match read_response_limited(resp, MAX_BUFFERED_RESPONSE).await {

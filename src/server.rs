@@ -27,9 +27,30 @@ pub struct Running {
     pub proxy: Option<(SocketAddr, actix_web::dev::ServerHandle)>,
 }
 
-/// Supervisor settings from the configuration.
-pub fn supervisor_config(cfg: &Config, gateway_url: &str) -> SupervisorConfig {
+/// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
+pub fn load_device(cfg: &Config) -> Result<Option<Arc<clawmux_actors::device::DeviceIdentity>>, String> {
+    use crate::config::DeviceMode;
+    use clawmux_actors::device::{DeviceError, DeviceIdentity};
+    match cfg.device_identity {
+        DeviceMode::Off => Ok(None),
+        DeviceMode::On => DeviceIdentity::load_or_create(&cfg.device_key_file).map(|d| Some(Arc::new(d))).map_err(|e| e.to_string()),
+        DeviceMode::Auto => match DeviceIdentity::load_or_create(&cfg.device_key_file) {
+            Ok(d) => Ok(Some(Arc::new(d))),
+            // An existing key that cannot be used is an error even in auto: silently becoming a new
+            // device would lose the gateway's approval of the old one.
+            Err(e @ (DeviceError::Corrupt { .. } | DeviceError::TooOpen { .. })) => Err(e.to_string()),
+            Err(e) => {
+                tracing::warn!(error = %e, "no device identity (CLAWMUX_DEVICE_IDENTITY=auto); connecting without one");
+                Ok(None)
+            }
+        },
+    }
+}
+
+/// Supervisor settings from the configuration (loads the device identity).
+pub fn supervisor_config(cfg: &Config, gateway_url: &str) -> Result<SupervisorConfig, String> {
     let mut s = SupervisorConfig::new(gateway_url);
+    s.device = load_device(cfg)?;
     s.token = cfg.gateway_token.as_ref().map(|t| t.expose().to_owned());
     s.outbound_headers = match cfg.outbound_headers {
         OutboundHeaders::On => OutboundHeadersMode::On,
@@ -37,7 +58,7 @@ pub fn supervisor_config(cfg: &Config, gateway_url: &str) -> SupervisorConfig {
         OutboundHeaders::Auto => OutboundHeadersMode::Auto,
     };
     s.max_runs = cfg.max_runs;
-    s
+    Ok(s)
 }
 
 /// Starts the supervisor and the HTTP server inside the current actix System. Signals are not
@@ -46,6 +67,9 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     let registry = prometheus::Registry::new();
     let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?;
     let status: StatusHandle = StatusHandle::default();
+    if let Ok(mut st) = status.write() {
+        st.device_id = sup.device.as_ref().map(|d| d.device_id().to_owned());
+    }
     let supervisor = Supervisor::new(sup, metrics, status.clone()).start();
     let store = Arc::new(RunStore::new(Duration::from_secs(cfg.run_retention_sec), cfg.run_retention_max));
     let sweeper_store = store.clone();

@@ -207,6 +207,7 @@ async fn the_audit_log_survives_killing_clawmux_mid_stream() {
         .env("CLAWMUX_LLM_UPSTREAM_KEY", &key)
         .env("CLAWMUX_AUDIT_DIR", &audit_dir)
         .env("CLAWMUX_LOG", "debug")
+        .env("CLAWMUX_DEVICE_IDENTITY", "off")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&stderr_path).expect("log file"))
         .spawn()

@@ -371,7 +371,7 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
 }
 
 #[actix_rt::test]
-async fn proxied_calls_without_a_live_run_are_refused() {
+async fn proxied_calls_that_no_running_run_owns_are_refused() {
     let Some(b) = billing_gateway() else { return };
     let audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
     let running = start_clawmux(&b.gw.url, Some(&b.gw.token), |cfg| {

@@ -25,6 +25,9 @@ pub struct ConnectFailure {
     /// The gateway refused our credentials: retrying will not help until someone fixes config,
     /// but clawmux still retries with backoff (the operator may fix the gateway side).
     pub auth: bool,
+    /// The gateway wants this device approved first (`openclaw devices approve <id>`); clawmux
+    /// keeps retrying so it becomes ready as soon as an operator approves.
+    pub pairing_required: bool,
 }
 
 /// What the connection task reports.
@@ -40,23 +43,39 @@ pub trait ConnEvents: Send + 'static {
 }
 
 /// Connects, handshakes with `params`, then pumps frames until the socket closes.
-pub async fn run(url: String, params: ConnectParams, handshake_timeout: Duration, events: impl ConnEvents) {
+pub async fn run(
+    url: String,
+    params: ConnectParams,
+    device: Option<std::sync::Arc<crate::device::DeviceIdentity>>,
+    handshake_timeout: Duration,
+    events: impl ConnEvents,
+) {
     let config = WebSocketConfig::default().max_message_size(Some(PRE_HELLO_MAX)).max_frame_size(Some(PRE_HELLO_MAX));
     let connect = tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), false);
     let ws = match tokio::time::timeout(handshake_timeout, connect).await {
         Ok(Ok((ws, _))) => ws,
         Ok(Err(e)) => {
-            events.failed(ConnectFailure { reason: format!("cannot connect to the gateway at {url}: {e}"), retry_after: None, auth: false });
+            events.failed(ConnectFailure {
+                reason: format!("cannot connect to the gateway at {url}: {e}"),
+                retry_after: None,
+                auth: false,
+                pairing_required: false,
+            });
             return;
         }
         Err(_) => {
-            events.failed(ConnectFailure { reason: format!("connecting to the gateway at {url} timed out"), retry_after: None, auth: false });
+            events.failed(ConnectFailure {
+                reason: format!("connecting to the gateway at {url} timed out"),
+                retry_after: None,
+                auth: false,
+                pairing_required: false,
+            });
             return;
         }
     };
     let (mut sink, mut stream) = ws.split();
 
-    let hello = match tokio::time::timeout(handshake_timeout, handshake(&mut sink, &mut stream, &params)).await {
+    let hello = match tokio::time::timeout(handshake_timeout, handshake(&mut sink, &mut stream, params, device.as_deref())).await {
         Ok(Ok(hello)) => hello,
         Ok(Err(failure)) => {
             let _ = sink.close().await;
@@ -68,6 +87,7 @@ pub async fn run(url: String, params: ConnectParams, handshake_timeout: Duration
                 reason: "the gateway did not complete the handshake in time".to_owned(),
                 retry_after: None,
                 auth: false,
+                pairing_required: false,
             });
             return;
         }
@@ -110,23 +130,50 @@ pub async fn run(url: String, params: ConnectParams, handshake_timeout: Duration
     events.closed(reason);
 }
 
-async fn handshake<S, R>(sink: &mut S, stream: &mut R, params: &ConnectParams) -> Result<HelloOk, ConnectFailure>
+async fn handshake<S, R>(
+    sink: &mut S,
+    stream: &mut R,
+    mut params: ConnectParams,
+    device: Option<&crate::device::DeviceIdentity>,
+) -> Result<HelloOk, ConnectFailure>
 where
     S: futures_util::Sink<Message, Error = tokio_tungstenite::tungstenite::Error> + Unpin,
     R: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
 {
-    let fail = |reason: String| ConnectFailure { reason, retry_after: None, auth: false };
-    // 1. connect.challenge (its nonce is only needed by device identities; never logged).
-    loop {
+    let fail = |reason: String| ConnectFailure { reason, retry_after: None, auth: false, pairing_required: false };
+    // 1. connect.challenge (its nonce is signed by the device identity; never logged).
+    let challenge = loop {
         let text = next_text(stream).await.map_err(fail)?;
         match decode_frame(&text, PRE_HELLO_MAX) {
-            Ok(Frame::Event(ev)) if matches!(ev.event, GatewayEvent::ConnectChallenge(_)) => break,
+            Ok(Frame::Event(ev)) => match ev.event {
+                GatewayEvent::ConnectChallenge(c) => break c,
+                _ => continue,
+            },
             Ok(_) => continue,
             Err(e) => return Err(fail(format!("the gateway sent a malformed frame during the handshake: {e}"))),
         }
+    };
+    // 2. connect, signed by the device when there is one.
+    if let Some(device) = device {
+        let signed_at_ms = challenge.ts.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+        });
+        let token = params.auth.as_ref().and_then(|a| a.token.clone());
+        let proof = device.prove(&crate::device::SignParams {
+            client_id: &params.client.id,
+            client_mode: &params.client.mode,
+            role: params.role.as_deref().unwrap_or("operator"),
+            scopes: &params.scopes,
+            signed_at_ms,
+            token: token.as_deref(),
+            nonce: &challenge.nonce,
+            platform: &params.client.platform,
+            device_family: params.client.device_family.as_deref(),
+        });
+        params.device = serde_json::to_value(proof).ok();
     }
-    // 2. connect.
-    let req = encode_request("connect", "connect", params, None).map_err(|e| fail(format!("cannot encode connect: {e}")))?;
+    let device_id = device.map(|d| d.device_id().to_owned());
+    let req = encode_request("connect", "connect", &params, None).map_err(|e| fail(format!("cannot encode connect: {e}")))?;
     sink.send(Message::text(req)).await.map_err(|e| fail(format!("cannot send connect: {e}")))?;
     // 3. hello-ok, matched by id (events may come first).
     loop {
@@ -137,7 +184,7 @@ where
             continue;
         }
         if !res.ok {
-            return Err(explain(res.error.unwrap_or_else(|| ErrorShape::new("UNKNOWN", "no error given"))));
+            return Err(explain(res.error.unwrap_or_else(|| ErrorShape::new("UNKNOWN", "no error given")), device_id.as_deref()));
         }
         let payload = res.payload.ok_or_else(|| fail("hello-ok without payload".to_owned()))?;
         let hello: HelloOk = serde_json::from_str(payload.get()).map_err(|e| fail(format!("malformed hello-ok: {e}")))?;
@@ -168,11 +215,28 @@ where
     }
 }
 
+/// Codes a gateway uses to say the device must be paired (or present) first.
+const PAIRING_CODES: [&str; 3] = ["NOT_PAIRED", "PAIRING_REQUIRED", "DEVICE_IDENTITY_REQUIRED"];
+
 /// Turns a refused `connect` into a sentence an operator can act on.
-fn explain(e: ErrorShape) -> ConnectFailure {
+fn explain(e: ErrorShape, device_id: Option<&str>) -> ConnectFailure {
     let retry_after = if e.is_retryable() { Some(Duration::from_millis(e.retry_after_ms.unwrap_or(500))) } else { None };
     let detail = e.detail_code().unwrap_or_default().to_owned();
     let auth = detail.starts_with("AUTH_") || e.message.starts_with("unauthorized");
+    let pairing = PAIRING_CODES.contains(&e.code.as_str()) || PAIRING_CODES.contains(&detail.as_str());
+    if pairing {
+        let reason = match device_id {
+            Some(id) => format!(
+                "the gateway requires this device to be paired ({}): approve it on the gateway host with `openclaw devices approve {id}` (device id {id}); clawmux keeps retrying",
+                e.message
+            ),
+            None => format!(
+                "the gateway requires a device identity ({}): set CLAWMUX_DEVICE_IDENTITY=on (or auto) so clawmux signs its connection",
+                e.message
+            ),
+        };
+        return ConnectFailure { reason, retry_after, auth: false, pairing_required: true };
+    }
     let reason = if auth {
         format!(
             "the gateway rejected clawmux's token ({}); set CLAWMUX_GATEWAY_TOKEN to the gateway's gateway.auth.token",
@@ -185,7 +249,7 @@ fn explain(e: ErrorShape) -> ConnectFailure {
     } else {
         format!("the gateway refused the connection: {e}")
     };
-    ConnectFailure { reason, retry_after, auth }
+    ConnectFailure { reason, retry_after, auth, pairing_required: false }
 }
 
 #[cfg(test)]
@@ -196,7 +260,7 @@ mod tests {
     fn token_mismatch_is_explained_without_the_token() {
         let mut e = ErrorShape::new("INVALID_REQUEST", "unauthorized: gateway token mismatch (provide gateway auth token)");
         e.details = Some(serde_json::json!({"code":"AUTH_TOKEN_MISMATCH"}));
-        let f = explain(e);
+        let f = explain(e, None);
         assert!(f.auth);
         assert!(f.reason.contains("CLAWMUX_GATEWAY_TOKEN"));
         assert!(f.retry_after.is_none());
@@ -207,8 +271,19 @@ mod tests {
         let mut e = ErrorShape::new("UNAVAILABLE", "gateway starting; retry shortly");
         e.retryable = Some(true);
         e.retry_after_ms = Some(750);
-        let f = explain(e);
+        let f = explain(e, None);
         assert_eq!(f.retry_after, Some(Duration::from_millis(750)));
         assert!(!f.auth);
+    }
+
+    #[test]
+    fn pairing_names_the_device_and_the_command() {
+        for (code, detail) in [("NOT_PAIRED", None), ("INVALID_REQUEST", Some("PAIRING_REQUIRED")), ("DEVICE_IDENTITY_REQUIRED", None)] {
+            let mut e = ErrorShape::new(code, "pairing required");
+            e.details = detail.map(|d| serde_json::json!({ "code": d }));
+            let f = explain(e, Some("abc123"));
+            assert!(f.pairing_required, "{code}");
+            assert!(f.reason.contains("openclaw devices approve abc123"), "{}", f.reason);
+        }
     }
 }

@@ -15,6 +15,7 @@
 pub mod backoff;
 pub mod connection;
 pub mod delta;
+pub mod device;
 pub mod metrics;
 pub mod queue;
 pub mod routes;

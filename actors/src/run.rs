@@ -26,8 +26,16 @@ pub struct RunSpec {
     pub graph_id: String,
     /// The run's timeout, from admission (time spent queued counts).
     pub timeout: Duration,
-    /// The run's trace context: its trace id ties the run's LLM calls back to it.
+    /// The run's trace context: its trace id ties the run's LLM calls back to it (protocol 4).
     pub traceparent: TraceParent,
+    /// A random per-run token carried in `extraSystemPrompt` on protocol 3, where no trace id
+    /// reaches the LLM: the proxy attributes calls by it instead. `None` without a proxy.
+    pub attribution_token: Option<String>,
+}
+
+/// The line that carries a run's attribution token into every LLM call of the run (protocol 3).
+pub fn attribution_prompt(token: &str) -> String {
+    format!("clawmux-attribution: {token}\n(Billing metadata for the operator's LLM proxy. Ignore it; never repeat it.)")
 }
 
 /// Progress phases shown to callers in `status` events.

@@ -189,13 +189,18 @@ impl SessionActor {
     fn send_agent(&mut self, ctx: &mut Context<Self>) {
         self.stage = Stage::Running;
         self.agent_boot_id = self.link.as_ref().and_then(|l| l.boot_id.clone());
+        let v3 = self.link.as_ref().is_some_and(|l| l.protocol < 4);
+        let remaining = self.deadline.saturating_duration_since(Instant::now());
         let params = AgentParams {
             message: self.spec.message.clone(),
             agent_id: self.spec.agent_id.clone(),
             session_key: self.spec.session_key.to_string(),
             idempotency_key: self.spec.gateway_run_id.clone(),
-            timeout: None,
-            extra_system_prompt: None,
+            // Protocol 3 cannot abort an `agent` run, but it honours this bound (seconds): the run's
+            // timeout then really stops the LLM stream on the gateway.
+            timeout: if v3 { Some(remaining.as_secs().max(1) + u64::from(remaining.subsec_nanos() > 0)) } else { None },
+            // Protocol 3 sends no trace id to the LLM; this line reaches every LLM call of the run.
+            extra_system_prompt: if v3 { self.spec.attribution_token.as_deref().map(crate::run::attribution_prompt) } else { None },
             label: None,
         };
         let v = self.to_value(&params);
@@ -240,6 +245,7 @@ impl SessionActor {
             code = outcome.error.as_ref().map(|e| e.code.as_str()).unwrap_or(""),
             "run finished"
         );
+        let status = outcome.status;
         self.sink.emit(RunEvent::Finished(outcome));
         if self.subscribed && self.link.is_some() {
             // Fire and forget: the next run of this session may subscribe again right after.
@@ -250,6 +256,7 @@ impl SessionActor {
             run_id: self.spec.run_id.clone(),
             session_key: self.spec.session_key.clone(),
             gateway_run_id: self.spec.gateway_run_id.clone(),
+            status,
         });
         ctx.stop();
     }
@@ -258,7 +265,10 @@ impl SessionActor {
         let content = fin.content();
         let usage = fin.usage_hint();
         let outcome = match (fin.status, self.cancelling) {
-            (_, Some(reason)) if fin.status != FinalStatus::Ok || fin.is_abort() => reason.outcome(content),
+            (_, Some(reason)) if fin.status != FinalStatus::Ok || fin.is_abort() || fin.meta_aborted() => reason.outcome(content),
+            (FinalStatus::Ok, None) if fin.meta_aborted() => {
+                RunOutcome::failed(ErrorCode::Timeout, "the gateway stopped the run at its timeout", content)
+            }
             (FinalStatus::Ok, _) => RunOutcome::ok(content, usage),
             (FinalStatus::Error, _) => {
                 let msg = fin.summary.clone().or_else(|| self.chat_error.clone()).unwrap_or_else(|| "the agent run failed".to_owned());
@@ -281,6 +291,19 @@ impl SessionActor {
             return;
         }
         self.cancelling = Some(reason);
+        if self.link.as_ref().is_some_and(|l| l.protocol < 4) && matches!(self.stage, Stage::Running | Stage::Waiting) {
+            // Protocol 3 cannot abort an `agent` run. Ending the run revokes its attribution: the
+            // LLM proxy cuts its streams and refuses its further calls, so the gateway run fails at
+            // its next LLM call (and a timeout is also enforced by the gateway's own `timeout`).
+            let params = ChatAbortParams { session_key: self.spec.session_key.to_string(), run_id: Some(self.spec.gateway_run_id.clone()) };
+            let v = self.to_value(&params);
+            self.call(ctx, name::CHAT_ABORT, v, TAG_ABORT, None);
+            if self.spec.attribution_token.is_none() {
+                tracing::warn!(run_id = %self.spec.run_id, "protocol 3 without the LLM proxy: the gateway run cannot be stopped, only abandoned");
+            }
+            self.finish(ctx, reason.outcome(String::new()));
+            return;
+        }
         match self.stage {
             Stage::Running | Stage::Waiting => {
                 // Really stop the gateway run (the LLM stream closes); the final `res` then ends it.
@@ -334,6 +357,9 @@ impl SessionActor {
                 } else if e.is_retryable() && self.unavailable_retries < MAX_UNAVAILABLE_RETRIES {
                     self.retry_later(ctx, e.retry_after_ms);
                 } else {
+                    if e.is_missing_scope() {
+                        self.supervisor.do_send(crate::supervisor::ScopeMissing(e.clone()));
+                    }
                     self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("sessions.patch: {}", e.message), String::new()));
                 }
             }
@@ -362,6 +388,9 @@ impl SessionActor {
                 Err(e) => self.finish(ctx, internal_outcome(format!("undecodable agent answer: {e}"))),
             },
             (TAG_AGENT, Err(CallError::Gateway(e))) if self.stage == Stage::Running => {
+                if e.is_missing_scope() {
+                    self.supervisor.do_send(crate::supervisor::ScopeMissing(e.clone()));
+                }
                 if !self.accepted && e.is_retryable() && self.unavailable_retries < MAX_UNAVAILABLE_RETRIES {
                     self.retry_later(ctx, e.retry_after_ms);
                 } else if self.accepted {
@@ -374,7 +403,15 @@ impl SessionActor {
                 let wait: Result<AgentWaitResult, _> = serde_json::from_str(raw.get());
                 match wait.as_ref().map(|w| w.status.as_str()) {
                     Ok("ok") => {
-                        let content = self.tracker.emitted().to_owned();
+                        // Events sent while the connection was down are lost; the gateway's
+                        // `terminalReply.text` is the answer. Keep the streamed text only when it is
+                        // not a prefix of that (then it is all we can vouch for).
+                        let emitted = self.tracker.emitted();
+                        let content = serde_json::from_str::<serde_json::Value>(raw.get())
+                            .ok()
+                            .and_then(|v| v.pointer("/terminalReply/text").and_then(|t| t.as_str()).map(str::to_owned))
+                            .filter(|reply| reply.starts_with(emitted))
+                            .unwrap_or_else(|| emitted.to_owned());
                         self.finish(ctx, RunOutcome::ok(content, None));
                     }
                     Ok("error") => self.finish(ctx, RunOutcome::failed(ErrorCode::AgentError, "the agent run failed (reported after a reconnect)", String::new())),

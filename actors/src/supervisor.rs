@@ -11,7 +11,7 @@ use crate::connection::{self, ConnEvents, ConnectFailure};
 use crate::metrics::Metrics;
 use crate::queue::KeyQueue;
 use crate::routes::RouteTable;
-use crate::run::{CancelReason, ErrorCode, RunEvent, RunOutcome, RunSink, RunSpec};
+use crate::run::{CancelReason, ErrorCode, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
 use crate::session::{GatewayDown, GatewayUp, Routed, SessionActor};
 use actix::prelude::*;
 use clawmux_protocol::handshake::{ConnectParams, HelloOk};
@@ -57,6 +57,8 @@ pub struct SupervisorConfig {
     pub abort_grace: Duration,
     /// Runs in flight (running + queued) above which new runs are refused with 503.
     pub max_runs: usize,
+    /// The device identity that signs `connect` (`None`: connect without one).
+    pub device: Option<Arc<crate::device::DeviceIdentity>>,
 }
 
 impl SupervisorConfig {
@@ -73,6 +75,7 @@ impl SupervisorConfig {
             recovery_window: Duration::from_secs(30),
             abort_grace: Duration::from_secs(10),
             max_runs: 5000,
+            device: None,
         }
     }
 }
@@ -102,6 +105,15 @@ pub struct GatewayStatus {
     pub tick_interval_ms: Option<u64>,
     /// Negotiated max payload.
     pub max_payload: Option<u64>,
+    /// The device id clawmux signs with (`None`: no device identity).
+    pub device_id: Option<String>,
+    /// The gateway asked for this device to be approved (pairing).
+    pub pairing_required: bool,
+    /// Protocol 3: whether the write probe after hello-ok succeeded (`None`: not probed yet).
+    pub writes_accepted: Option<bool>,
+    /// Scopes a write was refused for (protocol 3 reports no granted scopes in hello-ok, so
+    /// clawmux learns them from the first writes).
+    pub missing_scopes: Vec<String>,
 }
 
 impl GatewayStatus {
@@ -109,6 +121,12 @@ impl GatewayStatus {
     pub fn ready(&self) -> Result<(), String> {
         if !self.connected {
             return Err(self.last_error.clone().unwrap_or_else(|| "connecting to the gateway".to_owned()));
+        }
+        if !self.missing_scopes.is_empty() {
+            return Err(format!(
+                "the gateway refused scopes {:?} to clawmux; on protocol 3 scopes need a device identity (CLAWMUX_DEVICE_IDENTITY) and an operator role with those scopes",
+                self.missing_scopes
+            ));
         }
         if let Some(scopes) = &self.scopes {
             let missing: Vec<&str> =
@@ -225,6 +243,8 @@ pub struct RunEnded {
     pub session_key: SessionKey,
     /// Gateway run id.
     pub gateway_run_id: String,
+    /// How the run ended (counted in `clawmux_runs_finished_total`).
+    pub status: RunStatus,
 }
 
 /// The gateway rejected `outboundHeaders`: stop sending them (auto mode).
@@ -388,7 +408,8 @@ impl Supervisor {
         self.generation += 1;
         let events = ToSupervisor { addr: ctx.address(), generation: self.generation };
         let params = ConnectParams::multiplexer(&self.cfg.client_version, self.cfg.token.clone());
-        let task = actix::spawn(connection::run(self.cfg.url.clone(), params, self.cfg.handshake_timeout, events));
+        let task =
+            actix::spawn(connection::run(self.cfg.url.clone(), params, self.cfg.device.clone(), self.cfg.handshake_timeout, events));
         self.conn = Conn::Connecting { task };
     }
 
@@ -615,6 +636,9 @@ impl Handler<ConnUp> for Supervisor {
             s.connections += 1;
             s.tick_interval_ms = Some(hello.policy.tick_interval_ms);
             s.max_payload = Some(hello.policy.max_payload);
+            s.pairing_required = false;
+            s.missing_scopes.clear();
+            s.writes_accepted = None;
         });
         self.conn = Conn::Connected(Connected {
             task,
@@ -632,7 +656,15 @@ impl Handler<ConnUp> for Supervisor {
                 }
             }
         }
-        let _ = ctx;
+        if hello.auth.is_none() {
+            // Protocol 3 does not say which scopes it granted: learn whether writes work with a
+            // harmless one (aborting a run that does not exist).
+            let params = serde_json::json!({"sessionKey": "agent:main:clawmux-probe:scopes", "runId": "clawmux-scope-probe"});
+            self.handle(
+                Call { method: name::CHAT_ABORT, params, traceparent: None, tag: PROBE_WRITE, reply_to: Some(ctx.address().recipient()) },
+                ctx,
+            );
+        }
     }
 }
 
@@ -644,6 +676,8 @@ impl Handler<ConnFailed> for Supervisor {
         }
         tracing::warn!(reason = %msg.failure.reason, "gateway connection attempt failed");
         self.metrics.connects.with_label_values(&["failed"]).inc();
+        let pairing = msg.failure.pairing_required;
+        self.set_status(|s| s.pairing_required = pairing);
         self.next_delay_hint = msg.failure.retry_after;
         self.lost(ctx, "connect_failed", msg.failure.reason);
     }
@@ -776,6 +810,7 @@ impl Handler<RunEnded> for Supervisor {
     fn handle(&mut self, msg: RunEnded, ctx: &mut Context<Self>) {
         self.routes.remove(msg.session_key.as_str(), &msg.gateway_run_id);
         if let Some(RunSlot::Active { admitted, .. }) = self.runs.remove(&msg.run_id) {
+            self.metrics.runs_finished.with_label_values(&[msg.status.as_str()]).inc();
             self.metrics.run_duration.observe(admitted.elapsed().as_secs_f64());
         }
         if let Some(next) = self.queue.finish(&msg.session_key) {
@@ -784,7 +819,13 @@ impl Handler<RunEnded> for Supervisor {
                 let (id, admitted) = (next.spec.run_id.clone(), next.admitted);
                 self.finish_queued(&id, &sink, CancelReason::Timeout.outcome(String::new()), admitted);
                 // Free the key for whoever waits behind the expired run.
-                ctx.notify(RunEnded { run_id: id, session_key: msg.session_key, gateway_run_id: next.spec.gateway_run_id });
+                // (Already counted by `finish_queued`: it is no longer in `runs`.)
+                ctx.notify(RunEnded {
+                    run_id: id,
+                    session_key: msg.session_key,
+                    gateway_run_id: next.spec.gateway_run_id,
+                    status: RunStatus::Timeout,
+                });
             } else {
                 self.start_session(ctx, next);
             }
@@ -847,6 +888,51 @@ impl Handler<Disconnect> for Supervisor {
             s.connected = false;
             s.last_error = Some("clawmux is shutting down".to_owned());
         });
+    }
+}
+
+/// Reply tag of the protocol-3 write-scope probe.
+const PROBE_WRITE: u64 = u64::MAX;
+
+/// A write was refused for a missing scope (session actors report it; `/readyz` shows it).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ScopeMissing(pub ErrorShape);
+
+fn scope_of(e: &ErrorShape) -> String {
+    e.message.strip_prefix("missing scope:").map(|s| s.trim().to_owned()).unwrap_or_else(|| e.message.clone())
+}
+
+impl Handler<ScopeMissing> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: ScopeMissing, _ctx: &mut Context<Self>) {
+        let scope = scope_of(&msg.0);
+        tracing::error!(scope = %scope, message = %msg.0.message, "the gateway refused a write for a missing scope");
+        self.set_status(|s| {
+            if !s.missing_scopes.contains(&scope) {
+                s.missing_scopes.push(scope);
+            }
+        });
+    }
+}
+
+impl Handler<Reply> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: Reply, ctx: &mut Context<Self>) {
+        if msg.tag != PROBE_WRITE {
+            return;
+        }
+        match msg.result {
+            Err(CallError::Gateway(e)) if e.is_missing_scope() => {
+                self.set_status(|s| s.writes_accepted = Some(false));
+                self.handle(ScopeMissing(e), ctx)
+            }
+            Ok(_) => {
+                tracing::info!("the gateway accepts clawmux's writes");
+                self.set_status(|s| s.writes_accepted = Some(true));
+            }
+            Err(e) => tracing::warn!(error = ?e, "scope probe failed"),
+        }
     }
 }
 

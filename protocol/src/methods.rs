@@ -180,6 +180,12 @@ impl AgentFinal {
         self.status == FinalStatus::Timeout && self.summary.as_deref() == Some("aborted")
     }
 
+    /// Protocol 3 reports a run stopped by the `agent` `timeout` as `status: "ok"` with
+    /// `result.meta.aborted: true` (and a "Request timed out" payload).
+    pub fn meta_aborted(&self) -> bool {
+        self.result.as_ref().and_then(|r| r.meta.as_ref()).and_then(|m| m.get("aborted")).and_then(serde_json::Value::as_bool) == Some(true)
+    }
+
     /// Token usage reported by the gateway (`result.meta.agentMeta.usage`), a hint only.
     pub fn usage_hint(&self) -> Option<(u64, u64)> {
         let usage = self.result.as_ref()?.meta.as_ref()?.get("agentMeta")?.get("usage")?;

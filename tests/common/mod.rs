@@ -25,8 +25,10 @@ pub async fn start_clawmux(gateway_url: &str, token: Option<&str>, tweak: impl F
     cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     cfg.gateway_url = Some(gateway_url.to_owned());
     cfg.gateway_token = token.map(Secret::new);
+    // Tests use a key file of their own unless they say otherwise.
+    cfg.device_key_file = std::env::temp_dir().join(format!("clawmux-test-device-{}.json", std::process::id()));
     tweak(&mut cfg);
-    let mut sup = server::supervisor_config(&cfg, gateway_url);
+    let mut sup = server::supervisor_config(&cfg, gateway_url).expect("supervisor config");
     sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");
     server::start(cfg, sup).await.expect("clawmux starts")
 }
@@ -42,8 +44,10 @@ pub async fn start_clawmux_with(
     cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     cfg.gateway_url = Some(gateway_url.to_owned());
     cfg.gateway_token = token.map(Secret::new);
+    // Tests use a key file of their own unless they say otherwise.
+    cfg.device_key_file = std::env::temp_dir().join(format!("clawmux-test-device-{}.json", std::process::id()));
     tweak(&mut cfg);
-    let mut sup = server::supervisor_config(&cfg, gateway_url);
+    let mut sup = server::supervisor_config(&cfg, gateway_url).expect("supervisor config");
     sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");
     tweak_sup(&mut sup);
     server::start(cfg, sup).await.expect("clawmux starts")
