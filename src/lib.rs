@@ -27,6 +27,7 @@ pub mod cli;
 pub mod config;
 pub mod load;
 pub mod record;
+pub mod relay;
 pub mod proxy;
 pub mod replay;
 pub mod request;

@@ -1,0 +1,750 @@
+//! The host-side git relay: the agent commits inside the gateway container, the host turns those
+//! commits into a pushed branch and a pull request, and no credential ever enters the container.
+//!
+//! - [`locks`]: [`BranchLocks`], one holder per branch key (FIFO), so two runs never share a
+//!   worktree.
+//! - [`exec`]: [`ContainerExec`], running an argv inside the container ([`DockerExec`] through
+//!   the Docker API; [`Recording`] wraps any of them and keeps every argv).
+//! - [`git`]: pure argv builders, validation and parsers.
+//! - `host`: git on the host (the clone, `git am`, `git push`; the token path).
+//! - `github`: the pull-request calls.
+//!
+//! [`GitRelay::prepare`] makes sure `sandbox/<key>` has its worktree `<root>/wt/<key>` (created
+//! from the base ref when missing, reused when present). [`GitRelay::publish`] counts
+//! `base..HEAD` in that worktree; with commits, it extracts them with `git format-patch`, applies
+//! the ones the remote branch does not have yet to a fresh host clone with `git am`, checks that
+//! the result has exactly the container's tree, pushes `sandbox/<key>` (never forced unless
+//! configured) and creates or updates the pull request. `docs/relay.md` has the whole story.
+
+pub mod exec;
+pub mod git;
+mod github;
+mod host;
+pub mod locks;
+
+pub use exec::{ContainerExec, DockerExec, ExecOutput, RecordedExec, Recording};
+pub use locks::{BranchGuard, BranchLocks};
+
+use crate::config::Secret;
+use git::{Paths, Plan};
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// The relay's errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The branch key breaks the contract (the API answers `400` before it gets here).
+    #[error("invalid branch key: {0}")]
+    InvalidBranchKey(String),
+    /// The base ref is not a plain ref name or commit id.
+    #[error("invalid base ref: {0}")]
+    InvalidRef(String),
+    /// The configuration cannot work.
+    #[error("relay configuration: {0}")]
+    Config(String),
+    /// The Docker engine or the container.
+    #[error("docker: {0}")]
+    Docker(String),
+    /// A command did not finish in time.
+    #[error("{what} timed out after {after:?}")]
+    Timeout {
+        /// "git format-patch" and the like.
+        what: String,
+        /// The bound.
+        after: Duration,
+    },
+    /// A command's output exceeded the bound.
+    #[error("command output exceeds {limit} bytes")]
+    OutputTooLarge {
+        /// The bound.
+        limit: usize,
+    },
+    /// A command exited non-zero.
+    #[error("{what} failed (exit {exit_code}): {stderr}")]
+    CommandFailed {
+        /// "git worktree", "host git push", …
+        what: String,
+        /// Its exit code.
+        exit_code: i64,
+        /// Its stderr (trimmed, bounded, token redacted).
+        stderr: String,
+    },
+    /// The container's workspace is not in the state the relay needs.
+    #[error("workspace: {0}")]
+    Workspace(String),
+    /// Local I/O (temp dir, spawning git).
+    #[error("io: {0}")]
+    Io(String),
+}
+
+/// Where the relay works, and how.
+#[derive(Clone)]
+pub struct RelayConfig {
+    /// Name or id of the gateway container (git runs there through the Docker API).
+    pub container: String,
+    /// Docker endpoint (`unix://…`, `tcp://…`); `None`: `DOCKER_HOST` or the local socket.
+    pub docker_host: Option<String>,
+    /// `user[:group]` for execs; `None`: the container's user (must own the workspace).
+    pub exec_user: Option<String>,
+    /// Workspace root in the container: the repo is `<root>/repo`, worktrees `<root>/wt/<key>`.
+    pub workspace_root: String,
+    /// The repository the host pushes `sandbox/<key>` to (URL or path). Must not carry credentials.
+    pub remote_url: String,
+    /// Default base ref (`main`).
+    pub base_ref: String,
+    /// GitHub REST base (`https://api.github.com`); `None`: push only, no pull request.
+    pub github_api_url: Option<String>,
+    /// `owner/repo` for the API; `None`: taken from `remote_url`.
+    pub github_repo: Option<String>,
+    /// Token for push (http(s) remotes) and the API. Lives only in this process.
+    pub token: Option<Secret>,
+    /// Retries after a failed clone, push or API call (attempts = retries + 1).
+    pub retries: u32,
+    /// First backoff between attempts (doubles, capped at 30 s).
+    pub retry_backoff: Duration,
+    /// Overwrite a diverged remote branch (`--force-with-lease`). Off by default.
+    pub force_push: bool,
+    /// Bound on one container exec.
+    pub exec_timeout: Duration,
+    /// Bound on one host git command (clone, push, …).
+    pub host_git_timeout: Duration,
+    /// Bound on one GitHub API request.
+    pub api_timeout: Duration,
+    /// Committer of the relayed commits on the host (authors stay the agent's).
+    pub committer_name: String,
+    /// Committer email.
+    pub committer_email: String,
+}
+
+impl std::fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayConfig")
+            .field("container", &self.container)
+            .field("docker_host", &self.docker_host)
+            .field("exec_user", &self.exec_user)
+            .field("workspace_root", &self.workspace_root)
+            .field("remote_url", &self.remote_url)
+            .field("base_ref", &self.base_ref)
+            .field("github_api_url", &self.github_api_url)
+            .field("github_repo", &self.github_repo)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("retries", &self.retries)
+            .field("force_push", &self.force_push)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayConfig {
+    /// Defaults for a container and a remote: workspace `/workspace`, base `main`, no API, 3
+    /// retries from 500 ms, no force push, 60 s per exec, 300 s per host git command.
+    pub fn new(container: impl Into<String>, remote_url: impl Into<String>) -> Self {
+        Self {
+            container: container.into(),
+            docker_host: None,
+            exec_user: None,
+            workspace_root: "/workspace".to_owned(),
+            remote_url: remote_url.into(),
+            base_ref: "main".to_owned(),
+            github_api_url: None,
+            github_repo: None,
+            token: None,
+            retries: 3,
+            retry_backoff: Duration::from_millis(500),
+            force_push: false,
+            exec_timeout: Duration::from_secs(60),
+            host_git_timeout: Duration::from_secs(300),
+            api_timeout: Duration::from_secs(30),
+            committer_name: "clawmux relay".to_owned(),
+            committer_email: "relay@clawmux.invalid".to_owned(),
+        }
+    }
+
+    /// From the service configuration: `None` when no relay container is configured; an error
+    /// when the container is set but the remote is not.
+    pub fn from_app_config(c: &crate::config::Config) -> Result<Option<Self>, String> {
+        let Some(container) = c.relay_container.clone() else { return Ok(None) };
+        let remote = c.relay_remote_url.clone().ok_or("CLAWMUX_RELAY_CONTAINER is set but CLAWMUX_RELAY_REMOTE_URL is not")?;
+        let mut r = Self::new(container, remote);
+        r.docker_host = std::env::var("DOCKER_HOST").ok().filter(|s| !s.is_empty());
+        r.workspace_root = c.relay_workspace.clone();
+        r.base_ref = c.relay_base_ref.clone();
+        r.github_api_url = Some(c.github_api_url.clone()).filter(|s| !s.is_empty());
+        r.token = c.github_token.clone();
+        Ok(Some(r))
+    }
+
+    fn owner_repo(&self) -> Option<(String, String)> {
+        match &self.github_repo {
+            Some(s) => git::parse_owner_repo(s),
+            None => git::owner_repo_from_url(&self.remote_url),
+        }
+    }
+}
+
+/// A prepared workspace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Workspace {
+    /// The worktree in the container: tell the agent to work (and commit) there.
+    pub path: String,
+    /// `sandbox/<key>`.
+    pub branch: String,
+    /// Its HEAD when prepared.
+    pub head: String,
+    /// Created now (false: reused from an earlier run).
+    pub created: bool,
+}
+
+/// The step of [`GitRelay::publish`] that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RelayStage {
+    /// Branch key, base ref or configuration.
+    Validate,
+    /// Reading the worktree's state in the container.
+    Inspect,
+    /// `git format-patch` in the container.
+    Extract,
+    /// Cloning or fetching the remote on the host.
+    Clone,
+    /// Applying the patches on the host (including "the remote branch diverged").
+    Apply,
+    /// `git push`.
+    Push,
+    /// The GitHub API.
+    PullRequest,
+}
+
+impl std::fmt::Display for RelayStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Validate => "validate",
+            Self::Inspect => "inspect",
+            Self::Extract => "extract",
+            Self::Clone => "clone",
+            Self::Apply => "apply",
+            Self::Push => "push",
+            Self::PullRequest => "pull request",
+        })
+    }
+}
+
+/// What went wrong in a publish, for the run document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RelayFailure {
+    /// The step.
+    pub stage: RelayStage,
+    /// What failed (no secret).
+    pub message: String,
+    /// Attempts made at that step.
+    pub attempts: u32,
+}
+
+impl std::fmt::Display for RelayFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.attempts > 1 {
+            write!(f, "{} failed after {} attempts: {}", self.stage, self.attempts, self.message)
+        } else {
+            write!(f, "{} failed: {}", self.stage, self.message)
+        }
+    }
+}
+
+impl RelayFailure {
+    fn new(stage: RelayStage, message: impl Into<String>, attempts: u32) -> Self {
+        Self { stage, message: message.into(), attempts }
+    }
+}
+
+/// The result of a publish (the run document's `relay`, plus details).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RelayOutcome {
+    /// `sandbox/<key>`.
+    pub branch: String,
+    /// Commits `base..HEAD` on the branch in the container (all of them, not only new ones).
+    pub commit_count: usize,
+    /// The remote branch carries all of them now (pushed by this call or already before).
+    pub pushed: bool,
+    /// Commits this call pushed.
+    pub pushed_commits: usize,
+    /// The remote branch's head after the push.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_head: Option<String>,
+    /// The pull request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pr_url: Option<String>,
+    /// Its number.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pr_number: Option<u64>,
+    /// What failed; the commits stay on the container's branch for the next run or a retry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<RelayFailure>,
+}
+
+/// The relay. Cheap to share (`Arc` inside); callers serialize per key with [`BranchLocks`].
+#[derive(Clone)]
+pub struct GitRelay {
+    /// Settings.
+    cfg: Arc<RelayConfig>,
+    /// How commands reach the container.
+    exec: Arc<dyn ContainerExec>,
+}
+
+impl std::fmt::Debug for GitRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GitRelay").field("cfg", &self.cfg).finish_non_exhaustive()
+    }
+}
+
+type Step<T> = Result<T, RelayFailure>;
+
+impl GitRelay {
+    /// A relay over `exec`. Checks the configuration: base ref, a remote URL without credentials,
+    /// and `owner/repo` when the API is configured.
+    pub fn new(cfg: RelayConfig, exec: Arc<dyn ContainerExec>) -> Result<Self, RelayError> {
+        git::validate_base_ref(&cfg.base_ref).map_err(|m| RelayError::InvalidRef(format!("{:?} {m}", cfg.base_ref)))?;
+        if cfg.remote_url.is_empty() {
+            return Err(RelayError::Config("no remote URL".to_owned()));
+        }
+        if git::url_has_credentials(&cfg.remote_url) {
+            return Err(RelayError::Config("the remote URL must not carry credentials: the token is passed through a credential helper".to_owned()));
+        }
+        if cfg.remote_url.starts_with('-') {
+            return Err(RelayError::Config("the remote URL must not start with '-'".to_owned()));
+        }
+        if !cfg.workspace_root.starts_with('/') {
+            return Err(RelayError::Config("the workspace root must be an absolute path".to_owned()));
+        }
+        if cfg.github_api_url.is_some() && cfg.owner_repo().is_none() {
+            return Err(RelayError::Config("cannot tell the GitHub owner/repo from the remote URL: set github_repo".to_owned()));
+        }
+        Ok(Self { cfg: Arc::new(cfg), exec })
+    }
+
+    /// A relay that talks to the configured container through the Docker API.
+    pub async fn connect(cfg: RelayConfig) -> Result<Self, RelayError> {
+        let exec = DockerExec::connect(cfg.docker_host.as_deref(), &cfg.container, cfg.exec_user.as_deref()).await?;
+        Self::new(cfg, Arc::new(exec))
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RelayConfig {
+        &self.cfg
+    }
+
+    /// The worktree path and branch of `key` (no I/O, no validation).
+    pub fn paths(&self, key: &str) -> (String, String) {
+        let p = Paths::new(&self.cfg.workspace_root, key);
+        (p.worktree, p.branch)
+    }
+
+    async fn run(&self, argv: Vec<String>) -> Result<ExecOutput, RelayError> {
+        self.exec.exec(&argv, None, self.cfg.exec_timeout).await
+    }
+
+    async fn run_ok(&self, argv: Vec<String>) -> Result<ExecOutput, RelayError> {
+        let o = self.run(argv.clone()).await?;
+        if !o.success() {
+            return Err(RelayError::CommandFailed { what: exec::describe(&argv), exit_code: o.exit_code, stderr: o.stderr_text() });
+        }
+        Ok(o)
+    }
+
+    fn validate(&self, key: &str, base_ref: &str) -> Result<(), RelayError> {
+        git::validate_base_ref(base_ref).map_err(|m| RelayError::InvalidRef(format!("{base_ref:?} {m}")))?;
+        git::validate_key(key, base_ref).map_err(|m| RelayError::InvalidBranchKey(format!("{key:?} {m}")))?;
+        Ok(())
+    }
+
+    /// Makes sure `sandbox/<key>` has its worktree `<root>/wt/<key>`: reused when it exists (and
+    /// is on that branch), otherwise added (from `base_ref` when the branch is new, or on the
+    /// existing branch when only the directory was gone). Every exec's exit code is checked.
+    pub async fn prepare(&self, branch_key: &str, base_ref: &str) -> Result<Workspace, RelayError> {
+        self.validate(branch_key, base_ref)?;
+        let p = Paths::new(&self.cfg.workspace_root, branch_key);
+        let list = self.run(git::worktree_list(&p)).await?;
+        if !list.success() {
+            return Err(RelayError::Workspace(format!("no git repository at {} in the container: {}", p.repo, list.stderr_text())));
+        }
+        let entries = git::parse_worktree_list(&String::from_utf8_lossy(&list.stdout));
+        let want_ref = p.branch_ref();
+        let mut created = true;
+        match entries.iter().find(|e| e.path == p.worktree) {
+            Some(e) if e.prunable => {
+                self.run_ok(git::worktree_prune(&p)).await?;
+                self.add_worktree(&p, base_ref).await?;
+            }
+            Some(e) => {
+                if e.branch.as_deref() != Some(want_ref.as_str()) {
+                    return Err(RelayError::Workspace(format!("{} is on {}, not {}", p.worktree, e.branch.as_deref().unwrap_or("a detached HEAD"), p.branch)));
+                }
+                created = false;
+            }
+            None => {
+                if let Some(other) = entries.iter().find(|e| e.branch.as_deref() == Some(want_ref.as_str())) {
+                    return Err(RelayError::Workspace(format!("{} is checked out at {}, not {}", p.branch, other.path, p.worktree)));
+                }
+                self.add_worktree(&p, base_ref).await?;
+            }
+        }
+        let head = self.run_ok(git::verify_commit(&p.worktree, "HEAD")).await?;
+        let head = git::parse_object_id(&head.stdout_text()).ok_or_else(|| RelayError::Workspace("HEAD is not a commit".to_owned()))?;
+        info!(branch = %p.branch, worktree = %p.worktree, created, "relay: workspace ready");
+        Ok(Workspace { path: p.worktree, branch: p.branch, head, created })
+    }
+
+    async fn add_worktree(&self, p: &Paths, base_ref: &str) -> Result<(), RelayError> {
+        let exists = self.run(git::branch_exists(p)).await?;
+        if exists.success() {
+            self.run_ok(git::worktree_add_existing(p)).await?;
+            return Ok(());
+        }
+        let base = self.run(git::verify_commit(&p.repo, base_ref)).await?;
+        if !base.success() {
+            return Err(RelayError::Workspace(format!("base ref {base_ref:?} not found in {}", p.repo)));
+        }
+        self.run_ok(git::worktree_add_new(p, base_ref)).await?;
+        Ok(())
+    }
+
+    /// Relays the commits of `sandbox/<key>`: none → nothing pushed, no PR (not an error); else
+    /// the new ones are pushed and the PR is created or updated (`pr_title`/`pr_body` update an
+    /// existing PR only when given). Never fails as a call: failures are in
+    /// [`RelayOutcome::error`], and the commits stay in the container.
+    pub async fn publish(&self, branch_key: &str, base_ref: &str, pr_title: Option<&str>, pr_body: Option<&str>) -> RelayOutcome {
+        let (_, branch) = self.paths(branch_key);
+        let mut out = RelayOutcome { branch, commit_count: 0, pushed: false, pushed_commits: 0, remote_head: None, pr_url: None, pr_number: None, error: None };
+        match self.publish_steps(branch_key, base_ref, pr_title, pr_body, &mut out).await {
+            Ok(()) => info!(branch = %out.branch, commits = out.commit_count, pushed = out.pushed, pushed_commits = out.pushed_commits, pr = ?out.pr_number, "relay: published"),
+            Err(f) => {
+                warn!(branch = %out.branch, commits = out.commit_count, pushed = out.pushed, stage = %f.stage, attempts = f.attempts, error = %f.message, "relay: failed");
+                out.error = Some(f);
+            }
+        }
+        out
+    }
+
+    async fn publish_steps(&self, key: &str, base_ref: &str, pr_title: Option<&str>, pr_body: Option<&str>, out: &mut RelayOutcome) -> Step<()> {
+        let fail = |stage| move |e: RelayError| RelayFailure::new(stage, e.to_string(), 1);
+        self.validate(key, base_ref).map_err(fail(RelayStage::Validate))?;
+        let p = Paths::new(&self.cfg.workspace_root, key);
+
+        // 1. the container's state: on the branch, how many commits, where it forked
+        let head_ref = self.run(git::head_ref(&p)).await.map_err(fail(RelayStage::Inspect))?;
+        if !head_ref.success() {
+            return Err(RelayFailure::new(RelayStage::Inspect, format!("{} is missing or not on a branch: {}", p.worktree, head_ref.stderr_text()), 1));
+        }
+        if head_ref.stdout_text() != p.branch_ref() {
+            return Err(RelayFailure::new(RelayStage::Inspect, format!("{} is on {}, not {}", p.worktree, head_ref.stdout_text(), p.branch), 1));
+        }
+        let base = self.run(git::verify_commit(&p.worktree, base_ref)).await.map_err(fail(RelayStage::Inspect))?;
+        if !base.success() {
+            return Err(RelayFailure::new(RelayStage::Inspect, format!("base ref {base_ref:?} not found in the container"), 1));
+        }
+        let count = self.run_ok(git::count_ahead(&p, base_ref, false)).await.map_err(fail(RelayStage::Inspect))?;
+        out.commit_count = git::parse_count(&count.stdout_text()).ok_or_else(|| RelayFailure::new(RelayStage::Inspect, "unreadable commit count", 1))?;
+        if out.commit_count == 0 {
+            info!(branch = %p.branch, "relay: no commits, nothing to push");
+            return Ok(());
+        }
+        let merges = self.run_ok(git::count_ahead(&p, base_ref, true)).await.map_err(fail(RelayStage::Inspect))?;
+        if git::parse_count(&merges.stdout_text()) != Some(0) {
+            return Err(RelayFailure::new(RelayStage::Extract, "the branch has merge commits, which format-patch cannot carry", 1));
+        }
+        let fork = self.run_ok(git::merge_base(&p, base_ref)).await.map_err(fail(RelayStage::Inspect))?;
+        let fork = git::parse_object_id(&fork.stdout_text()).ok_or_else(|| RelayFailure::new(RelayStage::Inspect, "unreadable merge base", 1))?;
+        let ht = self.run_ok(git::head_and_tree(&p)).await.map_err(fail(RelayStage::Inspect))?;
+        let ht_text = ht.stdout_text();
+        let mut lines = ht_text.lines();
+        let (Some(_head), Some(tree)) = (lines.next().and_then(git::parse_object_id), lines.next().and_then(git::parse_object_id)) else {
+            return Err(RelayFailure::new(RelayStage::Inspect, "unreadable HEAD", 1));
+        };
+
+        // 2. the patches
+        let mbox = self.run_ok(git::format_patch(&p, &fork)).await.map_err(fail(RelayStage::Extract))?.stdout;
+        let patches = git::split_mbox(&mbox);
+        if patches.len() != out.commit_count {
+            return Err(RelayFailure::new(RelayStage::Extract, format!("format-patch gave {} patches for {} commits", patches.len(), out.commit_count), 1));
+        }
+
+        // 3. a fresh host clone
+        let tmp = tempfile::Builder::new().prefix("clawmux-relay-").tempdir().map_err(|e| RelayFailure::new(RelayStage::Clone, format!("temp dir: {e}"), 1))?;
+        let committer = (self.cfg.committer_name.clone(), self.cfg.committer_email.clone());
+        let outer = host::HostGit::new(tmp.path(), &self.cfg.remote_url, self.cfg.token.as_ref(), self.cfg.host_git_timeout, committer);
+        let clone_dir = tmp.path().join("repo");
+        let clone_dir_s = clone_dir.to_string_lossy().into_owned();
+        let attempts = self.cfg.retries + 1;
+        let mut n = 0;
+        loop {
+            n += 1;
+            match outer.ok(&["clone", "--quiet", "--no-checkout", "--no-tags", "--", &self.cfg.remote_url, &clone_dir_s], None).await {
+                Ok(_) => break,
+                Err(e) if n < attempts => {
+                    warn!(branch = %p.branch, attempt = n, error = %e, "relay: clone failed, retrying");
+                    let _ = std::fs::remove_dir_all(&clone_dir);
+                    self.backoff(n).await;
+                }
+                Err(e) => return Err(RelayFailure::new(RelayStage::Clone, e.to_string(), n)),
+            }
+        }
+        let hg = outer.in_dir(&clone_dir);
+        if hg.run(&["cat-file", "-e", &format!("{fork}^{{commit}}")], None).await.map(|o| o.code).unwrap_or(-1) != 0 {
+            return Err(RelayFailure::new(RelayStage::Apply, format!("the container's base commit {fork} is not in the remote"), 1));
+        }
+        let ids = hg.ok(&["patch-id", "--stable"], Some(&mbox)).await.map_err(fail(RelayStage::Apply))?;
+        let container_keys = git::change_keys(&patches, &git::parse_patch_ids(&ids.text()));
+        let remote_ref = format!("refs/remotes/origin/{}", p.branch);
+
+        // 4. apply what the remote branch lacks, check the tree, push; a failed push is retried
+        // from a fresh fetch (someone may have pushed meanwhile)
+        let mut n = 0;
+        loop {
+            n += 1;
+            if n > 1 {
+                self.backoff(n - 1).await;
+                if let Err(e) = hg.ok(&["fetch", "--quiet", "--prune", "--no-tags", "origin"], None).await {
+                    if n < attempts {
+                        warn!(branch = %p.branch, attempt = n, error = %e, "relay: fetch failed, retrying");
+                        continue;
+                    }
+                    return Err(RelayFailure::new(RelayStage::Clone, e.to_string(), n));
+                }
+            }
+            let tip = hg.run(&["rev-parse", "--verify", "--quiet", &remote_ref], None).await.map_err(fail(RelayStage::Apply))?;
+            let tip = (tip.code == 0).then(|| tip.text()).filter(|t| git::is_object_id(t));
+            let (start, skip, lease) = match &tip {
+                None => (fork.clone(), 0, None),
+                Some(tip) => match self.plan_against(&hg, &fork, tip, &container_keys).await? {
+                    Plan::Append { skip } => (tip.clone(), skip, None),
+                    Plan::Diverged { common } if self.cfg.force_push => {
+                        warn!(branch = %p.branch, common, "relay: remote branch diverged; force_push is on, overwriting it");
+                        (fork.clone(), 0, Some(tip.clone()))
+                    }
+                    Plan::Diverged { common } => {
+                        return Err(RelayFailure::new(
+                            RelayStage::Apply,
+                            format!("the remote branch {} diverged from the container's ({common} commits in common); not pushed (force_push is off)", p.branch),
+                            n,
+                        ));
+                    }
+                },
+            };
+            let _ = hg.run(&["am", "--abort"], None).await;
+            hg.ok(&["checkout", "--quiet", "--force", "-B", &p.branch, &start], None).await.map_err(fail(RelayStage::Apply))?;
+            let new = &patches[skip..];
+            if !new.is_empty() {
+                let feed: Vec<u8> = new.iter().flat_map(|p| p.text.iter().copied()).collect();
+                if let Err(e) = hg.ok(&["am", "--quiet", "-k", "--keep-cr", "--empty=keep", "--whitespace=nowarn", "--no-3way"], Some(&feed)).await {
+                    let _ = hg.run(&["am", "--abort"], None).await;
+                    return Err(RelayFailure::new(RelayStage::Apply, e.to_string(), n));
+                }
+            }
+            let host_tree = hg.ok(&["rev-parse", "HEAD^{tree}"], None).await.map_err(fail(RelayStage::Apply))?.text();
+            if host_tree != tree {
+                return Err(RelayFailure::new(RelayStage::Apply, format!("after applying, the tree {host_tree} differs from the container's {tree}; not pushed"), n));
+            }
+            let host_head = hg.ok(&["rev-parse", "HEAD"], None).await.map_err(fail(RelayStage::Apply))?.text();
+            if new.is_empty() && lease.is_none() {
+                // a retry after an earlier failure (e.g. of the API): the branch is up to date
+                out.pushed = true;
+                out.remote_head = Some(host_head);
+                break;
+            }
+            let dest = format!("HEAD:{}", p.branch_ref());
+            let lease_arg = lease.as_ref().map(|t| format!("--force-with-lease={}:{t}", p.branch_ref()));
+            let mut args = vec!["push", "--quiet", "--porcelain"];
+            if let Some(l) = &lease_arg {
+                args.push(l);
+            }
+            args.extend(["origin", dest.as_str()]);
+            match hg.ok(&args, None).await {
+                Ok(_) => {
+                    out.pushed = true;
+                    out.pushed_commits = new.len();
+                    out.remote_head = Some(host_head);
+                    info!(branch = %p.branch, pushed_commits = new.len(), forced = lease.is_some(), attempt = n, "relay: pushed");
+                    break;
+                }
+                Err(e) if n < attempts => warn!(branch = %p.branch, attempt = n, error = %e, "relay: push failed, retrying"),
+                Err(e) => return Err(RelayFailure::new(RelayStage::Push, e.to_string(), n)),
+            }
+        }
+        drop(tmp);
+
+        // 5. the pull request
+        if let Some(api) = &self.cfg.github_api_url {
+            let pr = self.pull_request(api, &p.branch, base_ref, pr_title, pr_body).await?;
+            out.pr_number = Some(pr.number);
+            out.pr_url = Some(pr.url);
+        }
+        Ok(())
+    }
+
+    /// The container's change keys against the remote branch's (from the fork point).
+    async fn plan_against(&self, hg: &host::HostGit, fork: &str, tip: &str, container_keys: &[String]) -> Step<Plan> {
+        let f = |e: RelayError| RelayFailure::new(RelayStage::Apply, e.to_string(), 1);
+        let anc = hg.run(&["merge-base", "--is-ancestor", fork, tip], None).await.map_err(f)?;
+        if anc.code != 0 {
+            return Ok(Plan::Diverged { common: 0 });
+        }
+        let range = format!("{fork}..{tip}");
+        let mut args: Vec<&str> = git::FORMAT_PATCH_FLAGS.to_vec();
+        args.push(&range);
+        let mbox = hg.ok(&args, None).await.map_err(f)?.stdout;
+        let patches = git::split_mbox(&mbox);
+        let ids = hg.ok(&["patch-id", "--stable"], Some(&mbox)).await.map_err(f)?;
+        let remote_keys = git::change_keys(&patches, &git::parse_patch_ids(&ids.text()));
+        tracing::debug!(?container_keys, ?remote_keys, "relay: change keys");
+        Ok(git::plan(container_keys, &remote_keys))
+    }
+
+    async fn pull_request(&self, api: &str, branch: &str, base_ref: &str, title: Option<&str>, body: Option<&str>) -> Step<github::PullRequest> {
+        let (owner, repo) = self.cfg.owner_repo().ok_or_else(|| RelayFailure::new(RelayStage::PullRequest, "no owner/repo", 1))?;
+        let gh = github::Github::new(api, self.cfg.token.clone(), self.cfg.api_timeout).map_err(|m| RelayFailure::new(RelayStage::PullRequest, m, 1))?;
+        let attempts = self.cfg.retries + 1;
+        let mut n = 0;
+        loop {
+            n += 1;
+            let r = async {
+                match gh.find_open(&owner, &repo, branch).await? {
+                    Some(pr) if title.is_some() || body.is_some() => gh.update(&owner, &repo, pr.number, title, body).await,
+                    Some(pr) => Ok(pr),
+                    None => {
+                        let t = title.map(str::to_owned).unwrap_or_else(|| branch.to_owned());
+                        let b = body.map(str::to_owned).unwrap_or_else(|| format!("Commits of the agent's workspace on `{branch}`, relayed by clawmux."));
+                        gh.create(&owner, &repo, branch, base_ref, &t, &b).await
+                    }
+                }
+            }
+            .await;
+            match r {
+                Ok(pr) => return Ok(pr),
+                Err(e) if e.retryable && n < attempts => {
+                    warn!(branch, attempt = n, error = %e.message, "relay: GitHub API failed, retrying");
+                    self.backoff(n).await;
+                }
+                Err(e) => return Err(RelayFailure::new(RelayStage::PullRequest, e.message, n)),
+            }
+        }
+    }
+
+    async fn backoff(&self, attempt: u32) {
+        let d = self.cfg.retry_backoff.saturating_mul(1u32 << attempt.saturating_sub(1).min(16)).min(Duration::from_secs(30));
+        tokio::time::sleep(d).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exec::fake::ScriptedExec;
+    use super::*;
+
+    fn relay(f: Arc<ScriptedExec>) -> GitRelay {
+        GitRelay::new(RelayConfig::new("gw", "/srv/origin.git"), f).expect("relay")
+    }
+
+    #[test]
+    fn config_is_checked() {
+        let f: Arc<dyn ContainerExec> = Arc::new(ScriptedExec::default());
+        let mut c = RelayConfig::new("gw", "https://x-access-token:abc@github.com/a/b.git");
+        assert!(matches!(GitRelay::new(c.clone(), f.clone()), Err(RelayError::Config(_))));
+        c.remote_url = "/srv/origin.git".into();
+        c.github_api_url = Some("http://127.0.0.1:1".into());
+        assert!(matches!(GitRelay::new(c.clone(), f.clone()), Err(RelayError::Config(_))), "API without owner/repo");
+        c.github_repo = Some("acme/widgets.js".into());
+        assert!(GitRelay::new(c.clone(), f.clone()).is_ok());
+        c.base_ref = "--upload-pack=x".into();
+        assert!(matches!(GitRelay::new(c.clone(), f.clone()), Err(RelayError::InvalidRef(_))));
+        c.base_ref = "main".into();
+        c.token = Some(Secret::new("ghp_zzz"));
+        assert!(!format!("{c:?}").contains("ghp_zzz"));
+    }
+
+    #[tokio::test]
+    async fn hostile_keys_never_reach_the_container() {
+        let f = Arc::new(ScriptedExec::default());
+        let r = relay(f.clone());
+        let long = "k".repeat(300);
+        for k in ["../x", "-f", "a..b", "x.lock", "a b", long.as_str(), "main"] {
+            assert!(matches!(r.prepare(k, "main").await, Err(RelayError::InvalidBranchKey(_))), "{k:?}");
+            let o = r.publish(k, "main", None, None).await;
+            assert_eq!(o.error.as_ref().map(|e| e.stage), Some(RelayStage::Validate), "{k:?}");
+            assert!(!o.pushed);
+        }
+        assert!(matches!(r.prepare("ok", "-x").await, Err(RelayError::InvalidRef(_))));
+        assert!(f.calls().is_empty(), "nothing ran");
+    }
+
+    const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
+
+    #[tokio::test]
+    async fn prepare_creates_then_reuses() {
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["worktree", "list"], 0, "worktree /workspace/repo\nHEAD x\nbranch refs/heads/main\n", "");
+        f.on(&["rev-parse", "refs/heads/sandbox/t1"], 1, "", "");
+        f.on(&["rev-parse", "main^{commit}"], 0, &format!("{SHA}\n"), "");
+        f.on(&["worktree", "add"], 0, "", "");
+        f.on(&["rev-parse", "HEAD^{commit}"], 0, &format!("{SHA}\n"), "");
+        let r = relay(f.clone());
+        let w = r.prepare("t1", "main").await.expect("prepare");
+        assert_eq!(w, Workspace { path: "/workspace/wt/t1".into(), branch: "sandbox/t1".into(), head: SHA.into(), created: true });
+        let add = f.calls().into_iter().find(|c| c.contains(&"add".to_owned())).expect("worktree add ran");
+        assert!(add.ends_with(&["-b".into(), "sandbox/t1".into(), "/workspace/wt/t1".into(), "main".into()]));
+
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["worktree", "list"], 0, "worktree /workspace/repo\nbranch refs/heads/main\n\nworktree /workspace/wt/t1\nbranch refs/heads/sandbox/t1\n", "");
+        f.on(&["rev-parse", "HEAD^{commit}"], 0, &format!("{SHA}\n"), "");
+        let w = relay(f.clone()).prepare("t1", "main").await.expect("prepare");
+        assert!(!w.created);
+        assert!(!f.calls().iter().any(|c| c.contains(&"add".to_owned())), "reused, not re-added");
+    }
+
+    #[tokio::test]
+    async fn prepare_checks_exit_codes() {
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["worktree", "list"], 128, "", "fatal: not a git repository");
+        let e = relay(f).prepare("t1", "main").await.expect_err("no repo");
+        assert!(matches!(e, RelayError::Workspace(ref m) if m.contains("not a git repository")), "{e}");
+
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["worktree", "list"], 0, "worktree /workspace/repo\n", "");
+        f.on(&["rev-parse", "refs/heads/sandbox/t1"], 1, "", "");
+        f.on(&["rev-parse", "main^{commit}"], 0, SHA, "");
+        f.on(&["worktree", "add"], 128, "", "fatal: '/workspace/wt/t1' already exists");
+        let e = relay(f).prepare("t1", "main").await.expect_err("add fails");
+        assert!(matches!(e, RelayError::CommandFailed { ref what, exit_code: 128, ref stderr } if what == "git worktree" && stderr.contains("already exists")), "{e}");
+
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["worktree", "list"], 0, "worktree /workspace/wt/t1\nbranch refs/heads/other\n", "");
+        let e = relay(f).prepare("t1", "main").await.expect_err("wrong branch");
+        assert!(matches!(e, RelayError::Workspace(_)), "{e}");
+    }
+
+    #[tokio::test]
+    async fn publish_without_commits_does_nothing_more() {
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["symbolic-ref"], 0, "refs/heads/sandbox/t1\n", "");
+        f.on(&["rev-parse", "main^{commit}"], 0, SHA, "");
+        f.on(&["rev-list", "--count"], 0, "0\n", "");
+        let o = relay(f.clone()).publish("t1", "main", Some("t"), None).await;
+        assert_eq!(o, RelayOutcome { branch: "sandbox/t1".into(), commit_count: 0, pushed: false, pushed_commits: 0, remote_head: None, pr_url: None, pr_number: None, error: None });
+        assert!(!f.calls().iter().any(|c| c.contains(&"format-patch".to_owned())));
+    }
+
+    #[tokio::test]
+    async fn publish_reports_a_worktree_on_another_branch() {
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["symbolic-ref"], 0, "refs/heads/main\n", "");
+        let o = relay(f).publish("t1", "main", None, None).await;
+        let e = o.error.expect("error");
+        assert_eq!(e.stage, RelayStage::Inspect);
+        assert!(e.message.contains("not sandbox/t1"), "{e}");
+        let json = serde_json::to_value(RelayFailure::new(RelayStage::PullRequest, "x", 3)).expect("json");
+        assert_eq!(json, serde_json::json!({"stage": "pull_request", "message": "x", "attempts": 3}));
+    }
+}
