@@ -10,8 +10,16 @@
 //! Without a Docker engine or the image the tests print a skip line and pass, unless
 //! `CLAWMUX_REQUIRE_DOCKER=1` (tests/run.sh sets it), where they fail.
 //! Env: `CLAWMUX_BASE_IMAGE` (default `clawmux/base:bookworm-git`).
+//!
+//! `docker_gateway_agent_commit_is_relayed` is the end to end: the REAL OpenClaw gateway in a
+//! container (`tests/support/gateway-container.sh start DIR`, then `CLAWMUX_RELAY_GATEWAY_ENV=DIR/env`),
+//! clawmux drives agent runs whose (fake) LLM tells the real agent to commit with its `exec` tool,
+//! and the relay pushes the commits. Without that env it skips, unless
+//! `CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1`.
 
 #![allow(clippy::unwrap_used)]
+
+mod common;
 
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use clawmux::config::Secret;
@@ -636,4 +644,92 @@ async fn docker_relay_two_keys_in_parallel_one_key_serialized() {
     assert_eq!(w.remote(&["log", "--format=%s", "main..sandbox/serial"]), "run 3\nrun 2\nrun 1");
     assert_eq!(w.api.prs().len(), 3, "left, right, serial: one PR each");
     assert!(locks.is_empty());
+}
+
+// ------------------------------------------------------------------------------------------------
+// End to end: the real OpenClaw gateway in a container, its agent commits, the relay publishes
+// ------------------------------------------------------------------------------------------------
+
+fn gateway_container_env() -> Option<std::collections::HashMap<String, String>> {
+    let Ok(path) = std::env::var("CLAWMUX_RELAY_GATEWAY_ENV") else {
+        assert!(
+            std::env::var("CLAWMUX_REQUIRE_GATEWAY_CONTAINER").as_deref() != Ok("1"),
+            "CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1 but CLAWMUX_RELAY_GATEWAY_ENV is not set (tests/support/gateway-container.sh start DIR)"
+        );
+        eprintln!("SKIP docker_gateway_agent_commit_is_relayed: no gateway container (tests/support/gateway-container.sh start DIR; CLAWMUX_RELAY_GATEWAY_ENV=DIR/env)");
+        return None;
+    };
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    Some(text.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect())
+}
+
+/// Two agent runs on one branch key through clawmux and the REAL gateway: each run's agent
+/// commits in the prepared worktree (a real `exec` tool call inside the container, as the gateway's
+/// uid), then the relay pushes: the branch arrives in the host remote with the container's tree,
+/// the PR is created once and updated by the second run. The GitHub token is in no container env,
+/// no file in the container, no exec argv, no log line and no LLM request.
+#[actix_rt::test]
+async fn docker_gateway_agent_commit_is_relayed() {
+    let Some(env) = gateway_container_env() else { return };
+    capture_logs();
+    let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("env lacks {k}")).clone();
+    let (ctr, origin) = (get("CONTAINER_ID"), PathBuf::from(get("ORIGIN")));
+    let api = FakeGithub::start().await;
+    let token = format!("ghp_e2e_{}", uuid::Uuid::new_v4().simple());
+    let mut cfg = RelayConfig::new(ctr.clone(), origin.to_string_lossy());
+    cfg.workspace_root = get("WORKSPACE");
+    cfg.github_api_url = Some(api.base.clone());
+    cfg.github_repo = Some("acme/widgets.js".to_owned());
+    cfg.token = Some(Secret::new(token.clone()));
+    cfg.retries = 1;
+    cfg.retry_backoff = Duration::from_millis(100);
+    let exec = DockerExec::connect(None, &ctr, None).await.expect("connect");
+    let rec = Arc::new(Recording::new(exec));
+    let relay = GitRelay::new(cfg, rec.clone()).expect("relay");
+
+    let app = common::start_clawmux(&get("GATEWAY_URL"), Some(&get("GATEWAY_TOKEN")), |_| {}).await;
+    let base = common::base(&app);
+    let http = reqwest::Client::new();
+    common::wait_ready(&http, &base, Duration::from_secs(30)).await;
+
+    let key = format!("e2e-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let mut outcomes = Vec::new();
+    for (i, mark) in ["m1", "m2"].iter().enumerate() {
+        let t0 = Instant::now();
+        let ws = relay.prepare(&key, "main").await.expect("prepare");
+        assert_eq!(ws.created, i == 0);
+        let body = json!({"message": format!("Do the task. COMMIT:{}:{mark}", ws.path), "billingAccountId": "acct-relay", "stateKey": format!("{key}-{i}")});
+        let (status, doc) = common::post_json(&http, &base, &body).await;
+        assert_eq!(status, 200, "{doc}");
+        assert_eq!(doc["status"], "ok", "{doc}");
+        assert_eq!(doc["content"].as_str().map(str::trim), Some(format!("committed {mark}").as_str()), "the agent says it committed: {doc}");
+        let run_s = t0.elapsed();
+        // never the agent's word: git itself
+        let file = sh(Command::new("docker").args(["exec", &ctr, "cat", &format!("{}/agent-{mark}.txt", ws.path)]));
+        assert_eq!(file, *mark);
+        let t1 = Instant::now();
+        let o = relay.publish(&key, "main", Some(&format!("Agent work on {key}")), Some(&format!("run {}", i + 1))).await;
+        eprintln!("run {} took {:.1} s, relay {:.1} s; relay outcome: {}", i + 1, run_s.as_secs_f64(), t1.elapsed().as_secs_f64(), serde_json::to_string(&o).unwrap());
+        assert_eq!(o.error, None, "{o:?}");
+        assert_eq!((o.commit_count, o.pushed, o.pushed_commits, o.pr_number), (i + 1, true, 1, Some(1)));
+        let branch = format!("sandbox/{key}");
+        assert_eq!(sh(git(&origin).args(["rev-parse", &format!("{branch}^{{tree}}")])), sh(Command::new("docker").args(["exec", &ctr, "git", "-C", &ws.path, "rev-parse", "HEAD^{tree}"])));
+        assert_eq!(sh(git(&origin).args(["show", &format!("{branch}:agent-{mark}.txt")])), *mark);
+        assert_eq!(sh(git(&origin).args(["log", "-1", "--format=%an|%s", &branch])), format!("Agent Test|agent: {mark}"));
+        outcomes.push(o);
+    }
+    assert_eq!(api.methods(), ["GET", "POST", "GET", "PATCH"], "one PR, created then updated");
+    assert_eq!(api.prs()[0].body, "run 2");
+
+    // the token: nowhere in the container, the execs, the logs, the LLM traffic
+    let inspect = sh(Command::new("docker").args(["inspect", &ctr]));
+    assert!(!inspect.contains(&token));
+    let grep = Command::new("docker").args(["exec", "-u", "0", &ctr, "grep", "-rIl", "--exclude-dir=proc", "--exclude-dir=sys", "--exclude-dir=dev", "--exclude-dir=opt", "-e", &token, "/"]).output().unwrap();
+    assert_eq!(grep.status.code(), Some(1), "token found in container files: {}", String::from_utf8_lossy(&grep.stdout));
+    assert_token_not_in_argv(&rec, &token);
+    assert!(!logs().contains(&token));
+    let llm_log = std::fs::read_to_string(get("LLM_LOG")).unwrap_or_default();
+    assert!(llm_log.contains("commit_call"), "the fake LLM asked for the commit");
+    assert!(!llm_log.contains(&token));
+    app.server.stop(true).await;
 }

@@ -205,6 +205,47 @@ mod tests {
         assert_eq!(truncate("abcdef", 3), "abc…");
     }
 
+    /// An `http` remote that demands Basic auth: git gets the token from the helper (and only
+    /// from it: the argv has no token) and sends it as `x-access-token:<token>`.
+    #[tokio::test]
+    async fn the_token_reaches_an_http_remote_through_the_credential_helper() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let server = tokio::spawn(async move {
+            let mut auths = Vec::new();
+            // git asks without credentials, then with them; answer 401, then 403
+            for _ in 0..2 {
+                let Ok(Ok((mut s, _))) = tokio::time::timeout(Duration::from_secs(20), listener.accept()).await else { break };
+                let mut buf = vec![0u8; 8192];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let req = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let auth = req.lines().find_map(|l| l.strip_prefix("Authorization: ").or_else(|| l.strip_prefix("authorization: ")).map(str::to_owned));
+                let resp = if auth.is_none() {
+                    "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm=\"test\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                } else {
+                    "HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                };
+                let _ = s.write_all(resp.as_bytes()).await;
+                auths.push(auth);
+            }
+            auths
+        });
+        let dir = tempfile::tempdir().expect("tmp");
+        let url = format!("http://127.0.0.1:{port}/acme/widgets.git");
+        let token = Secret::new("tok-HTTP-7f3a");
+        let h = HostGit::new(dir.path(), &url, Some(&token), Duration::from_secs(30), ("R".into(), "r@x".into()));
+        let out = h.run(&["ls-remote", "--", &url], None).await.expect("ran");
+        assert_ne!(out.code, 0, "the fake remote refuses in the end");
+        assert!(!out.stderr.contains("tok-HTTP-7f3a"));
+        let auths = server.await.expect("server");
+        assert_eq!(auths.len(), 2, "asked twice: {auths:?}");
+        assert_eq!(auths[0], None);
+        // base64("x-access-token:tok-HTTP-7f3a")
+        assert_eq!(auths[1].as_deref(), Some("Basic eC1hY2Nlc3MtdG9rZW46dG9rLUhUVFAtN2YzYQ=="));
+        assert!(h.argv(&["ls-remote", "--", &url]).iter().all(|a| !a.contains("tok-HTTP-7f3a")));
+    }
+
     #[tokio::test]
     async fn runs_git_with_stdin_and_reports_failures() {
         let dir = tempfile::tempdir().expect("tmp");

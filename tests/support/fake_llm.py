@@ -21,10 +21,20 @@ Reply (deterministic, echoes the caller):
              function `exec` with {"command":"echo tool-ran-<marker>"} (marker from "TOOL:<marker>",
              else "x") and finish_reason "tool_calls"; once a tool result is present: normal text
              "Reply to: ... | after-tool | ..." (the tool result's first line is echoed as well).
+    COMMIT:<dir>:<mark>  (the agent commits in a git worktree; for the git relay tests)
+          -> if no `tool` message follows the last real user message: a streamed tool call to `exec`
+             with {"command": "cd <dir> && printf '%s\n' <mark> > agent-<mark>.txt && git add
+             agent-<mark>.txt && git commit -q -m 'agent: <mark>' && git log -1 --format=%H"};
+             once a tool result is present: the text "committed <mark>" (or "NOT committed <mark>:
+             <first line of the tool output>" when the command failed). <dir> must match
+             /[A-Za-z0-9._/-]{1,200} without "..", <mark> [A-Za-z0-9._-]{1,64}; anything else is
+             answered with the text "COMMIT refused: ..." and no tool call (the values end up in a
+             shell command, so nothing outside those characters ever gets there).
 
 Log: one JSON line per request to FAKE_LLM_LOG (default ./llm-requests.jsonl), flushed at once:
   {"ts","id","method","path","headers"{lower-cased},"model","stream","last_user","n_messages",
-   "has_tool_result","reply"}            reply = text | slow | tool_call | after_tool | error | models | not_found
+   "has_tool_result","reply"}            reply = text | slow | tool_call | after_tool | commit_call |
+                                         committed | commit_refused | error | models | not_found
 plus, per completion, the usage it reports:
   {"event":"usage","id","prompt_tokens","completion_tokens","ts"}
 plus, when a streamed response ends:
@@ -121,6 +131,32 @@ def echo_line(text):
 def marker_of(text):
     m = re.search(r"\bTOOL:([A-Za-z0-9._-]+)", text)
     return m.group(1)[:64] if m else "x"
+
+
+_COMMIT_RE = re.compile(r"\bCOMMIT:(\S+)")
+_COMMIT_DIR_RE = re.compile(r"/[A-Za-z0-9._/-]{1,200}")
+_COMMIT_MARK_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def commit_spec(text):
+    """None (no COMMIT keyword), ("ok", dir, mark) or ("refused", reason)."""
+    m = _COMMIT_RE.search(text)
+    if not m:
+        return None
+    arg = m.group(1)
+    if ":" not in arg:
+        return ("refused", "expected COMMIT:<dir>:<mark>")
+    d, mark = arg.rsplit(":", 1)
+    if not _COMMIT_DIR_RE.fullmatch(d) or ".." in d:
+        return ("refused", "bad dir")
+    if not _COMMIT_MARK_RE.fullmatch(mark):
+        return ("refused", "bad mark")
+    return ("ok", d, mark)
+
+
+def commit_command(d, mark):
+    return (f"cd {d} && printf '%s\\n' {mark} > agent-{mark}.txt && git add agent-{mark}.txt && "
+            f"git commit -q -m 'agent: {mark}' && git log -1 --format=%H")
 
 
 def estimate_tokens(messages):
@@ -235,9 +271,16 @@ class Handler(BaseHTTPRequestHandler):
         slow = re.search(r"\bSLOW\b", user_text) is not None
         wants_tool = re.search(r"\bTOOL\b", user_text) is not None
 
+        commit = commit_spec(user_text)
         n_chunks, delay = (SLOW_CHUNKS, SLOW_DELAY) if slow else (CHUNKS, DELAY)
         words = [f"w{i}" for i in range(1, n_chunks + 1)]
-        if wants_tool and not has_tool_result:
+        if commit is not None and commit[0] == "refused":
+            kind = "commit_refused"
+        elif commit is not None and not has_tool_result:
+            kind = "commit_call"
+        elif commit is not None:
+            kind = "committed"
+        elif wants_tool and not has_tool_result:
             kind = "tool_call"
         elif wants_tool:
             kind = "after_tool"
@@ -253,8 +296,11 @@ class Handler(BaseHTTPRequestHandler):
         prompt_tokens = estimate_tokens(messages)
         created = int(time.time())
 
-        if kind == "tool_call":
-            args = json.dumps({"command": f"echo tool-ran-{marker_of(user_text)}"})
+        if kind in ("tool_call", "commit_call"):
+            if kind == "commit_call":
+                args = json.dumps({"command": commit_command(commit[1], commit[2]), "timeoutSeconds": 60})
+            else:
+                args = json.dumps({"command": f"echo tool-ran-{marker_of(user_text)}"})
             tool_call = {"id": "call_" + secrets.token_hex(12), "type": "function",
                          "function": {"name": "exec", "arguments": args}}
             completion_tokens = max(1, len(args) // 4)
@@ -273,6 +319,23 @@ class Handler(BaseHTTPRequestHandler):
             deltas += [{"tool_calls": [{"index": 0, "function": {"arguments": s}}]} for s in slices]
             self._stream(call_id, created, model, deltas, "tool_calls", delay, body,
                          prompt_tokens, completion_tokens)
+            return
+
+        if kind in ("committed", "commit_refused"):
+            if kind == "commit_refused":
+                text = f"COMMIT refused: {commit[1]}"
+            else:
+                out = content_text(tool_msgs[-1].get("content")).strip()
+                failed = "(Command exited with code" in out or not re.search(r"\b[0-9a-f]{40}\b", out)
+                text = f"NOT committed {commit[2]}: {out.splitlines()[0][:200] if out else 'no output'}" if failed \
+                    else f"committed {commit[2]}"
+            log({"event": "usage", "id": call_id, "prompt_tokens": prompt_tokens, "completion_tokens": 2})
+            if not stream:
+                self._send_json(200, self._completion(call_id, created, model, {
+                    "role": "assistant", "content": text}, "stop", prompt_tokens, 2), call_id)
+                return
+            self._stream(call_id, created, model, [{"role": "assistant", "content": text}], "stop", delay, body,
+                         prompt_tokens, 2)
             return
 
         head = f"Reply to: {echo} | model={model} | "
