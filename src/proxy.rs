@@ -224,6 +224,22 @@ impl AuditSink {
     }
 }
 
+/// Adds `stream_options.include_usage: true` to a streamed chat request that lacks it; returns the
+/// new body, or `None` when nothing had to change.
+pub fn request_usage(body: &mut serde_json::Value) -> Option<Bytes> {
+    let obj = body.as_object_mut()?;
+    if obj.get("stream").and_then(serde_json::Value::as_bool) != Some(true) || !obj.contains_key("messages") {
+        return None;
+    }
+    let opts = obj.entry("stream_options").or_insert_with(|| serde_json::json!({}));
+    let opts = opts.as_object_mut()?;
+    if opts.get("include_usage").and_then(serde_json::Value::as_bool) == Some(true) {
+        return None;
+    }
+    opts.insert("include_usage".to_owned(), serde_json::Value::Bool(true));
+    serde_json::to_vec(body).ok().map(Bytes::from)
+}
+
 /// Joins the upstream root and the called path (`.../v1` roots are accepted too).
 pub fn upstream_url(base: &str, path_and_query: &str) -> String {
     let base = base.trim_end_matches('/');
@@ -396,7 +412,13 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         }
     }
 
-    let parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+    let mut parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+    // Usage is billing truth only if the upstream reports it: ask for it on streams that do not
+    // (protocol-3 gateways omit `stream_options`). The extra usage chunk is standard OpenAI.
+    let body = match parsed.as_mut().and_then(request_usage) {
+        Some(rewritten) => rewritten,
+        None => body,
+    };
     let model = parsed.as_ref().and_then(|v| v.get("model")).and_then(|m| m.as_str()).map(str::to_owned);
     let streamed = parsed.as_ref().and_then(|v| v.get("stream")).and_then(serde_json::Value::as_bool).unwrap_or(false);
     billing.llm_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -573,6 +595,17 @@ mod tests {
     fn content_mentioning_usage_is_not_usage() {
         let mut s = UsageScanner::default();
         assert_eq!(s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"the \\\"usage\\\" field\"}}]}\n"), None);
+    }
+
+    #[test]
+    fn usage_is_requested_on_streams_that_lack_it() {
+        let mut v = serde_json::json!({"model":"m","stream":true,"messages":[]});
+        let out: serde_json::Value = serde_json::from_slice(&request_usage(&mut v).expect("rewritten")).expect("json");
+        assert_eq!(out["stream_options"]["include_usage"], true);
+        let mut v = serde_json::json!({"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[]});
+        assert!(request_usage(&mut v).is_none());
+        let mut v = serde_json::json!({"model":"m","stream":false,"messages":[]});
+        assert!(request_usage(&mut v).is_none());
     }
 
     #[test]

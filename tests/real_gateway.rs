@@ -18,6 +18,33 @@ struct Gateway {
     token: String,
     llm_log: String,
     run_dir: String,
+    /// `v4` (openclaw 2026.9.6) or `v3` (2026.4.12).
+    flavor: String,
+    /// Set when the gateway's provider points at clawmux's LLM proxy on this port.
+    proxy_port: Option<u16>,
+    llm_port: u16,
+    gateway_pid: String,
+}
+
+impl Gateway {
+    fn v3(&self) -> bool {
+        self.flavor == "v3"
+    }
+}
+
+/// Starts clawmux for this gateway: with the LLM proxy when the gateway's provider points at it.
+async fn start_for(g: &Gateway, token: Option<&str>) -> clawmux::server::Running {
+    let proxy = g.proxy_port;
+    let llm = g.llm_port;
+    start_clawmux(&g.url, token, |cfg| {
+        if let Some(port) = proxy {
+            cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            cfg.llm_upstream_url = Some(format!("http://127.0.0.1:{llm}"));
+            cfg.llm_upstream_key = Some(clawmux::config::Secret::new("sk-test-upstream"));
+            cfg.audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
+        }
+    })
+    .await
 }
 
 fn gateway() -> Option<Gateway> {
@@ -32,7 +59,16 @@ fn gateway() -> Option<Gateway> {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
     let env: HashMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
     let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("{path} lacks {k}")).to_string();
-    Some(Gateway { url: get("GATEWAY_URL"), token: get("GATEWAY_TOKEN"), llm_log: get("LLM_LOG"), run_dir: get("RUN_DIR") })
+    Some(Gateway {
+        url: get("GATEWAY_URL"),
+        token: get("GATEWAY_TOKEN"),
+        llm_log: get("LLM_LOG"),
+        run_dir: get("RUN_DIR"),
+        flavor: env.get("GATEWAY_FLAVOR").unwrap_or(&"v4").to_string(),
+        proxy_port: env.get("PROXY_PORT").and_then(|p| p.parse().ok()),
+        llm_port: get("LLM_PORT").parse().expect("LLM_PORT"),
+        gateway_pid: get("GATEWAY_PID"),
+    })
 }
 
 /// Lines of the fake LLM's request log.
@@ -72,7 +108,7 @@ fn client() -> reqwest::Client {
 #[actix_rt::test]
 async fn live_eight_concurrent_runs_from_four_accounts_each_get_only_their_own_text_model_and_trace() {
     let Some(g) = gateway() else { return };
-    let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
+    let running = start_for(&g, Some(&g.token)).await;
     let base = base(&running);
     let c = client();
     wait_ready(&c, &base, Duration::from_secs(30)).await;
@@ -119,8 +155,13 @@ async fn live_eight_concurrent_runs_from_four_accounts_each_get_only_their_own_t
         assert!(!reqs.is_empty(), "run {i}: the LLM never saw {marker}");
         for r in &reqs {
             assert_eq!(r["model"], short_model, "run {i}: LLM request with the wrong model");
-            let tp = r["headers"]["traceparent"].as_str().expect("traceparent header reaches the LLM");
-            assert_eq!(tp.split('-').nth(1), Some(trace_id.as_str()), "run {i}: trace id did not reach the LLM");
+            if g.v3() {
+                // Protocol 3 sends no trace id to the LLM (attribution uses the per-run token).
+                assert!(r["headers"].get("traceparent").is_none(), "run {i}: unexpected traceparent on protocol 3");
+            } else {
+                let tp = r["headers"]["traceparent"].as_str().expect("traceparent header reaches the LLM");
+                assert_eq!(tp.split('-').nth(1), Some(trace_id.as_str()), "run {i}: trace id did not reach the LLM");
+            }
         }
         let accepted = events.iter().find(|e| e.event == "accepted").expect("accepted event");
         assert_eq!(accepted.id, 1, "accepted comes first");
@@ -132,16 +173,21 @@ async fn live_eight_concurrent_runs_from_four_accounts_each_get_only_their_own_t
 /// incomplete (the gateway really cancelled the run).
 async fn slow_run_is_cancelled_by(stop: &str) {
     let Some(g) = gateway() else { return };
-    let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
+    let running = start_for(&g, Some(&g.token)).await;
     let base = base(&running);
     let c = client();
     wait_ready(&c, &base, Duration::from_secs(30)).await;
     let marker = format!("CANCEL{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let run_id = format!("run-{marker}").to_lowercase();
-    let body = json!({"message": format!("please go SLOW {marker}"), "billingAccountId": "acct-cancel", "runId": run_id});
+    let mut body = json!({"message": format!("please go SLOW {marker}"), "billingAccountId": "acct-cancel", "runId": run_id});
+    if stop == "timeout" {
+        body["timeoutSec"] = json!(12);
+    }
     let resp = post_sse(&c, &base, &body, &[]).await;
     let mut sse = SseReader::new(resp);
-    sse.until(Duration::from_secs(60), |e| e.event == "text_delta").await.expect("the slow run streams");
+    if stop != "timeout" {
+        sse.until(Duration::from_secs(60), |e| e.event == "text_delta").await.expect("the slow run streams");
+    }
     match stop {
         "abort" => {
             let r = c.post(format!("{base}/v1/runs/{run_id}/abort")).send().await.expect("abort");
@@ -152,6 +198,12 @@ async fn slow_run_is_cancelled_by(stop: &str) {
             assert_eq!(t.data["code"], "aborted");
         }
         "disconnect" => drop(sse),
+        "timeout" => {
+            let t = sse.terminal(Duration::from_secs(40)).await.expect("terminal at the timeout");
+            assert!(!llm_requests_for(&g, &marker).is_empty(), "the LLM stream had started before the timeout");
+            assert_eq!(t.event, "error");
+            assert_eq!(t.data["code"], "timeout", "{t:?}");
+        }
         other => panic!("unknown stop {other}"),
     }
     let completed = llm_stream_end(&g, &marker, Duration::from_secs(20)).await;
@@ -161,8 +213,9 @@ async fn slow_run_is_cancelled_by(stop: &str) {
     loop {
         let doc: Value = c.get(format!("{base}/v1/runs/{run_id}")).send().await.expect("get").json().await.expect("doc");
         if doc["status"] != "running" {
-            assert_eq!(doc["status"], "aborted", "{doc}");
-            assert_eq!(doc["error"]["code"], "aborted");
+            let expected = if stop == "timeout" { "timeout" } else { "aborted" };
+            assert_eq!(doc["status"], expected, "{doc}");
+            assert_eq!(doc["error"]["code"], expected);
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "run still running: {doc}");
@@ -177,6 +230,11 @@ async fn live_abort_stops_the_llm_stream() {
 }
 
 #[actix_rt::test]
+async fn live_timeout_stops_the_llm_stream() {
+    slow_run_is_cancelled_by("timeout").await;
+}
+
+#[actix_rt::test]
 async fn live_client_disconnect_stops_the_llm_stream() {
     slow_run_is_cancelled_by("disconnect").await;
 }
@@ -184,7 +242,7 @@ async fn live_client_disconnect_stops_the_llm_stream() {
 #[actix_rt::test]
 async fn live_wrong_gateway_token_makes_readyz_503_with_a_reason() {
     let Some(g) = gateway() else { return };
-    let running = start_clawmux(&g.url, Some("not-the-token"), |_| {}).await;
+    let running = start_for(&g, Some("not-the-token")).await;
     let base = base(&running);
     let c = client();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -211,7 +269,7 @@ async fn live_wrong_gateway_token_makes_readyz_503_with_a_reason() {
 #[actix_rt::test]
 async fn live_killing_the_gateway_mid_run_ends_every_run_and_new_runs_succeed_after_reconnect() {
     let Some(g) = gateway() else { return };
-    let running = start_clawmux(&g.url, Some(&g.token), |_| {}).await;
+    let running = start_for(&g, Some(&g.token)).await;
     let base = base(&running);
     let c = client();
     wait_ready(&c, &base, Duration::from_secs(30)).await;
@@ -252,31 +310,18 @@ async fn live_killing_the_gateway_mid_run_ends_every_run_and_new_runs_succeed_af
 // file as CLAWMUX_BILLING_GATEWAY_ENV); the fake LLM is the proxy's upstream.
 // -------------------------------------------------------------------------------------------------
 
-struct BillingGateway {
-    gw: Gateway,
-    proxy_port: u16,
-    llm_port: u16,
-    gateway_pid: String,
-}
-
-fn billing_gateway() -> Option<BillingGateway> {
-    let Ok(path) = std::env::var("CLAWMUX_BILLING_GATEWAY_ENV") else {
+/// The gateway of the billing tests: its provider must point at the proxy.
+fn billing_gateway() -> Option<Gateway> {
+    let g = gateway()?;
+    if g.proxy_port.is_none() {
         assert!(
             std::env::var("CLAWMUX_REQUIRE_REAL_GATEWAY").as_deref() != Ok("1"),
-            "CLAWMUX_REQUIRE_REAL_GATEWAY=1 but CLAWMUX_BILLING_GATEWAY_ENV is not set: run tests/run.sh"
+            "the billing tests need a gateway whose provider points at the proxy (PROXY_PORT in its env file): run tests/run.sh"
         );
-        eprintln!("billing gateway not started (run tests/run.sh); skipping");
+        eprintln!("this gateway's provider does not point at clawmux's proxy; skipping");
         return None;
-    };
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    let env: HashMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
-    let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("{path} lacks {k}")).to_string();
-    Some(BillingGateway {
-        gw: Gateway { url: get("GATEWAY_URL"), token: get("GATEWAY_TOKEN"), llm_log: get("LLM_LOG"), run_dir: get("RUN_DIR") },
-        proxy_port: get("PROXY_PORT").parse().expect("PROXY_PORT"),
-        llm_port: get("LLM_PORT").parse().expect("LLM_PORT"),
-        gateway_pid: get("GATEWAY_PID"),
-    })
+    }
+    Some(g)
 }
 
 #[actix_rt::test]
@@ -284,8 +329,9 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
     let Some(b) = billing_gateway() else { return };
     let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
     let audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
-    let running = start_clawmux(&b.gw.url, Some(&b.gw.token), |cfg| {
-        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], b.proxy_port));
+    let proxy_port = b.proxy_port.expect("proxy port");
+    let running = start_clawmux(&b.url, Some(&b.token), |cfg| {
+        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], proxy_port));
         cfg.llm_upstream_url = Some(format!("http://127.0.0.1:{}", b.llm_port));
         cfg.llm_upstream_key = Some(clawmux::config::Secret::new(key.clone()));
         cfg.audit_dir = audit_dir.clone();
@@ -318,7 +364,7 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
         assert_eq!(t.event, "final", "{marker}: {t:?}");
         let content = t.data["content"].as_str().unwrap_or_default();
         assert!(content.contains("after-tool"), "{marker}: the tool round trip did not happen: {content}");
-        let reqs = llm_requests_for(&b.gw, &marker);
+        let reqs = llm_requests_for(&b, &marker);
         assert!(reqs.len() >= 2, "{marker}: expected a tool call and a follow-up, saw {} LLM calls", reqs.len());
         for r in &reqs {
             let h = &r["headers"];
@@ -329,7 +375,7 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
             assert_eq!(h["authorization"], format!("Bearer {key}"));
         }
         // No request carrying another run's marker was billed to this run.
-        let foreign: Vec<Value> = llm_log(&b.gw)
+        let foreign: Vec<Value> = llm_log(&b)
             .into_iter()
             .filter(|e| e["headers"]["x-cogni-run-id"] == run_id.as_str())
             .filter(|e| !e["last_user"].as_str().unwrap_or_default().contains(&marker))
@@ -337,7 +383,7 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
         assert!(foreign.is_empty(), "{marker}: calls of other runs billed here: {foreign:?}");
         // Usage in the run document = the sum of what the upstream reported for this run's calls.
         let ids: Vec<&str> = reqs.iter().filter_map(|r| r["id"].as_str()).collect();
-        let log = llm_log(&b.gw);
+        let log = llm_log(&b);
         let (mut input, mut output) = (0u64, 0u64);
         for u in log.iter().filter(|e| e["event"] == "usage" && e["id"].as_str().is_some_and(|id| ids.contains(&id))) {
             input += u["prompt_tokens"].as_u64().unwrap_or(0);
@@ -353,7 +399,7 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
         }
     }
     // The upstream key is nowhere the gateway or a caller could see it.
-    let run_dir = std::path::Path::new(&b.gw.run_dir);
+    let run_dir = std::path::Path::new(&b.run_dir);
     for f in ["openclaw.json", "gateway.log", "gateway-file.log"] {
         let text = std::fs::read_to_string(run_dir.join(f)).unwrap_or_default();
         assert!(!text.contains(&key), "the upstream key is in the gateway's {f}");
@@ -374,14 +420,15 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
 async fn proxied_calls_that_no_running_run_owns_are_refused() {
     let Some(b) = billing_gateway() else { return };
     let audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
-    let running = start_clawmux(&b.gw.url, Some(&b.gw.token), |cfg| {
-        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], b.proxy_port));
+    let proxy_port = b.proxy_port.expect("proxy port");
+    let running = start_clawmux(&b.url, Some(&b.token), |cfg| {
+        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], proxy_port));
         cfg.llm_upstream_url = Some(format!("http://127.0.0.1:{}", b.llm_port));
         cfg.audit_dir = audit_dir.clone();
     })
     .await;
     let c = client();
-    let proxy = format!("http://127.0.0.1:{}", b.proxy_port);
+    let proxy = format!("http://127.0.0.1:{proxy_port}");
     // What an agent with a shell inside the gateway container could try: call the LLM directly,
     // claiming someone else's account.
     let marker = format!("ROGUE{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
@@ -395,7 +442,7 @@ async fn proxied_calls_that_no_running_run_owns_are_refused() {
         }
         assert_eq!(r.send().await.expect("call").status(), 403);
     }
-    assert!(llm_requests_for(&b.gw, &marker).is_empty(), "a refused call reached the upstream");
+    assert!(llm_requests_for(&b, &marker).is_empty(), "a refused call reached the upstream");
     clawmux::server::shutdown(&running).await;
     let _ = std::fs::remove_dir_all(audit_dir);
 }

@@ -4,8 +4,9 @@
 #
 #   tests/run.sh
 #
-# Installs (idempotent, cached under ${CLAWMUX_CACHE:-~/.cache/clawmux}): Node 24 and
-# openclaw@2026.9.6 from the npm registry (tests/support/install-openclaw.sh).
+# Installs (idempotent, cached under ${CLAWMUX_CACHE:-~/.cache/clawmux}): Node 24,
+# openclaw@2026.9.6 and openclaw@2026.4.12 from the npm registry (tests/support/install-openclaw.sh),
+# and LiteLLM from PyPI (tests/support/install-litellm.sh).
 # Env: CLAWMUX_CACHE, CARGO_TEST_ARGS (extra args for cargo test).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,6 +16,7 @@ say "prerequisites"
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)"; exit 1; }
 command -v python3 >/dev/null || { echo "python3 is required (the fake LLM)"; exit 1; }
 command -v npm >/dev/null || { echo "npm is required to bootstrap Node 24 from the npm registry"; exit 1; }
+python3 -m venv --help >/dev/null 2>&1 || { echo "python3 -m venv is required (LiteLLM from PyPI)"; exit 1; }
 eval "$(tests/support/install-openclaw.sh)"
 export CLAWMUX_NODE_BIN CLAWMUX_OPENCLAW_MJS
 
@@ -23,15 +25,19 @@ cargo build --workspace --all-targets --locked
 
 say "unit and replay-gateway tests"
 # shellcheck disable=SC2086
-cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_
+cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
 BILLING_DIR="$(mktemp -d /tmp/clawmux-gwb.XXXXXX)"
+V3_DIR="$(mktemp -d /tmp/clawmux-gw3.XXXXXX)"
+LITELLM_DIR="$(mktemp -d /tmp/clawmux-litellm.XXXXXX)"
 cleanup() {
-  tests/support/gateway.sh stop "$RUN_DIR" >/dev/null 2>&1 || true
-  tests/support/gateway.sh stop "$BILLING_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR"
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR"; do
+    tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
+  done
+  tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -42,7 +48,30 @@ tests/support/gateway.sh stop "$RUN_DIR"
 say "billing attribution through clawmux's LLM proxy, real OpenClaw gateway"
 # The gateway's model provider points at the proxy; the fake LLM is the proxy's upstream.
 PROXY_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" tests/support/gateway.sh start "$BILLING_DIR" v4
-echo "PROXY_PORT=$PROXY_PORT" >>"$BILLING_DIR/env"
-CLAWMUX_BILLING_GATEWAY_ENV="$BILLING_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
+PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" tests/support/gateway.sh start "$BILLING_DIR" v4
+CLAWMUX_REAL_GATEWAY_ENV="$BILLING_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
   cargo test --locked --test real_gateway -- --test-threads=1 proxied_
+tests/support/gateway.sh stop "$BILLING_DIR"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+say "the same conformance suite against the protocol-3 gateway (openclaw@2026.4.12)"
+# Protocol 3 needs the device identity (scopes), attributes LLM calls by the per-run token in
+# extraSystemPrompt, and stops aborted runs through the proxy: its provider points at the proxy.
+tests/support/install-openclaw.sh v3 >/dev/null
+PROXY_PORT="$(free_port)"
+PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" \
+  CLAWMUX_NODE_BIN="" CLAWMUX_OPENCLAW_MJS="" tests/support/gateway.sh start "$V3_DIR" v3
+CLAWMUX_REAL_GATEWAY_ENV="$V3_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
+  cargo test --locked --test real_gateway -- --test-threads=1 live_ proxied_
+tests/support/gateway.sh stop "$V3_DIR"
+
+say "billing through a real LiteLLM proxy (clawmux proxy -> LiteLLM -> fake LLM)"
+# LiteLLM (PyPI) in a venv under the cache; its own spend records are checked.
+eval "$(tests/support/install-litellm.sh)"
+export CLAWMUX_LITELLM_BIN
+tests/support/litellm.sh start "$LITELLM_DIR"
+CLAWMUX_LITELLM_ENV="$LITELLM_DIR/env" CLAWMUX_REQUIRE_LITELLM=1 \
+  cargo test --locked --test litellm -- litellm_
+tests/support/litellm.sh stop "$LITELLM_DIR"
+

@@ -27,6 +27,8 @@
 #                                stays warm: ~8 s to ready instead of ~12 s)
 #   GATEWAY_READY_TIMEOUT        seconds to wait for /readyz (default 90)
 #   FAKE_LLM_DELAY, FAKE_LLM_CHUNKS, FAKE_LLM_LOG_BODY   passed on to fake_llm.py
+#   PROXY_PORT                   recorded in RUN_DIR/env (the port of clawmux's LLM proxy that
+#                                PROVIDER_BASE_URL points at), so tests find it after a restart
 #   PROVIDER_BASE_URL            the gateway's model provider baseUrl (default: the fake LLM, i.e.
 #                                http://127.0.0.1:<LLM_PORT>/v1); point it at clawmux's LLM proxy to
 #                                test billing attribution (the fake LLM is then the proxy's upstream)
@@ -300,6 +302,8 @@ LLM_BASE_URL=http://127.0.0.1:$LLM_PORT_V/v1
 RUN_DIR=$rd
 NODE_BIN=$NODE_BIN_V
 OPENCLAW_MJS=$OPENCLAW_MJS_V
+PROVIDER_BASE_URL=${PROVIDER_BASE_URL_V:-}
+PROXY_PORT=${PROXY_PORT_V:-}
 EOF
   mv -f "$rd/env.tmp" "$rd/env"
 }
@@ -359,6 +363,8 @@ cmd_start() {
     exit 1
   fi
   LLM_PORT_V="$(tr -dc '0-9' <"$rd/llm.port")"
+  PROVIDER_BASE_URL_V="${PROVIDER_BASE_URL:-http://127.0.0.1:$LLM_PORT_V/v1}"
+  PROXY_PORT_V="${PROXY_PORT:-}"
 
   # 2) config from the template
   python3 - "$template" "$rd/openclaw.json" "$GW_PORT_V" "$LLM_PORT_V" "$TOKEN_V" "$rd" <<'PY'
@@ -414,6 +420,8 @@ cmd_restart_gateway() {
   FLAVOR_V="$(env_get "$rd" GATEWAY_FLAVOR)"
   NODE_BIN_V="$(env_get "$rd" NODE_BIN)"
   OPENCLAW_MJS_V="$(env_get "$rd" OPENCLAW_MJS)"
+  PROVIDER_BASE_URL_V="$(env_get "$rd" PROVIDER_BASE_URL || true)"
+  PROXY_PORT_V="$(env_get "$rd" PROXY_PORT || true)"
   old="$(read_pid "$rd/gateway.pid")"
   if ours "$old" openclaw; then
     kids="$(descendants "$old")"
