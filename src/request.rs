@@ -93,16 +93,21 @@ pub struct Limits {
 /// Decodes a body, naming the offending field on error.
 pub fn decode(body: &[u8]) -> Result<RunRequest, RequestError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let request = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        let msg = if path.is_empty() || path == "." {
+        // A syntax error is about the body, not a field (its path would read "?").
+        let syntax = matches!(inner.classify(), serde_json::error::Category::Syntax | serde_json::error::Category::Eof);
+        let msg = if syntax || path.is_empty() || path == "." {
             format!("invalid JSON body: {inner}")
         } else {
             format!("field `{path}`: {inner}")
         };
         RequestError::Invalid(msg)
-    })
+    })?;
+    // Trailing characters after the object make the body invalid JSON too.
+    de.end().map_err(|e| RequestError::Invalid(format!("invalid JSON body: {e}")))?;
+    Ok(request)
 }
 
 /// `[A-Za-z0-9._:-]{1,128}`.
@@ -298,7 +303,9 @@ mod tests {
                 other => panic!("{body}: {other:?}"),
             }
         }
-        assert!(matches!(err("{not json"), RequestError::Invalid(_)));
+        for body in ["{not json", "", r#"{"message":"hi","billingAccountId":"a"} trailing"#] {
+            assert!(matches!(err(body), RequestError::Invalid(m) if m.starts_with("invalid JSON body")), "{body}");
+        }
     }
 
     #[test]

@@ -98,6 +98,10 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
         .disable_signals()
+        // A caller that closes its connection is gone (`onDisconnect: abort` must cancel its run
+        // now): with half-closed connections allowed, actix notices only when a write fails, i.e.
+        // up to two keep-alive periods (30 s) later for a quiet SSE stream, never for a JSON wait.
+        .h1_allow_half_closed(false)
         .shutdown_timeout(5)
         .bind(listen)?;
     let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound address"))?;

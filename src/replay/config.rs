@@ -35,6 +35,11 @@ pub struct ReplayConfig {
     /// Re-cut every track's answer into this many deltas (see [`Track::with_deltas`](super::Track::with_deltas));
     /// `None` replays the recorded deltas.
     pub deltas_override: Option<usize>,
+    /// `true` imitates 2026.9.x, which offers `sessions.messages.subscribe`/`.unsubscribe` and
+    /// honours the `session-scoped-events` cap; `false` a gateway without the feature: the two
+    /// methods are not in `hello-ok.features.methods` (calling them is `unknown method`) and the
+    /// cap is ignored, so every reader receives every run's events (broadcast delivery).
+    pub session_scoped_events: bool,
 }
 
 impl Default for ReplayConfig {
@@ -65,6 +70,7 @@ impl ReplayConfig {
             accept_outbound_headers: false,
             cassette,
             deltas_override: None,
+            session_scoped_events: true,
         }
     }
 
@@ -119,6 +125,12 @@ impl ReplayConfig {
     /// Sets [`Self::deltas_override`].
     pub fn deltas_override(mut self, deltas: Option<usize>) -> Self {
         self.deltas_override = deltas;
+        self
+    }
+
+    /// Sets [`Self::session_scoped_events`].
+    pub fn session_scoped_events(mut self, offered: bool) -> Self {
+        self.session_scoped_events = offered;
         self
     }
 

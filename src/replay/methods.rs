@@ -5,6 +5,7 @@
 //! wait (`agent.wait`) run in their own task so the socket keeps reading.
 
 use super::cassette::{recorded_request_epoch_ms, track_index_for_message, RunContext};
+use super::config::ReplayConfig;
 use super::run::{self, answer_abort, RunPlan};
 use super::schema::{self, Field, Wording};
 use super::state::{now_ms, wait_true, AbortKind, AbortRequest, ConnKey, RunEntry, RunRecord, RunStatus, Shared};
@@ -29,6 +30,17 @@ pub(crate) const METHODS: [&str; 9] = [
     name::SESSIONS_ABORT,
     name::CHAT_HISTORY,
 ];
+
+/// Whether this gateway offers `method`: every one of [`METHODS`], except the subscription methods
+/// when it imitates a gateway without session-scoped events.
+pub(crate) fn offers(cfg: &ReplayConfig, method: &str) -> bool {
+    METHODS.contains(&method) && (cfg.session_scoped_events || !matches!(method, name::SESSIONS_SUBSCRIBE | name::SESSIONS_UNSUBSCRIBE))
+}
+
+/// `hello-ok.features.methods`.
+pub(crate) fn offered_methods(cfg: &ReplayConfig) -> Vec<&'static str> {
+    METHODS.into_iter().filter(|m| offers(cfg, m)).collect()
+}
 
 /// Default `agent.wait` timeout of the gateway.
 const AGENT_WAIT_DEFAULT_MS: u64 = 30_000;
@@ -80,7 +92,7 @@ fn params<T: DeserializeOwned>(method: &str, raw: &Value, fields: &[Field], prot
 /// Handles one request of a handshaken connection.
 pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, raw_params: Value) {
     let protocol = shared.protocol();
-    if !METHODS.contains(&req.method.as_str()) {
+    if !offers(&shared.cfg, &req.method) {
         return respond(shared, conn, &req.id, Err(invalid(format!("unknown method: {}", req.method))));
     }
     if let Some(scope) = required_scope(&req.method, protocol) {
@@ -416,6 +428,20 @@ mod tests {
         assert_eq!(resolve_model(&models, "fake-model").as_deref(), Some("cogni/fake-model"));
         assert_eq!(resolve_model(&models, "fake-model-b"), None);
         assert_eq!(resolve_model(&models, "gpt-9"), None);
+    }
+
+    #[test]
+    fn subscription_methods_are_offered_only_with_session_scoped_events() {
+        let scoped = ReplayConfig::default();
+        assert!(scoped.session_scoped_events, "2026.9.x offers them by default");
+        assert_eq!(offered_methods(&scoped), METHODS.to_vec());
+        let broadcast = ReplayConfig::default().session_scoped_events(false);
+        let offered = offered_methods(&broadcast);
+        assert_eq!(offered.len(), METHODS.len() - 2);
+        for m in [name::SESSIONS_SUBSCRIBE, name::SESSIONS_UNSUBSCRIBE] {
+            assert!(!offered.contains(&m) && !offers(&broadcast, m), "{m}");
+        }
+        assert!(offers(&broadcast, name::AGENT) && !offers(&broadcast, "sessions.list"));
     }
 
     #[test]

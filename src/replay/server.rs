@@ -2,7 +2,7 @@
 //! writing and counting) and the `tick` task.
 
 use super::config::MAX_BUFFERED_BYTES;
-use super::methods::{self, invalid, respond, METHODS};
+use super::methods::{self, invalid, respond};
 use super::schema::{self, Wording};
 use super::state::{now_ms, wait_true, ConnKey, Outbound, Scopes, Shared};
 use clawmux_protocol::frame::{decode_frame, encode_event, encode_response, Frame};
@@ -311,7 +311,8 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         }
         g
     };
-    let scoped_events = params.caps.iter().any(|c| c == CAP_SESSION_SCOPED_EVENTS);
+    // A gateway without the feature ignores the cap: the connection gets every run's events.
+    let scoped_events = shared.cfg.session_scoped_events && params.caps.iter().any(|c| c == CAP_SESSION_SCOPED_EVENTS);
     let conn_id = {
         let mut st = shared.lock();
         let Some(c) = st.conns.get_mut(&key) else { return Err((1000, String::new())) };
@@ -337,7 +338,7 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         "type": "hello-ok",
         "protocol": protocol,
         "server": {"version": format!("replay-{}", shared.cfg.cassette.source), "connId": conn_id},
-        "features": {"methods": METHODS, "events": events},
+        "features": {"methods": methods::offered_methods(&shared.cfg), "events": events},
         "snapshot": {},
         "policy": {"maxPayload": shared.cfg.max_payload, "maxBufferedBytes": MAX_BUFFERED_BYTES, "tickIntervalMs": shared.cfg.tick_interval_ms},
     });
