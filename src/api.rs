@@ -40,6 +40,10 @@ pub struct AppState {
     pub agents: AgentRegistry,
     /// Live runs by trace id (the LLM proxy attributes calls with it); `None` without a proxy.
     pub attributions: Option<Arc<crate::attribution::Attributions>>,
+    /// The git relay and branch locks; `None` without `CLAWMUX_RELAY_CONTAINER`.
+    pub relay: Option<Arc<crate::branch_run::RelayRuntime>>,
+    /// Branch runs not yet handed to the supervisor (waiting for their lock or workspace).
+    pub pending: Arc<crate::branch_run::PendingRuns>,
 }
 
 /// An error answer: `{"error":{"code","message"}}`.
@@ -198,6 +202,16 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
             RequestError::Invalid(m) => ApiError::invalid(m),
             RequestError::TooLarge(m) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", m),
         })?;
+    if let Some(key) = &run.branch_key {
+        if key.eq_ignore_ascii_case(&state.cfg.relay_base_ref) {
+            return Err(ApiError::invalid(format!("field `branch`: branch key {key:?} is the protected base ref")));
+        }
+    }
+    if run.branch_key.is_some() && state.relay.is_none() {
+        return Err(ApiError::invalid(
+            "field `branch`: this clawmux has no git relay (CLAWMUX_RELAY_CONTAINER is not set), so it cannot work on a branch",
+        ));
+    }
     if state.agents.get(&run.agent_id).is_none() {
         return Err(ApiError::invalid(format!("field `agentId`: unknown agent {:?} (see GET /v1/agents)", run.agent_id)));
     }
@@ -278,6 +292,34 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
         traceparent,
         attribution_token,
     };
+    if let (Some(key), Some(_)) = (&run.branch_key, &state.relay) {
+        // Branch runs wait for their branch's lock in the background; the gateway must be up now.
+        let down = state.status.read().map(|s| s.ready().err()).unwrap_or_else(|_| Some("unknown".to_owned()));
+        if let Some(reason) = down {
+            if let Some(registry) = &state.attributions {
+                registry.unregister(&trace_id, &run.run_id);
+            }
+            state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
+            return Err(ApiError::unavailable(format!("the gateway is not available: {reason}")));
+        }
+        let b = run.request.branch.clone().unwrap_or(crate::request::BranchRequest {
+            branch_name: None,
+            work_item_id: None,
+            use_state_key: false,
+            base_ref: None,
+            pr_title: None,
+            pr_body: None,
+        });
+        let plan = crate::branch_run::BranchPlan {
+            key: key.clone(),
+            base_ref: b.base_ref.unwrap_or_else(|| state.cfg.relay_base_ref.clone()),
+            pr_title: b.pr_title,
+            pr_body: b.pr_body,
+        };
+        tracing::info!(run_id = %run.run_id, branch_key = %key, "branch run admitted");
+        crate::branch_run::spawn(state.clone(), record.clone(), spec, plan);
+        return respond(&req, &state, record, wait_false, abort_on_disconnect).await;
+    }
     let admitted = state.supervisor.send(StartRun { spec, sink: record.clone() }).timeout(ADMIT_TIMEOUT).await;
     let refusal = match admitted {
         Ok(Ok(())) => None,
@@ -301,7 +343,13 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
 
 /// Answers a POST for `record`: SSE, 202 at once, or the document at the end.
 async fn respond(req: &HttpRequest, state: &web::Data<AppState>, record: Arc<RunRecord>, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
-    let guard = DisconnectGuard { run_id: record.run_id.clone(), record: record.clone(), supervisor: state.supervisor.clone(), armed: arm };
+    let guard = DisconnectGuard {
+        run_id: record.run_id.clone(),
+        record: record.clone(),
+        supervisor: state.supervisor.clone(),
+        pending: state.pending.clone(),
+        armed: arm,
+    };
     if wants_sse(req) {
         return Ok(sse_response(req, record, 0, guard));
     }
@@ -323,6 +371,8 @@ struct DisconnectGuard {
     run_id: String,
     record: Arc<RunRecord>,
     supervisor: Addr<Supervisor>,
+    /// Branch runs still waiting for their lock are cancelled here, not by the supervisor.
+    pending: Arc<crate::branch_run::PendingRuns>,
     armed: bool,
 }
 
@@ -336,7 +386,9 @@ impl Drop for DisconnectGuard {
     fn drop(&mut self) {
         if self.armed && !self.record.is_finished() {
             tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
-            self.supervisor.do_send(CancelRun { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
+            if !self.pending.cancel(&self.run_id) {
+                self.supervisor.do_send(CancelRun { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
+            }
         }
     }
 }
@@ -410,7 +462,13 @@ async fn run_events(req: HttpRequest, path: web::Path<String>, state: web::Data<
             .ok_or_else(|| ApiError::invalid("header `Last-Event-ID`: must be an event id (a non-negative integer)"))?,
     };
     // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
-    let guard = DisconnectGuard { run_id: record.run_id.clone(), record: record.clone(), supervisor: state.supervisor.clone(), armed: false };
+    let guard = DisconnectGuard {
+        run_id: record.run_id.clone(),
+        record: record.clone(),
+        supervisor: state.supervisor.clone(),
+        pending: state.pending.clone(),
+        armed: false,
+    };
     Ok(sse_response(&req, record, after, guard))
 }
 
@@ -419,6 +477,9 @@ async fn abort_run(req: HttpRequest, path: web::Path<String>, state: web::Data<A
     let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
     if record.is_finished() {
         return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": false})));
+    }
+    if state.pending.cancel(&record.run_id) {
+        return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": true})));
     }
     let found = state
         .supervisor

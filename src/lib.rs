@@ -13,6 +13,8 @@
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
 //!   - [`server`]: wiring and graceful shutdown.
+//!   - [`relay`]: the host-side git relay (container worktrees, format-patch → am → push → PR);
+//!     [`branch_run`] runs a request on its branch: lock, workspace, run, relay.
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
 //!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
@@ -22,6 +24,7 @@ pub mod agents;
 pub mod api;
 pub mod attribution;
 pub mod audit;
+pub mod branch_run;
 pub mod cli;
 
 pub mod config;

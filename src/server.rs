@@ -93,8 +93,27 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         }
         None => (None, None),
     };
-    let state =
-        web::Data::new(AppState { cfg, store, supervisor, status, registry, agents: AgentRegistry::builtin(), attributions });
+    let relay = match crate::relay::RelayConfig::from_app_config(&cfg).map_err(std::io::Error::other)? {
+        Some(rc) => {
+            let relay = crate::relay::GitRelay::connect(rc)
+                .await
+                .map_err(|e| std::io::Error::other(format!("git relay: {e}")))?;
+            tracing::info!(container = %relay.config().container, "git relay ready");
+            Some(Arc::new(crate::branch_run::RelayRuntime { relay, locks: crate::relay::BranchLocks::new() }))
+        }
+        None => None,
+    };
+    let state = web::Data::new(AppState {
+        cfg,
+        store,
+        supervisor,
+        status,
+        registry,
+        agents: AgentRegistry::builtin(),
+        attributions,
+        relay,
+        pending: Arc::new(crate::branch_run::PendingRuns::default()),
+    });
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
         .disable_signals()

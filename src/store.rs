@@ -143,6 +143,21 @@ impl RunRecord {
         doc
     }
 
+    /// Appends an API-level event (`relay`, a `status` the actors do not produce) unless the run
+    /// already ended.
+    pub fn emit_event(&self, name: &'static str, data: serde_json::Value) {
+        let mut st = self.lock();
+        if st.finished_at.is_some() {
+            return;
+        }
+        self.push(&mut st, name, data.to_string());
+    }
+
+    /// Records the relay's result in the run document.
+    pub fn set_relay(&self, relay: serde_json::Value) {
+        self.lock().doc.relay = Some(relay);
+    }
+
     /// Ties the run to its billing identity (its LLM calls are attributed until it ends).
     pub fn set_billing(&self, billing: Arc<crate::attribution::RunBilling>, registry: Arc<crate::attribution::Attributions>) {
         let _ = self.billing.set((billing, registry));
