@@ -509,9 +509,26 @@ pub fn doctor_report(url: &str, cfg: &Config, s: &clawmux_actors::GatewayStatus,
         line(&mut out, "outbound headers", outbound);
     }
     let device_line = match device {
+        // openclaw 2026.9.6 accepts a non-loopback `connect` without a device identity but strips
+        // every scope (hello-ok `auth.scopes: []`), so the cause shows here, not as an error.
+        None if s.connected && s.scopes.as_ref().is_some_and(|sc| sc.is_empty()) => {
+            "none (CLAWMUX_DEVICE_IDENTITY=off or no key): the gateway granted NO scopes; a gateway reached over the network grants scopes only to a paired device identity: set CLAWMUX_DEVICE_IDENTITY=auto (or on) and approve the device".to_owned()
+        }
         None => "none (CLAWMUX_DEVICE_IDENTITY=off or no key)".to_owned(),
         Some((id, path)) if s.pairing_required => {
-            format!("{id} ({path}): PAIRING REQUIRED: run `openclaw devices approve {id}` on the gateway host")
+            // `openclaw devices approve` takes the pending request's id, which only the gateway's
+            // answer carries (the connection's reason quotes the exact command when it had one).
+            let reason = s.last_error.as_deref().unwrap_or_default();
+            let command = reason
+                .split_once("`openclaw devices approve ")
+                .and_then(|(_, rest)| rest.split_once('`'))
+                .map(|(request, _)| request)
+                .filter(|request| *request != "<requestId>")
+                .map(|request| format!("run `openclaw devices approve {request}` on the gateway host"));
+            let how = command.unwrap_or_else(|| {
+                "on the gateway host, `openclaw devices list` shows its pending request; approve it with `openclaw devices approve <requestId>`".to_owned()
+            });
+            format!("{id} ({path}): PAIRING REQUIRED: {how}")
         }
         Some((id, path)) if s.connected => format!("{id} ({path}): accepted"),
         Some((id, path)) => format!("{id} ({path})"),
@@ -524,4 +541,44 @@ pub fn doctor_report(url: &str, cfg: &Config, s: &clawmux_actors::GatewayStatus,
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::load(None, &|_| None).expect("default config")
+    }
+
+    #[test]
+    fn doctor_names_the_pending_request_to_approve() {
+        let s = clawmux_actors::GatewayStatus {
+            pairing_required: true,
+            last_error: Some(
+                "the gateway requires this device to be paired (pairing required: device is not approved yet): approve it on the gateway host with `openclaw devices approve 4a2378dc-77a9` (device id abc, pending request 4a2378dc-77a9); clawmux keeps retrying".to_owned(),
+            ),
+            ..Default::default()
+        };
+        let device = ("abc".to_owned(), "/k.json".to_owned());
+        let out = doctor_report("ws://10.213.0.2:1", &cfg(), &s, Some(&device));
+        assert!(out.contains("abc (/k.json): PAIRING REQUIRED: run `openclaw devices approve 4a2378dc-77a9` on the gateway host"), "{out}");
+    }
+
+    #[test]
+    fn doctor_without_a_request_id_points_at_the_list() {
+        let s = clawmux_actors::GatewayStatus { pairing_required: true, last_error: Some("pairing required".to_owned()), ..Default::default() };
+        let device = ("abc".to_owned(), "/k.json".to_owned());
+        let out = doctor_report("ws://10.213.0.2:1", &cfg(), &s, Some(&device));
+        assert!(out.contains("`openclaw devices list`"), "{out}");
+        assert!(!out.contains("approve abc"), "{out}");
+    }
+
+    #[test]
+    fn doctor_explains_empty_scopes_without_a_device() {
+        let s = clawmux_actors::GatewayStatus { connected: true, protocol: Some(4), scopes: Some(vec![]), ..Default::default() };
+        let out = doctor_report("ws://10.213.0.2:1", &cfg(), &s, None);
+        assert!(out.contains("granted NO scopes"), "{out}");
+        assert!(out.contains("CLAWMUX_DEVICE_IDENTITY=auto"), "{out}");
+    }
 }

@@ -25,8 +25,9 @@ pub struct ConnectFailure {
     /// The gateway refused our credentials: retrying will not help until someone fixes config,
     /// but clawmux still retries with backoff (the operator may fix the gateway side).
     pub auth: bool,
-    /// The gateway wants this device approved first (`openclaw devices approve <id>`); clawmux
-    /// keeps retrying so it becomes ready as soon as an operator approves.
+    /// The gateway wants this device approved first (`openclaw devices approve <requestId>`, the
+    /// pending request's id, which the gateway sends as `details.requestId`); clawmux keeps
+    /// retrying so it becomes ready as soon as an operator approves.
     pub pairing_required: bool,
 }
 
@@ -218,6 +219,16 @@ where
 /// Codes a gateway uses to say the device must be paired (or present) first.
 const PAIRING_CODES: [&str; 3] = ["NOT_PAIRED", "PAIRING_REQUIRED", "DEVICE_IDENTITY_REQUIRED"];
 
+/// The pending pairing request's id from `details.requestId` (both 2026.4.12 and 2026.9.6 send
+/// it), when it looks like one: it is echoed into a command line, so anything else is dropped.
+fn pairing_request_id(e: &ErrorShape) -> Option<&str> {
+    let id = e.details.as_ref()?.get("requestId")?.as_str()?;
+    let ok = id.len() <= 128
+        && id.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'));
+    ok.then_some(id)
+}
+
 /// Turns a refused `connect` into a sentence an operator can act on.
 fn explain(e: ErrorShape, device_id: Option<&str>) -> ConnectFailure {
     let retry_after = if e.is_retryable() { Some(Duration::from_millis(e.retry_after_ms.unwrap_or(500))) } else { None };
@@ -225,12 +236,18 @@ fn explain(e: ErrorShape, device_id: Option<&str>) -> ConnectFailure {
     let auth = detail.starts_with("AUTH_") || e.message.starts_with("unauthorized");
     let pairing = PAIRING_CODES.contains(&e.code.as_str()) || PAIRING_CODES.contains(&detail.as_str());
     if pairing {
-        let reason = match device_id {
-            Some(id) => format!(
-                "the gateway requires this device to be paired ({}): approve it on the gateway host with `openclaw devices approve {id}` (device id {id}); clawmux keeps retrying",
+        // `openclaw devices approve` takes the pending REQUEST's id (a device id is answered with
+        // "No pending device request matches ..."), so name both.
+        let reason = match (device_id, pairing_request_id(&e)) {
+            (Some(id), Some(request)) => format!(
+                "the gateway requires this device to be paired ({}): approve it on the gateway host with `openclaw devices approve {request}` (device id {id}, pending request {request}); clawmux keeps retrying",
                 e.message
             ),
-            None => format!(
+            (Some(id), None) => format!(
+                "the gateway requires this device to be paired ({}): on the gateway host, find the pending request of device id {id} with `openclaw devices list` and approve it with `openclaw devices approve <requestId>`; clawmux keeps retrying",
+                e.message
+            ),
+            (None, _) => format!(
                 "the gateway requires a device identity ({}): set CLAWMUX_DEVICE_IDENTITY=on (or auto) so clawmux signs its connection",
                 e.message
             ),
@@ -283,7 +300,34 @@ mod tests {
             e.details = detail.map(|d| serde_json::json!({ "code": d }));
             let f = explain(e, Some("abc123"));
             assert!(f.pairing_required, "{code}");
-            assert!(f.reason.contains("openclaw devices approve abc123"), "{}", f.reason);
+            assert!(f.reason.contains("device id abc123"), "{}", f.reason);
+            assert!(f.reason.contains("openclaw devices list"), "{}", f.reason);
+            assert!(f.reason.contains("openclaw devices approve <requestId>"), "{}", f.reason);
         }
+    }
+
+    #[test]
+    fn pairing_names_the_pending_request_the_cli_approves() {
+        // As openclaw 2026.9.6 answers a non-loopback `connect` of an unpaired device.
+        let mut e = ErrorShape::new("NOT_PAIRED", "pairing required: device is not approved yet");
+        e.details = Some(serde_json::json!({
+            "code": "PAIRING_REQUIRED",
+            "reason": "not-paired",
+            "requestId": "4a2378dc-77a9-4d17-8351-1fb4d33b6a20",
+            "deviceId": "abc123"
+        }));
+        let f = explain(e, Some("abc123"));
+        assert!(f.pairing_required);
+        assert!(f.reason.contains("`openclaw devices approve 4a2378dc-77a9-4d17-8351-1fb4d33b6a20`"), "{}", f.reason);
+        assert!(f.reason.contains("device id abc123"), "{}", f.reason);
+    }
+
+    #[test]
+    fn a_request_id_that_is_not_one_is_not_echoed() {
+        let mut e = ErrorShape::new("NOT_PAIRED", "pairing required");
+        e.details = Some(serde_json::json!({ "code": "PAIRING_REQUIRED", "requestId": "x; rm -rf /" }));
+        let f = explain(e, Some("abc123"));
+        assert!(!f.reason.contains("rm -rf"), "{}", f.reason);
+        assert!(f.reason.contains("openclaw devices approve <requestId>"), "{}", f.reason);
     }
 }
