@@ -295,6 +295,7 @@ async fn netns_without_a_device_identity_the_remote_gateway_grants_no_scopes() {
         assert!(doc["error"]["message"].as_str().is_some_and(|m| m.contains("missing scope")), "{doc}");
     }
     clawmux::server::shutdown(&running).await;
+    let _ = std::fs::remove_dir_all(key.parent().expect("key dir"));
 }
 
 #[actix_rt::test]
