@@ -25,19 +25,22 @@ cargo build --workspace --all-targets --locked
 
 say "unit and replay-gateway tests"
 # shellcheck disable=SC2086
-cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_
+cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
 BILLING_DIR="$(mktemp -d /tmp/clawmux-gwb.XXXXXX)"
 V3_DIR="$(mktemp -d /tmp/clawmux-gw3.XXXXXX)"
 LITELLM_DIR="$(mktemp -d /tmp/clawmux-litellm.XXXXXX)"
+NETNS_DIR="$(mktemp -d /tmp/clawmux-gwns.XXXXXX)"
+NETNS_NAME="cmx$$"
 cleanup() {
-  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR"; do
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
+  tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -74,4 +77,20 @@ tests/support/litellm.sh start "$LITELLM_DIR"
 CLAWMUX_LITELLM_ENV="$LITELLM_DIR/env" CLAWMUX_REQUIRE_LITELLM=1 \
   cargo test --locked --test litellm -- litellm_
 tests/support/litellm.sh stop "$LITELLM_DIR"
+
+say "non-loopback: the protocol-4 gateway in a network namespace of the test's own (device pairing)"
+# Needs root and iproute2: a namespace + veth pair on a per-run /30 of 10.213.0.0/16 (our own test
+# host); the gateway binds to its namespace address, clawmux connects from the host, and the test
+# approves clawmux's device with the gateway's own CLI.
+[ "$(id -u)" = 0 ] || { echo "the namespace test needs root (ip netns, veth)"; exit 1; }
+command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; }
+NETNS_SUBNET=$(( $$ % 16384 ))
+NETNS_HOST="10.213.$(( NETNS_SUBNET / 64 )).$(( NETNS_SUBNET % 64 * 4 + 1 ))"
+NETNS_ADDR="10.213.$(( NETNS_SUBNET / 64 )).$(( NETNS_SUBNET % 64 * 4 + 2 ))"
+tests/support/netns.sh up "$NETNS_NAME" "$NETNS_HOST" "$NETNS_ADDR"
+NETNS="$NETNS_NAME" BIND_HOST="$NETNS_ADDR" tests/support/gateway.sh start "$NETNS_DIR" v4
+CLAWMUX_NETNS_GATEWAY_ENV="$NETNS_DIR/env" CLAWMUX_REQUIRE_NETNS=1 \
+  cargo test --locked --test remote_gateway -- --test-threads=1 netns_
+tests/support/gateway.sh stop "$NETNS_DIR"
+tests/support/netns.sh down "$NETNS_NAME"
 

@@ -211,7 +211,7 @@ impl DeviceIdentity {
         linked
     }
 
-    /// The device id the gateway shows (and `openclaw devices approve` takes).
+    /// The device id the gateway shows (`openclaw devices list`; approval takes the pending request id).
     pub fn device_id(&self) -> &str {
         &self.device_id
     }

@@ -132,6 +132,11 @@ impl GatewayStatus {
             let missing: Vec<&str> =
                 ["operator.read", "operator.write"].into_iter().filter(|s| !scopes.iter().any(|g| g == s)).collect();
             if !missing.is_empty() {
+                if scopes.is_empty() && self.device_id.is_none() {
+                    // Observed on 2026.9.6 over the network: the token is accepted, the scopes are
+                    // silently dropped unless a paired device identity signs the connect.
+                    return Err("the gateway accepted the token but granted no scopes: a gateway reached over the network grants scopes only to a paired device identity; set CLAWMUX_DEVICE_IDENTITY=auto (or on) and approve the device".to_owned());
+                }
                 return Err(format!(
                     "the gateway granted scopes {scopes:?} but clawmux needs {missing:?}; check the token's role and scopes"
                 ));
@@ -763,6 +768,10 @@ impl Handler<StartRun> for Supervisor {
             let reason = self.status.read().ok().and_then(|s| s.last_error.clone()).unwrap_or_else(|| "connecting".to_owned());
             return Err(AdmitError::GatewayDown(reason));
         }
+        // Connected is not enough: without the scopes every write would fail (`/readyz` says why).
+        if let Some(Err(reason)) = self.status.read().ok().map(|s| s.ready()) {
+            return Err(AdmitError::GatewayDown(reason));
+        }
         if self.runs.len() >= self.cfg.max_runs {
             return Err(AdmitError::AtCapacity(self.cfg.max_runs));
         }
@@ -939,4 +948,25 @@ impl Handler<Reply> for Supervisor {
 /// Ends a run the session actor could not even start (used by the session actor on internal errors).
 pub(crate) fn internal_outcome(message: impl Into<String>) -> RunOutcome {
     RunOutcome::failed(ErrorCode::Internal, message, String::new())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_explains_what_is_missing() {
+        let mut s = GatewayStatus::default();
+        assert!(s.ready().is_err(), "not connected");
+        s.connected = true;
+        assert!(s.ready().is_ok(), "protocol 3 reports no scopes: ready until a write is refused");
+        s.scopes = Some(vec![]);
+        assert!(s.ready().err().is_some_and(|r| r.contains("CLAWMUX_DEVICE_IDENTITY")), "no device: say how to fix it");
+        s.device_id = Some("dev".into());
+        assert!(s.ready().err().is_some_and(|r| r.contains("operator.read")));
+        s.scopes = Some(vec!["operator.read".into(), "operator.write".into()]);
+        assert!(s.ready().is_ok());
+        s.missing_scopes = vec!["operator.admin".into()];
+        assert!(s.ready().err().is_some_and(|r| r.contains("operator.admin")));
+    }
 }
