@@ -16,6 +16,14 @@
 //! clawmux drives agent runs whose (fake) LLM tells the real agent to commit with its `exec` tool,
 //! and the relay pushes the commits. Without that env it skips, unless
 //! `CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1`.
+//!
+//! The `docker_api_…` tests go through clawmux's HTTP API (`POST /v1/runs` with `branch`, SSE, `GET
+//! /v1/runs/{id}`, abort) with the relay configured from clawmux's own settings, against the same
+//! gateway container (`CLAWMUX_RELAY_GATEWAY_ENV`; skipped without it unless
+//! `CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1`): relayed run and PR update, one key serialized and two
+//! keys overlapping, no commits, waiting runs timed out / aborted, the GitHub token nowhere (also
+//! with the `clawmux serve` binary configured by its environment). `docker_api_hostile_branch_keys_are_refused`
+//! needs Docker only.
 
 #![allow(clippy::unwrap_used)]
 
@@ -613,7 +621,10 @@ async fn docker_relay_two_keys_in_parallel_one_key_serialized() {
     w.ctr.commit("right", "r1");
     let (a, b) = futures_util::join!(relay.publish("left", "main", None, None), relay.publish("right", "main", None, None));
     assert_eq!((a.error.clone(), b.error.clone()), (None, None), "{a:?} {b:?}");
-    assert_eq!((a.pr_number, b.pr_number), (Some(1), Some(2)), "{a:?} {b:?}");
+    // in parallel: either may create its PR first
+    let mut numbers = [a.pr_number, b.pr_number];
+    numbers.sort();
+    assert_eq!(numbers, [Some(1), Some(2)], "{a:?} {b:?}");
     assert!(w.remote_has("sandbox/left") && w.remote_has("sandbox/right"));
 
     // three "runs" on one key, each holding the lock from prepare to publish
@@ -732,4 +743,634 @@ async fn docker_gateway_agent_commit_is_relayed() {
     assert!(llm_log.contains("commit_call"), "the fake LLM asked for the commit");
     assert!(!llm_log.contains(&token));
     app.server.stop(true).await;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Through clawmux's HTTP API: `POST /v1/runs` with `branch`, the real gateway in its container, the
+// relay configured from clawmux's own settings (`cfg.relay_*`, `cfg.github_*`), every result read
+// back over SSE and `GET /v1/runs/{id}` (tests named `docker_api_…`)
+// ------------------------------------------------------------------------------------------------
+
+/// The gateway container's env for a `docker_api_` test, or `None` (skipped with a line) without
+/// one; panics when `CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1`.
+fn api_gateway_env(test: &str) -> Option<std::collections::HashMap<String, String>> {
+    let Ok(path) = std::env::var("CLAWMUX_RELAY_GATEWAY_ENV") else {
+        assert!(
+            std::env::var("CLAWMUX_REQUIRE_GATEWAY_CONTAINER").as_deref() != Ok("1"),
+            "{test}: CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1 but CLAWMUX_RELAY_GATEWAY_ENV is not set (tests/support/gateway-container.sh start DIR)"
+        );
+        eprintln!("SKIP {test}: no gateway container (tests/support/gateway-container.sh start DIR; CLAWMUX_RELAY_GATEWAY_ENV=DIR/env)");
+        return None;
+    };
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{test}: cannot read {path}: {e}"));
+    Some(text.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect())
+}
+
+/// clawmux (in-process) with its relay pointed at the real gateway container, the host bare repo
+/// and a fake GitHub API of this test; a fresh random GitHub token.
+struct ApiWorld {
+    ctr: String,
+    origin: PathBuf,
+    llm_log: PathBuf,
+    api: FakeGithub,
+    token: String,
+    app: clawmux::server::Running,
+    base: String,
+    http: reqwest::Client,
+    _links: tempfile::TempDir,
+}
+
+impl ApiWorld {
+    /// `None` when the test is skipped (no Docker / image / gateway container).
+    async fn start(test: &str) -> Option<Self> {
+        if !docker_or_skip(test) {
+            return None;
+        }
+        let env = api_gateway_env(test)?;
+        capture_logs();
+        let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("gateway env lacks {k}")).clone();
+        let (ctr, origin) = (get("CONTAINER_ID"), PathBuf::from(get("ORIGIN")));
+        // The remote as clawmux would see a GitHub repository: the URL names owner/repo, so the
+        // relay finds `acme/widgets.js` for the API from `CLAWMUX_RELAY_REMOTE_URL` alone (the
+        // service has no separate owner/repo setting). A file:// URL through a symlink to the bare repo.
+        let (links, remote_url) = github_like_remote(&origin);
+        let api = FakeGithub::start().await;
+        let token = format!("ghp_api_{}", uuid::Uuid::new_v4().simple());
+        let (api_base, tok, workspace, ctr_id) = (api.base.clone(), token.clone(), get("WORKSPACE"), ctr.clone());
+        let app = common::start_clawmux(&get("GATEWAY_URL"), Some(&get("GATEWAY_TOKEN")), move |c| {
+            c.relay_container = Some(ctr_id);
+            c.relay_remote_url = Some(remote_url);
+            c.relay_workspace = workspace;
+            c.relay_base_ref = "main".to_owned();
+            c.github_api_url = api_base;
+            c.github_token = Some(Secret::new(tok));
+        })
+        .await;
+        assert!(app.state.relay.is_some(), "the relay is configured");
+        let base = common::base(&app);
+        let http = reqwest::Client::new();
+        common::wait_ready(&http, &base, Duration::from_secs(60)).await;
+        Some(Self { ctr, origin, llm_log: PathBuf::from(get("LLM_LOG")), api, token, app, base, http, _links: links })
+    }
+
+    fn remote(&self, args: &[&str]) -> String {
+        sh(git(&self.origin).args(args))
+    }
+
+    fn remote_has(&self, branch: &str) -> bool {
+        git(&self.origin).args(["rev-parse", "--verify", "--quiet", &format!("refs/heads/{branch}")]).output().unwrap().status.success()
+    }
+
+    /// `git -C <worktree> …` inside the container (the test's own argv).
+    fn ctr_git(&self, key: &str, args: &[&str]) -> String {
+        let wt = format!("/workspace/wt/{key}");
+        sh(Command::new("docker").args(["exec", &self.ctr, "git", "-C", &wt]).args(args))
+    }
+
+    async fn get_doc(&self, run_id: &str) -> Value {
+        let r = self.http.get(format!("{}/v1/runs/{run_id}", self.base)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.json().await.unwrap()
+    }
+
+    /// Posts a run (SSE) and returns its reader; the POST must answer 200.
+    async fn post(&self, body: &Value) -> TimedSse {
+        let r = common::post_sse(&self.http, &self.base, body, &[]).await;
+        assert_eq!(r.status(), 200, "POST /v1/runs: {:?}", r.text().await);
+        TimedSse::new(r)
+    }
+
+    async fn stop(self) {
+        self.app.server.stop(true).await;
+    }
+}
+
+/// `file://…/acme/widgets.js.git`, a symlink to the host bare repo `origin`: a remote URL that
+/// names owner/repo like a GitHub URL does.
+fn github_like_remote(origin: &Path) -> (tempfile::TempDir, String) {
+    let links = tempfile::Builder::new().prefix("clawmux-api-remote-").tempdir().unwrap();
+    std::fs::create_dir(links.path().join("acme")).unwrap();
+    std::os::unix::fs::symlink(origin, links.path().join("acme/widgets.js.git")).unwrap();
+    let url = format!("file://{}/acme/widgets.js.git", links.path().display());
+    (links, url)
+}
+
+/// A unique branch key for one test.
+fn unique_key(tag: &str) -> String {
+    format!("api-{tag}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+/// The body of a branch run by work item id.
+fn branch_body(key: &str, message: &str, branch_extra: Value) -> Value {
+    let mut branch = json!({"workItemId": key});
+    if let (Some(b), Some(extra)) = (branch.as_object_mut(), branch_extra.as_object()) {
+        b.extend(extra.clone());
+    }
+    json!({"message": message, "billingAccountId": "acct-relay-api", "timeoutSec": 180, "branch": branch})
+}
+
+fn commit_msg(key: &str, mark: &str) -> String {
+    format!("Do the task. COMMIT:/workspace/wt/{key}:{mark}")
+}
+
+/// An SSE stream whose events are stamped with the time the test read them.
+struct TimedSse {
+    stream: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<bytes::Bytes>>>>,
+    buf: String,
+    events: Vec<(Instant, common::SseEvent)>,
+    raw: String,
+    done: bool,
+}
+
+impl TimedSse {
+    fn new(r: reqwest::Response) -> Self {
+        Self { stream: Box::pin(r.bytes_stream()), buf: String::new(), events: Vec::new(), raw: String::new(), done: false }
+    }
+
+    /// Reads until an event NOT yet seen satisfies `pred`, or the stream ends / `within` passes.
+    async fn until(&mut self, within: Duration, pred: impl Fn(&common::SseEvent) -> bool) -> Option<common::SseEvent> {
+        use futures_util::StreamExt;
+        let deadline = tokio::time::Instant::now() + within;
+        while !self.done {
+            let chunk = match tokio::time::timeout_at(deadline, self.stream.next()).await {
+                Err(_) => return None,
+                Ok(None) | Ok(Some(Err(_))) => {
+                    self.done = true;
+                    return None;
+                }
+                Ok(Some(Ok(c))) => c,
+            };
+            let text = String::from_utf8_lossy(&chunk).into_owned();
+            self.raw.push_str(&text);
+            self.buf.push_str(&text);
+            let mut hit = None;
+            while let Some(pos) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..pos + 2).collect();
+                for ev in common::parse_sse(&block) {
+                    if hit.is_none() && pred(&ev) {
+                        hit = Some(ev.clone());
+                    }
+                    self.events.push((Instant::now(), ev));
+                }
+            }
+            if hit.is_some() {
+                return hit;
+            }
+        }
+        None
+    }
+
+    /// Reads to the terminal event (which must come within `within`).
+    async fn read_to_terminal(&mut self, within: Duration) -> common::SseEvent {
+        if let Some((_, e)) = self.events.iter().find(|(_, e)| e.event == "final" || e.event == "error") {
+            return e.clone();
+        }
+        self.until(within, |e| e.event == "final" || e.event == "error").await.unwrap_or_else(|| panic!("no terminal event within {within:?}; events: {:?}", self.names()))
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.events.iter().map(|(_, e)| e.event.clone()).collect()
+    }
+
+    fn at(&self, name: &str) -> Instant {
+        self.events.iter().find(|(_, e)| e.event == name).map(|(t, _)| *t).unwrap_or_else(|| panic!("no {name} event: {:?}", self.names()))
+    }
+
+    fn one(&self, name: &str) -> Value {
+        let v: Vec<&Value> = self.events.iter().filter(|(_, e)| e.event == name).map(|(_, e)| &e.data).collect();
+        assert_eq!(v.len(), 1, "exactly one {name} event: {:?}", self.names());
+        v[0].clone()
+    }
+
+    fn position(&self, name: &str) -> usize {
+        self.events.iter().position(|(_, e)| e.event == name).unwrap_or_else(|| panic!("no {name} event: {:?}", self.names()))
+    }
+
+    fn waited(&self) -> bool {
+        self.events.iter().any(|(_, e)| e.event == "status" && e.data["phase"] == "waiting_for_branch")
+    }
+}
+
+/// Reads a branch run to `final` and checks the shape every relayed run has: one `relay` event,
+/// right before `final`, equal to the run document's `relay` (in `final` and in `GET`). Returns
+/// (the relay event's data, the final run document).
+async fn finish_branch_run(w: &ApiWorld, sse: &mut TimedSse, key: &str) -> (Value, Value) {
+    let term = sse.read_to_terminal(Duration::from_secs(150)).await;
+    assert_eq!(term.event, "final", "the run ends final: {} {:?}", term.data, sse.names());
+    let names = sse.names();
+    assert_eq!(names.first().map(String::as_str), Some(if sse.waited() { "status" } else { "accepted" }), "{names:?}");
+    let relay = sse.one("relay");
+    assert_eq!(sse.position("relay") + 1, sse.position("final"), "relay comes right before final: {names:?}");
+    assert!(sse.position("accepted") < sse.position("relay"), "{names:?}");
+    assert_eq!(term.data["relay"], relay, "final's run document carries the relay event");
+    let doc = w.get_doc(term.data["runId"].as_str().unwrap()).await;
+    assert_eq!(doc["status"], "ok", "{doc}");
+    assert_eq!(doc["relay"], relay, "GET /v1/runs/{{id}} carries the relay event");
+    assert_eq!(relay["branch"], format!("sandbox/{key}"));
+    // the wire shape: camelCase, exactly these fields
+    let fields: std::collections::BTreeSet<&str> = relay.as_object().unwrap().keys().map(String::as_str).collect();
+    let allowed = ["branch", "commitCount", "pushed", "pushedCommits", "remoteHead", "prUrl", "prNumber", "error"];
+    assert!(fields.iter().all(|f| allowed.contains(f)), "{relay}");
+    (relay, doc)
+}
+
+/// A branch run by work item id through `POST /v1/runs` whose (real) agent commits in the worktree
+/// clawmux prepared: `relay` (pushed, one commit, PR URL) before `final`, equal to the run
+/// document's; the host remote has `sandbox/<key>` with the container's tree and the agent's
+/// commit; one PR created. A second run on the key adds a commit to the same branch and updates
+/// (PATCH) the same PR.
+#[actix_rt::test]
+async fn docker_api_branch_run_pushes_and_second_run_updates_the_same_pr() {
+    let test = "docker_api_branch_run_pushes_and_second_run_updates_the_same_pr";
+    let Some(w) = ApiWorld::start(test).await else { return };
+    let t0 = Instant::now();
+    let key = unique_key("e2e");
+    let branch = format!("sandbox/{key}");
+
+    let mut sse = w.post(&branch_body(&key, &commit_msg(&key, "m1"), json!({"prTitle": format!("Agent work on {key}"), "prBody": "run 1"}))).await;
+    let (relay, doc) = finish_branch_run(&w, &mut sse, &key).await;
+    eprintln!("{test}: run 1 ({:.1} s) relay event: {}", t0.elapsed().as_secs_f64(), serde_json::to_string(&relay).unwrap());
+    assert_eq!(doc["content"].as_str().map(str::trim), Some("committed m1"), "the agent committed: {doc}");
+    assert!(!sse.waited(), "nobody held the key");
+    assert!(relay.get("error").is_none(), "{relay}");
+    assert_eq!((relay["pushed"].as_bool(), relay["commitCount"].as_u64(), relay["pushedCommits"].as_u64()), (Some(true), Some(1), Some(1)), "{relay}");
+    assert_eq!(relay["prUrl"], format!("{}/acme/widgets.js/pull/1", w.api.base));
+    assert_eq!(relay["prNumber"], 1);
+    // the remote: the agent's commit, same tree as the container's HEAD, relayed by clawmux
+    assert!(w.remote_has(&branch));
+    assert_eq!(w.remote(&["rev-parse", &format!("{branch}^{{tree}}")]), w.ctr_git(&key, &["rev-parse", "HEAD^{tree}"]), "same tree as the container");
+    assert_eq!(relay["remoteHead"], w.remote(&["rev-parse", &branch]));
+    assert_eq!(w.remote(&["show", &format!("{branch}:agent-m1.txt")]), "m1");
+    assert_eq!(w.remote(&["log", "-1", "--format=%an|%cn|%s", &branch]), "Agent Test|clawmux relay|agent: m1");
+    assert_eq!(w.remote(&["rev-list", "--count", &format!("main..{branch}")]), "1");
+    assert_eq!(w.ctr_git(&key, &["symbolic-ref", "HEAD"]), format!("refs/heads/{branch}"), "the agent worked on the prepared branch");
+    assert_eq!(w.api.methods(), ["GET", "POST"], "exactly one create");
+    let create = w.api.calls().into_iter().find(|c| c.method == "POST").unwrap();
+    assert_eq!((create.body["head"].as_str(), create.body["base"].as_str(), create.body["title"].as_str()), (Some(branch.as_str()), Some("main"), Some(format!("Agent work on {key}").as_str())));
+    let first_remote = w.remote(&["rev-parse", &branch]);
+
+    // the second run on the key: another commit on the same branch, the PR updated
+    let t1 = Instant::now();
+    let mut sse = w.post(&branch_body(&key, &commit_msg(&key, "m2"), json!({"prBody": "run 2"}))).await;
+    let (relay2, doc2) = finish_branch_run(&w, &mut sse, &key).await;
+    eprintln!("{test}: run 2 ({:.1} s) relay event: {}", t1.elapsed().as_secs_f64(), serde_json::to_string(&relay2).unwrap());
+    assert_eq!(doc2["content"].as_str().map(str::trim), Some("committed m2"), "{doc2}");
+    assert!(relay2.get("error").is_none(), "{relay2}");
+    assert_eq!((relay2["pushed"].as_bool(), relay2["commitCount"].as_u64(), relay2["pushedCommits"].as_u64()), (Some(true), Some(2), Some(1)), "{relay2}");
+    assert_eq!(relay2["prUrl"], relay["prUrl"], "the same PR");
+    assert_eq!(w.remote(&["rev-list", "--count", &format!("main..{branch}")]), "2");
+    assert_eq!(w.remote(&["rev-parse", &format!("{branch}~1")]), first_remote, "appended on top of run 1's commit");
+    assert_eq!(w.remote(&["log", "--format=%s", &format!("main..{branch}")]), "agent: m2\nagent: m1");
+    assert_eq!(w.remote(&["rev-parse", &format!("{branch}^{{tree}}")]), w.ctr_git(&key, &["rev-parse", "HEAD^{tree}"]));
+    assert_eq!(w.api.methods(), ["GET", "POST", "GET", "PATCH"], "updated, not duplicated");
+    let prs = w.api.prs();
+    assert_eq!(prs.len(), 1, "still one PR");
+    assert_eq!((prs[0].title.clone(), prs[0].body.as_str()), (format!("Agent work on {key}"), "run 2"));
+    let patch = w.api.calls().into_iter().find(|c| c.method == "PATCH").unwrap();
+    assert_eq!((patch.path.as_str(), &patch.body), ("/repos/acme/widgets.js/pulls/1", &json!({"body": "run 2"})));
+    eprintln!("{test}: fake GitHub calls: {}; {:.1} s", w.api.methods().join(", "), t0.elapsed().as_secs_f64());
+    w.stop().await;
+}
+
+/// Two concurrent runs on ONE key run one after the other (the second shows `waiting_for_branch`,
+/// and its `accepted` comes after the first's `final`); two runs on two keys overlap (both accepted
+/// before either finishes). The first runs are slow (`SLOW`: the fake LLM streams its tool call
+/// over ~4 s).
+#[actix_rt::test]
+async fn docker_api_one_key_serializes_two_keys_overlap() {
+    let test = "docker_api_one_key_serializes_two_keys_overlap";
+    let Some(w) = ApiWorld::start(test).await else { return };
+    let t0 = Instant::now();
+
+    // one key
+    let key = unique_key("serial");
+    let mut first = w.post(&branch_body(&key, &format!("SLOW {}", commit_msg(&key, "s1")), json!({}))).await;
+    first.until(Duration::from_secs(60), |e| e.event == "accepted").await.unwrap_or_else(|| panic!("run 1 accepted: {:?}", first.names()));
+    let mut second = w.post(&branch_body(&key, &commit_msg(&key, "s2"), json!({}))).await;
+    let waiting = second.until(Duration::from_secs(20), |e| e.event == "status").await.expect("run 2's first event");
+    assert_eq!(waiting.data, json!({"phase": "waiting_for_branch", "branch": format!("sandbox/{key}")}));
+    let (a, b) = futures_util::join!(finish_branch_run(&w, &mut first, &key), finish_branch_run(&w, &mut second, &key));
+    let ((r1, _), (r2, _)) = (a, b);
+    assert!(!first.waited());
+    assert!(second.waited());
+    assert!(second.at("accepted") > first.at("final"), "run 2 started after run 1 ended: run 1 {:?} / run 2 {:?}", first.names(), second.names());
+    assert!(second.at("accepted") > first.at("relay"));
+    assert_eq!((r1["commitCount"].as_u64(), r1["pushedCommits"].as_u64(), r1["pushed"].as_bool()), (Some(1), Some(1), Some(true)), "{r1}");
+    assert_eq!((r2["commitCount"].as_u64(), r2["pushedCommits"].as_u64(), r2["pushed"].as_bool()), (Some(2), Some(1), Some(true)), "{r2}");
+    let branch = format!("sandbox/{key}");
+    assert_eq!(w.remote(&["log", "--format=%s", &format!("main..{branch}")]), "agent: s2\nagent: s1", "in arrival order, on one branch");
+    assert_eq!(w.api.prs().len(), 1);
+    eprintln!("{test}: one key: run 1 final at {:.1} s, run 2 accepted at {:.1} s", (first.at("final") - t0).as_secs_f64(), (second.at("accepted") - t0).as_secs_f64());
+
+    // two keys, both slow, posted together
+    let (ka, kb) = (unique_key("left"), unique_key("right"));
+    let t1 = Instant::now();
+    let (body_a, body_b) = (
+        branch_body(&ka, &format!("SLOW {}", commit_msg(&ka, "l1")), json!({})),
+        branch_body(&kb, &format!("SLOW {}", commit_msg(&kb, "r1")), json!({})),
+    );
+    let (sa, sb) = futures_util::join!(w.post(&body_a), w.post(&body_b));
+    let (mut sa, mut sb) = (sa, sb);
+    let (a, b) = futures_util::join!(finish_branch_run(&w, &mut sa, &ka), finish_branch_run(&w, &mut sb, &kb));
+    let ((ra, _), (rb, _)) = (a, b);
+    assert!(!sa.waited() && !sb.waited(), "different keys never wait for each other");
+    let last_accepted = sa.at("accepted").max(sb.at("accepted"));
+    let first_final = sa.at("final").min(sb.at("final"));
+    assert!(last_accepted < first_final, "both accepted ({:.1} s, {:.1} s) before either finished ({:.1} s, {:.1} s)",
+        (sa.at("accepted") - t1).as_secs_f64(), (sb.at("accepted") - t1).as_secs_f64(), (sa.at("final") - t1).as_secs_f64(), (sb.at("final") - t1).as_secs_f64());
+    for (k, r) in [(&ka, &ra), (&kb, &rb)] {
+        assert_eq!((r["commitCount"].as_u64(), r["pushed"].as_bool()), (Some(1), Some(true)), "{r}");
+        assert!(w.remote_has(&format!("sandbox/{k}")));
+    }
+    assert_eq!(w.api.prs().len(), 3, "one PR per key");
+    eprintln!(
+        "{test}: two keys: accepted at {:.1} s / {:.1} s, final at {:.1} s / {:.1} s; total {:.1} s",
+        (sa.at("accepted") - t1).as_secs_f64(), (sb.at("accepted") - t1).as_secs_f64(), (sa.at("final") - t1).as_secs_f64(), (sb.at("final") - t1).as_secs_f64(), t0.elapsed().as_secs_f64()
+    );
+    assert!(w.app.state.relay.as_ref().unwrap().locks.is_empty(), "every lock released");
+    w.stop().await;
+}
+
+/// Runs whose agent does not commit: on a fresh key `commitCount: 0`, nothing pushed, no branch on
+/// the remote, no API call; on a key that already has a relayed commit, the count stays, nothing new
+/// is pushed (the remote branch is unchanged) and no PR is created or updated.
+#[actix_rt::test]
+async fn docker_api_run_without_commits_pushes_nothing() {
+    let test = "docker_api_run_without_commits_pushes_nothing";
+    let Some(w) = ApiWorld::start(test).await else { return };
+    let key = unique_key("idle");
+    let branch = format!("sandbox/{key}");
+    let mut sse = w.post(&branch_body(&key, "Just say hello, change nothing.", json!({}))).await;
+    let (relay, doc) = finish_branch_run(&w, &mut sse, &key).await;
+    eprintln!("{test}: relay event without commits: {}", serde_json::to_string(&relay).unwrap());
+    assert!(doc["content"].as_str().unwrap_or_default().starts_with("Reply to:"), "a plain answer: {doc}");
+    assert_eq!(relay, json!({"branch": branch, "commitCount": 0, "pushed": false, "pushedCommits": 0}));
+    assert!(!w.remote_has(&branch), "nothing pushed");
+    assert!(w.api.calls().is_empty(), "no PR call");
+    assert_eq!(w.ctr_git(&key, &["rev-list", "--count", "main..HEAD"]), "0", "the worktree exists, without commits");
+
+    // a commit, then again a run without one
+    let mut sse = w.post(&branch_body(&key, &commit_msg(&key, "once"), json!({}))).await;
+    let (relay, _) = finish_branch_run(&w, &mut sse, &key).await;
+    assert_eq!((relay["commitCount"].as_u64(), relay["pushed"].as_bool()), (Some(1), Some(true)), "{relay}");
+    let head = w.remote(&["rev-parse", &branch]);
+    let calls = w.api.calls().len();
+    let mut sse = w.post(&branch_body(&key, "Nothing to do this time.", json!({}))).await;
+    let (relay, _) = finish_branch_run(&w, &mut sse, &key).await;
+    eprintln!("{test}: relay event of a later run without commits: {}", serde_json::to_string(&relay).unwrap());
+    assert!(relay.get("error").is_none(), "{relay}");
+    assert_eq!((relay["commitCount"].as_u64(), relay["pushedCommits"].as_u64()), (Some(1), Some(0)), "{relay}");
+    assert_eq!(w.remote(&["rev-parse", &branch]), head, "no new push");
+    let later: Vec<String> = w.api.methods().into_iter().skip(calls).collect();
+    assert!(later.iter().all(|m| m == "GET"), "the PR is only looked up, never created or updated: {later:?}");
+    assert_eq!(w.api.prs().len(), 1);
+    w.stop().await;
+}
+
+/// The GitHub token (random, configured as `CLAWMUX_GITHUB_TOKEN` would be) is used (the fake API
+/// sees it as a bearer token) and appears nowhere else: no SSE event, no run document, not in the
+/// gateway container (`docker inspect`, PID 1's environment, any file), not in the LLM traffic, and
+/// in no log line of clawmux (every tracing line at debug is captured).
+#[actix_rt::test]
+async fn docker_api_github_token_is_nowhere() {
+    let test = "docker_api_github_token_is_nowhere";
+    let Some(w) = ApiWorld::start(test).await else { return };
+    let key = unique_key("secret");
+    let mut sse = w.post(&branch_body(&key, &commit_msg(&key, "t1"), json!({"prTitle": "token test"}))).await;
+    let (relay, doc) = finish_branch_run(&w, &mut sse, &key).await;
+    assert_eq!(relay["pushed"], true, "{relay}");
+    let run_id = doc["runId"].as_str().unwrap().to_owned();
+    // and a re-attach, JSON mode
+    let replay = w.http.get(format!("{}/v1/runs/{run_id}/events", w.base)).send().await.unwrap().text().await.unwrap();
+    let (status, doc2) = common::post_json(&w.http, &w.base, &branch_body(&key, &commit_msg(&key, "t2"), json!({}))).await;
+    assert_eq!(status, 200, "{doc2}");
+    assert_eq!(doc2["relay"]["pushed"], true, "{doc2}");
+
+    let calls = w.api.calls();
+    assert!(!calls.is_empty());
+    for c in &calls {
+        assert_eq!(c.auth.as_deref(), Some(format!("Bearer {}", w.token).as_str()), "the API gets the token as a bearer token");
+    }
+    let t = &w.token;
+    assert!(!sse.raw.contains(t), "token in the SSE stream");
+    assert!(!replay.contains(t), "token in the replayed SSE stream");
+    assert!(!doc.to_string().contains(t) && !doc2.to_string().contains(t), "token in a run document");
+    assert!(!w.get_doc(&run_id).await.to_string().contains(t));
+    let inspect = sh(Command::new("docker").args(["inspect", &w.ctr]));
+    assert!(!inspect.contains(t), "token in docker inspect of the gateway container");
+    // every process's environment (PID 1 and the gateway's node), read as the container's user
+    let environ = sh(Command::new("docker").args(["exec", &w.ctr, "sh", "-c", "for p in /proc/[0-9]*; do cat $p/environ 2>/dev/null; echo; done"]));
+    assert!(environ.contains("OPENCLAW_STATE_DIR"), "the environments were read");
+    assert!(!environ.contains(t), "token in a container process's environment");
+    let grep = Command::new("docker")
+        .args(["exec", "-u", "0", &w.ctr, "timeout", "60", "grep", "-rIl", "--exclude-dir=proc", "--exclude-dir=sys", "--exclude-dir=dev", "--exclude-dir=opt", "-e", t, "/"])
+        .output()
+        .unwrap();
+    assert_eq!(grep.status.code(), Some(1), "token found in container files: {}", String::from_utf8_lossy(&grep.stdout));
+    let llm = std::fs::read_to_string(&w.llm_log).unwrap_or_default();
+    assert!(!llm.contains(t), "token in the LLM traffic");
+    let l = logs();
+    assert!(l.contains("relay finished") && l.contains(&key), "the relay's log lines are captured");
+    assert!(!l.contains(t), "token in a clawmux log line");
+    w.stop().await;
+}
+
+/// Hostile branch keys are `400 invalid_request` through the API while the relay is configured,
+/// whichever field carries them, and nothing reaches the container; a valid key gets past
+/// validation (here to `503`: the gateway of this test is down). Needs Docker only (a plain
+/// container stands in for the gateway container: the relay connects to it at startup).
+#[actix_rt::test]
+async fn docker_api_hostile_branch_keys_are_refused() {
+    let test = "docker_api_hostile_branch_keys_are_refused";
+    if !docker_or_skip(test) {
+        return;
+    }
+    let w = World::new("hostile").await;
+    let before = w.ctr.sh("find /workspace | sort");
+    let (ctr, origin) = (w.ctr.id.clone(), w.origin.to_string_lossy().into_owned());
+    // no gateway: validation comes first
+    let app = common::start_clawmux("ws://127.0.0.1:9", None, move |c| {
+        c.relay_container = Some(ctr);
+        c.relay_remote_url = Some(origin);
+        c.github_api_url = String::new(); // push only: a path remote names no owner/repo
+    })
+    .await;
+    assert!(app.state.relay.is_some());
+    let base = common::base(&app);
+    let http = reqwest::Client::new();
+    let long = "k".repeat(300);
+    let hostile = ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "main", "MAIN", "master", "HEAD", "/abs", "x/", "a//b", ".hidden", "x/.y", "a:b", "a~1", "a^b", "x\ny", "", "$(id)", "`id`", "a;b", "--upload-pack=touch /tmp/pwned"];
+    for key in hostile {
+        for field in ["workItemId", "branchName"] {
+            let body = json!({"message": "m", "billingAccountId": "acct", "branch": {field: key}});
+            let r = http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            assert_eq!((status, v["error"]["code"].as_str()), (400, Some("invalid_request")), "{field}={key:?}: {v}");
+            assert!(v["error"]["message"].as_str().unwrap_or_default().contains(&format!("branch.{field}")), "names the field: {v}");
+        }
+    }
+    // through the state key (opt-in): a valid stateKey that is not a valid branch key
+    for state_key in ["a..b", "x.lock", "a:b", "main"] {
+        let body = json!({"message": "m", "billingAccountId": "acct", "stateKey": state_key, "branch": {"useStateKey": true}});
+        let r = http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 400, "stateKey {state_key:?}");
+    }
+    // a hostile base ref
+    for base_ref in ["--upload-pack=x", "../main", "a..b", "HEAD"] {
+        let body = json!({"message": "m", "billingAccountId": "acct", "branch": {"workItemId": "fine", "baseRef": base_ref}});
+        let r = http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 400, "baseRef {base_ref:?}");
+    }
+    // the key equal to the base ref asked for is protected too
+    let body = json!({"message": "m", "billingAccountId": "acct", "branch": {"workItemId": "develop", "baseRef": "develop"}});
+    assert_eq!(http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap().status(), 400);
+    // a good key passes validation (the gateway is down here: 503, not 400)
+    let body = json!({"message": "m", "billingAccountId": "acct", "branch": {"workItemId": "task.0022"}});
+    let r = http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 503, "{:?}", r.text().await);
+    assert_eq!(w.ctr.sh("find /workspace | sort"), before, "nothing was prepared in the container");
+    assert!(app.state.store.is_empty(), "no run was created");
+    app.server.stop(true).await;
+}
+
+/// The clawmux BINARY (`clawmux serve`), configured only through its environment as in production
+/// (`CLAWMUX_RELAY_CONTAINER`, `CLAWMUX_RELAY_REMOTE_URL`, `CLAWMUX_GITHUB_API_URL`,
+/// `CLAWMUX_GITHUB_TOKEN`, `CLAWMUX_LOG=debug`): a branch run is relayed and its PR created with the
+/// token, and the token is in none of its stderr; `clawmux doctor` shows it redacted.
+#[actix_rt::test]
+async fn docker_api_binary_keeps_the_github_token_out_of_its_logs() {
+    let test = "docker_api_binary_keeps_the_github_token_out_of_its_logs";
+    if !docker_or_skip(test) {
+        return;
+    }
+    let Some(env) = api_gateway_env(test) else { return };
+    let get = |k: &str| env.get(k).unwrap_or_else(|| panic!("gateway env lacks {k}")).clone();
+    let (_links, remote_url) = github_like_remote(Path::new(&get("ORIGIN")));
+    let api = FakeGithub::start().await;
+    let token = format!("ghp_bin_{}", uuid::Uuid::new_v4().simple());
+    let dir = tempfile::Builder::new().prefix("clawmux-api-bin-").tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let stderr_path = dir.path().join("clawmux.stderr");
+    let command = |args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_clawmux"));
+        c.args(args)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", dir.path())
+            .env("CLAWMUX_LISTEN", format!("127.0.0.1:{port}"))
+            .env("CLAWMUX_GATEWAY_URL", get("GATEWAY_URL"))
+            .env("CLAWMUX_GATEWAY_TOKEN", get("GATEWAY_TOKEN"))
+            .env("CLAWMUX_DEVICE_KEY_FILE", dir.path().join("device-key.json"))
+            .env("CLAWMUX_RELAY_CONTAINER", get("CONTAINER_NAME"))
+            .env("CLAWMUX_RELAY_REMOTE_URL", &remote_url)
+            .env("CLAWMUX_RELAY_WORKSPACE", get("WORKSPACE"))
+            .env("CLAWMUX_GITHUB_API_URL", &api.base)
+            .env("CLAWMUX_GITHUB_TOKEN", &token)
+            .env("CLAWMUX_LOG", "debug");
+        if let Ok(h) = std::env::var("DOCKER_HOST") {
+            c.env("DOCKER_HOST", h);
+        }
+        c
+    };
+    let mut child = command(&["serve"]).stdout(std::process::Stdio::null()).stderr(std::fs::File::create(&stderr_path).unwrap()).spawn().expect("clawmux serve starts");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let pid = child.id();
+    let started = Instant::now();
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    loop {
+        if let Ok(r) = http.get(format!("{base}/readyz")).send().await {
+            if r.status() == 200 {
+                break;
+            }
+        }
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("clawmux exited ({st}): {}", std::fs::read_to_string(&stderr_path).unwrap_or_default());
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "clawmux not ready: {}", std::fs::read_to_string(&stderr_path).unwrap_or_default());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let child = Kill(child);
+
+    let key = unique_key("bin");
+    let body = branch_body(&key, &commit_msg(&key, "b1"), json!({"prTitle": "from the binary"}));
+    let (status, doc) = common::post_json(&http, &base, &body).await;
+    assert_eq!(status, 200, "{doc}");
+    assert_eq!(doc["status"], "ok", "{doc}");
+    let relay = &doc["relay"];
+    assert_eq!((relay["pushed"].as_bool(), relay["commitCount"].as_u64(), relay["prNumber"].as_u64()), (Some(true), Some(1), Some(1)), "{doc}");
+    assert_eq!(api.methods(), ["GET", "POST"]);
+    for c in api.calls() {
+        assert_eq!(c.auth.as_deref(), Some(format!("Bearer {token}").as_str()), "the token from CLAWMUX_GITHUB_TOKEN reaches the API");
+    }
+    assert!(!doc.to_string().contains(&token));
+
+    // a clean stop (SIGTERM), then the whole stderr
+    sh(Command::new("kill").args(["-TERM", &pid.to_string()]));
+    let mut child = child;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "clawmux did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(stderr.contains("git relay ready") && stderr.contains("relay finished") && stderr.contains("DEBUG"), "debug logs were written:\n{stderr}");
+    assert!(!stderr.contains(&token), "token in clawmux's stderr");
+    eprintln!("{test}: {} log lines at debug, none with the token", stderr.lines().count());
+
+    // doctor prints the effective configuration: the token redacted
+    let out = command(&["doctor"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("CLAWMUX_GITHUB_TOKEN"), "{text}");
+    assert!(!text.contains(&token), "token in doctor's output:\n{text}");
+}
+
+/// Runs waiting for a busy key: one whose timeout runs out while it waits ends `timeout`, one
+/// aborted through the API while it waits ends `aborted`; neither reaches the gateway (the LLM never
+/// sees them), the holder finishes and relays normally, and the key is free afterwards.
+#[actix_rt::test]
+async fn docker_api_waiting_runs_time_out_or_abort_without_reaching_the_gateway() {
+    let test = "docker_api_waiting_runs_time_out_or_abort_without_reaching_the_gateway";
+    let Some(w) = ApiWorld::start(test).await else { return };
+    let key = unique_key("wait");
+    let mut holder = w.post(&branch_body(&key, &format!("SLOW {}", commit_msg(&key, "h1")), json!({}))).await;
+    holder.until(Duration::from_secs(60), |e| e.event == "accepted").await.unwrap_or_else(|| panic!("holder accepted: {:?}", holder.names()));
+    let t0 = Instant::now();
+    let mut short = w.post(&json!({"message": commit_msg(&key, "w1"), "billingAccountId": "acct-relay-api", "timeoutSec": 1, "branch": {"workItemId": key}})).await;
+    let abort_id = format!("run-{key}-aborted");
+    let mut aborted = w.post(&json!({"message": commit_msg(&key, "w2"), "billingAccountId": "acct-relay-api", "runId": abort_id, "branch": {"workItemId": key}})).await;
+    aborted.until(Duration::from_secs(20), |e| e.event == "status").await.expect("waiting");
+    let r = w.http.post(format!("{}/v1/runs/{abort_id}/abort", w.base)).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    assert_eq!(r.json::<Value>().await.unwrap()["aborted"], true);
+    let ta = aborted.read_to_terminal(Duration::from_secs(10)).await;
+    assert_eq!((ta.event.as_str(), ta.data["code"].as_str()), ("error", Some("aborted")), "{}", ta.data);
+    let te = short.read_to_terminal(Duration::from_secs(20)).await;
+    assert_eq!((te.event.as_str(), te.data["code"].as_str()), ("error", Some("timeout")), "{}", te.data);
+    assert!(te.data["message"].as_str().unwrap_or_default().contains("waiting for branch"), "{}", te.data);
+    assert!(t0.elapsed() < Duration::from_secs(4), "the wait counted toward the 1 s timeout");
+    assert!(short.waited() && aborted.waited());
+    for sse in [&short, &aborted] {
+        assert!(!sse.names().iter().any(|n| n == "accepted" || n == "relay"), "never started: {:?}", sse.names());
+    }
+    assert!(holder.events.iter().all(|(_, e)| e.event != "final"), "both ended while the holder still ran");
+    let (relay, _) = finish_branch_run(&w, &mut holder, &key).await;
+    assert_eq!((relay["commitCount"].as_u64(), relay["pushed"].as_bool()), (Some(1), Some(true)), "{relay}");
+    let llm = std::fs::read_to_string(&w.llm_log).unwrap_or_default();
+    assert!(llm.contains(&format!("{key}:h1")), "the holder's run reached the LLM");
+    assert!(!llm.contains(&format!("{key}:w1")) && !llm.contains(&format!("{key}:w2")), "the waiting runs never reached the gateway");
+    // the key is free: the next run goes at once
+    let mut next = w.post(&branch_body(&key, &commit_msg(&key, "n1"), json!({}))).await;
+    let (relay, _) = finish_branch_run(&w, &mut next, &key).await;
+    assert!(!next.waited());
+    assert_eq!((relay["commitCount"].as_u64(), relay["pushedCommits"].as_u64()), (Some(2), Some(1)), "{relay}");
+    assert!(w.app.state.relay.as_ref().unwrap().locks.is_empty());
+    w.stop().await;
 }
