@@ -36,6 +36,21 @@ pub struct PendingRuns {
 }
 
 impl PendingRuns {
+    /// Cancels every pending run (shutdown); returns how many.
+    pub fn cancel_all(&self) -> usize {
+        self.tokens.iter().map(|t| t.value().cancel()).count()
+    }
+
+    /// Number of pending runs.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when none is pending.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
     /// Cancels a pending run; false when the run is not pending.
     pub fn cancel(&self, run_id: &str) -> bool {
         match self.tokens.get(run_id) {

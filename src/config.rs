@@ -118,6 +118,8 @@ pub struct Config {
     pub relay_base_ref: String,
     /// GitHub REST API base.
     pub github_api_url: String,
+    /// `owner/repo` of the pull requests, when the remote URL does not name them (e.g. a mirror path).
+    pub github_repo: Option<String>,
     /// GitHub token (env only).
     pub github_token: Option<Secret>,
     /// How long finished runs stay queryable.
@@ -169,6 +171,7 @@ impl Default for Config {
             relay_remote_url: None,
             relay_base_ref: "main".to_owned(),
             github_api_url: "https://api.github.com".to_owned(),
+            github_repo: None,
             github_token: None,
             run_retention_sec: 3600,
             run_retention_max: 10_000,
@@ -202,6 +205,7 @@ struct FileConfig {
     relay_remote_url: Option<String>,
     relay_base_ref: Option<String>,
     github_api_url: Option<String>,
+    github_repo: Option<String>,
     run_retention_sec: Option<u64>,
     run_retention_max: Option<usize>,
     max_runs: Option<usize>,
@@ -302,6 +306,9 @@ impl Config {
         if let Some(v) = f.audit_max_bytes {
             self.audit_max_bytes = v;
         }
+        if f.github_repo.is_some() {
+            self.github_repo = f.github_repo;
+        }
         if f.relay_container.is_some() {
             self.relay_container = f.relay_container;
         }
@@ -390,6 +397,9 @@ impl Config {
         if let Some(v) = get("CLAWMUX_RELAY_BASE_REF") {
             self.relay_base_ref = v;
         }
+        if let Some(v) = get("CLAWMUX_GITHUB_REPO") {
+            self.github_repo = Some(v);
+        }
         if let Some(v) = get("CLAWMUX_GITHUB_API_URL") {
             self.github_api_url = v;
         }
@@ -466,6 +476,7 @@ impl Config {
             ("CLAWMUX_RELAY_REMOTE_URL", opt(&self.relay_remote_url)),
             ("CLAWMUX_RELAY_BASE_REF", self.relay_base_ref.clone()),
             ("CLAWMUX_GITHUB_API_URL", self.github_api_url.clone()),
+            ("CLAWMUX_GITHUB_REPO", opt(&self.github_repo)),
             ("CLAWMUX_GITHUB_TOKEN", secret(&self.github_token)),
             ("CLAWMUX_RUN_RETENTION_SEC", self.run_retention_sec.to_string()),
             ("CLAWMUX_RUN_RETENTION_MAX", self.run_retention_max.to_string()),

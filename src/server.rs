@@ -169,13 +169,16 @@ fn start_proxy(
 /// connection and the HTTP server close.
 pub async fn shutdown(running: &Running) {
     let supervisor = &running.state.supervisor;
+    // Branch runs still waiting for their lock or workspace end first (aborted).
+    running.state.pending.cancel_all();
     let cancelled = supervisor.send(ShutdownAll).await.unwrap_or(0);
     if cancelled > 0 {
         tracing::info!(cancelled, "shutting down: cancelling runs in flight");
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
     while tokio::time::Instant::now() < deadline {
-        if supervisor.send(InFlight).await.unwrap_or(0) == 0 {
+        // Runs leave the supervisor at their gateway final; a branch run still publishes after it.
+        if supervisor.send(InFlight).await.unwrap_or(0) == 0 && running.state.store.unfinished() == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -387,6 +387,11 @@ impl RunStore {
         removed
     }
 
+    /// Runs without their terminal event yet (shutdown waits for them, relay included).
+    pub fn unfinished(&self) -> usize {
+        self.runs.iter().filter(|r| !r.value().is_finished()).count()
+    }
+
     /// Number of stored runs.
     pub fn len(&self) -> usize {
         self.runs.len()

@@ -6,7 +6,9 @@
 #
 # Installs (idempotent, cached under ${CLAWMUX_CACHE:-~/.cache/clawmux}): Node 24,
 # openclaw@2026.9.6 and openclaw@2026.4.12 from the npm registry (tests/support/install-openclaw.sh),
-# and LiteLLM from PyPI (tests/support/install-litellm.sh).
+# and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io and debootstrap
+# (tests/support/docker.sh, docker-image.sh), iproute2 for the namespace test. Needs root for
+# Docker and the network namespace.
 # Env: CLAWMUX_CACHE, CARGO_TEST_ARGS (extra args for cargo test).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,7 +27,7 @@ cargo build --workspace --all-targets --locked
 
 say "unit and replay-gateway tests"
 # shellcheck disable=SC2086
-cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_
+cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
@@ -34,13 +36,16 @@ V3_DIR="$(mktemp -d /tmp/clawmux-gw3.XXXXXX)"
 LITELLM_DIR="$(mktemp -d /tmp/clawmux-litellm.XXXXXX)"
 NETNS_DIR="$(mktemp -d /tmp/clawmux-gwns.XXXXXX)"
 NETNS_NAME="cmx$$"
+GWC_DIR="$(mktemp -d /tmp/clawmux-gwc.XXXXXX)"
 cleanup() {
+  tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
+  tests/support/docker.sh stop >/dev/null 2>&1 || true
   for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -93,4 +98,16 @@ CLAWMUX_NETNS_GATEWAY_ENV="$NETNS_DIR/env" CLAWMUX_REQUIRE_NETNS=1 \
   cargo test --locked --test remote_gateway -- --test-threads=1 netns_
 tests/support/gateway.sh stop "$NETNS_DIR"
 tests/support/netns.sh down "$NETNS_NAME"
+
+say "git relay: a real Docker engine, the real OpenClaw gateway in a container"
+# Installs Debian's docker.io when missing, starts dockerd (--bridge=none --iptables=false), builds
+# the base image offline (debootstrap from the machine's apt mirror, cached), runs the gateway in a
+# container with --network host; the relay pushes to a host bare repo, a fake GitHub API records PRs.
+tests/support/docker.sh ensure
+tests/support/docker-image.sh
+tests/support/gateway-container.sh start "$GWC_DIR"
+CLAWMUX_REQUIRE_DOCKER=1 CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1 CLAWMUX_RELAY_GATEWAY_ENV="$GWC_DIR/env" \
+  cargo test --locked --test relay -- docker_
+tests/support/gateway-container.sh stop "$GWC_DIR"
+tests/support/docker.sh stop
 

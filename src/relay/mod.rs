@@ -173,6 +173,7 @@ impl RelayConfig {
         r.base_ref = c.relay_base_ref.clone();
         r.github_api_url = Some(c.github_api_url.clone()).filter(|s| !s.is_empty());
         r.token = c.github_token.clone();
+        r.github_repo = c.github_repo.clone();
         Ok(Some(r))
     }
 
