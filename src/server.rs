@@ -116,6 +116,7 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     });
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
+        .on_connect(no_delay)
         .disable_signals()
         // A caller that closes its connection is gone (`onDisconnect: abort` must cancel its run
         // now): with half-closed connections allowed, actix notices only when a write fails, i.e.
@@ -155,6 +156,7 @@ fn start_proxy(
         metrics,
     });
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))
+        .on_connect(no_delay)
         .disable_signals()
         .shutdown_timeout(5)
         .bind(cfg.proxy_listen)?;
@@ -163,6 +165,14 @@ fn start_proxy(
     let handle = server.handle();
     actix::spawn(server);
     Ok((addr, handle))
+}
+
+/// Small SSE events must leave at once: Nagle's algorithm would hold one back until the client's
+/// (delayed) ACK of the previous write.
+fn no_delay(conn: &dyn std::any::Any, _ext: &mut actix_web::dev::Extensions) {
+    if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+        let _ = tcp.set_nodelay(true);
+    }
 }
 
 /// Graceful stop: every run in flight gets a terminal event (its gateway run is cancelled), then the

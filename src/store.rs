@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
-/// Events buffered per client before it counts as too slow.
-pub const CLIENT_BUFFER: usize = 1024;
+/// Events buffered per client before it counts as too slow (it is then disconnected and can
+/// re-attach with `Last-Event-ID`). Every live run pre-allocates this ring, so it is kept small.
+pub const CLIENT_BUFFER: usize = 256;
 
 /// One SSE event, serialized once and shared by every client.
 #[derive(Debug, Clone)]
@@ -108,6 +109,9 @@ struct RunState {
     doc: RunDoc,
     events: Vec<Arc<StoredEvent>>,
     finished_at: Option<Instant>,
+    /// Live subscribers' channel; dropped with the terminal event so a finished run (kept for
+    /// re-attachment) holds no ring buffer.
+    tx: Option<broadcast::Sender<Arc<StoredEvent>>>,
 }
 
 /// One run in the store.
@@ -119,7 +123,6 @@ pub struct RunRecord {
     /// Whether a vanished caller cancels the run.
     pub abort_on_disconnect: bool,
     state: Mutex<RunState>,
-    tx: broadcast::Sender<Arc<StoredEvent>>,
     /// The run's billing identity and the registry it is live in (set when the LLM proxy is on):
     /// the run stops being attributable with its terminal event.
     billing: std::sync::OnceLock<(Arc<crate::attribution::RunBilling>, Arc<crate::attribution::Attributions>)>,
@@ -190,7 +193,7 @@ impl RunRecord {
     pub fn attach(&self, after: u64) -> (Vec<Arc<StoredEvent>>, Option<broadcast::Receiver<Arc<StoredEvent>>>) {
         let st = self.lock();
         let backlog: Vec<_> = st.events.iter().filter(|e| e.id > after).cloned().collect();
-        let rx = if st.finished_at.is_some() { None } else { Some(self.tx.subscribe()) };
+        let rx = if st.finished_at.is_some() { None } else { st.tx.as_ref().map(broadcast::Sender::subscribe) };
         (backlog, rx)
     }
 
@@ -198,7 +201,9 @@ impl RunRecord {
         let ev = Arc::new(StoredEvent { id: st.events.len() as u64 + 1, name, data });
         st.events.push(ev.clone());
         // No receivers is fine: the event stays in the log for re-attachment.
-        let _ = self.tx.send(ev);
+        if let Some(tx) = &st.tx {
+            let _ = tx.send(ev);
+        }
     }
 }
 
@@ -254,6 +259,7 @@ impl RunSink for RunRecord {
                     }
                 }
                 st.finished_at = Some(Instant::now());
+                st.tx = None;
                 self.done.send_replace(true);
             }
         }
@@ -322,6 +328,7 @@ impl RunStore {
             }
             dashmap::mapref::entry::Entry::Vacant(v) => {
                 let (tx, _) = broadcast::channel(CLIENT_BUFFER);
+                let tx = Some(tx);
                 let record = Arc::new(RunRecord {
                     run_id: run_id.to_owned(),
                     fingerprint,
@@ -341,8 +348,8 @@ impl RunStore {
                         },
                         events: Vec::new(),
                         finished_at: None,
+                        tx,
                     }),
-                    tx,
                     billing: std::sync::OnceLock::new(),
                     done: tokio::sync::watch::channel(false).0,
                 });

@@ -52,7 +52,8 @@ pub async fn run(
     events: impl ConnEvents,
 ) {
     let config = WebSocketConfig::default().max_message_size(Some(PRE_HELLO_MAX)).max_frame_size(Some(PRE_HELLO_MAX));
-    let connect = tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), false);
+    // Nagle off: frames are small and latency-sensitive (a run starts with three round trips).
+    let connect = tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), true);
     let ws = match tokio::time::timeout(handshake_timeout, connect).await {
         Ok(Ok((ws, _))) => ws,
         Ok(Err(e)) => {
