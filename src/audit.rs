@@ -112,7 +112,13 @@ impl AuditLog {
         };
         if guard.1 > 0 && guard.1 + line.len() as u64 > self.max_bytes {
             let stamp = time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000;
-            let rotated = self.path.with_file_name(format!("audit-{stamp}.jsonl"));
+            // Two rotations in one millisecond must not replace each other's file (rename would).
+            let mut rotated = self.path.with_file_name(format!("audit-{stamp}.jsonl"));
+            let mut n = 1;
+            while rotated.exists() {
+                rotated = self.path.with_file_name(format!("audit-{stamp}-{n}.jsonl"));
+                n += 1;
+            }
             guard.0.sync_all()?;
             std::fs::rename(&self.path, &rotated)?;
             *guard = open_append(&self.path)?;
