@@ -21,16 +21,7 @@ pub struct SseEvent {
 
 /// Starts clawmux on 127.0.0.1:0 against `gateway_url`; `tweak` adjusts the config first.
 pub async fn start_clawmux(gateway_url: &str, token: Option<&str>, tweak: impl FnOnce(&mut Config)) -> Running {
-    let mut cfg = Config::load(None, &|_| None).expect("default config");
-    cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    cfg.gateway_url = Some(gateway_url.to_owned());
-    cfg.gateway_token = token.map(Secret::new);
-    // Tests use a key file of their own unless they say otherwise.
-    cfg.device_key_file = std::env::temp_dir().join(format!("clawmux-test-device-{}.json", std::process::id()));
-    tweak(&mut cfg);
-    let mut sup = server::supervisor_config(&cfg, gateway_url).expect("supervisor config");
-    sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");
-    server::start(cfg, sup).await.expect("clawmux starts")
+    start_clawmux_with(gateway_url, token, tweak, |_| {}).await
 }
 
 /// Starts clawmux with a custom supervisor config tweak too.
