@@ -16,7 +16,7 @@
 #   4. BENCHMARKS.md: the table, ratios, targets met or missed, machine, date, command.
 #
 # Knobs (env): BENCH_REPS (3), BENCH_LEVELS ("10 100 1000"), BENCH_OUT (BENCHMARKS.md),
-#   BENCH_SPEED (1 = recorded timing), BENCH_CRITERION (1), BENCH_PERCALL_1000_RUNS (1000),
+#   BENCH_SPEED (1 = recorded timing), BENCH_CRITERION (1), BENCH_PERCALL_1000_RUNS (1000), BENCH_CASSETTE,
 #   BENCH_GW_RSS_LIMIT_MB (6000: a per-call load is stopped when the gateway's buffers grow past it).
 # The per-call design at concurrency 1000 makes the gateway send ~N x N frames (every socket gets
 # every run's events); it runs once (not 3 times) with a deadline and the memory guard above.
@@ -29,7 +29,7 @@ LEVELS="${BENCH_LEVELS:-10 100 1000}"
 OUT="${BENCH_OUT:-BENCHMARKS.md}"
 SPEED="${BENCH_SPEED:-1}"
 DELTAS=20
-CASSETTE="tests/cassettes/openclaw-2026.9.6-short.jsonl"
+CASSETTE="${BENCH_CASSETTE:-tests/cassettes/openclaw-2026.9.6-short.jsonl}"
 PERCALL_1000_RUNS="${BENCH_PERCALL_1000_RUNS:-1000}"
 GW_RSS_LIMIT_MB="${BENCH_GW_RSS_LIMIT_MB:-6000}"
 BIN="$REPO/target/release/clawmux"

@@ -41,6 +41,10 @@ async fn two_hundred_runs_at_concurrency_fifty_are_isolated() {
     let accepted = report.latency_ms.accepted.unwrap();
     assert_eq!(accepted.n, 200);
 
+    // clawmux measured its own added latency for every delta it streamed.
+    let observed = common::metric(&reqwest::Client::new(), &url, "clawmux_frame_to_client_seconds_count").await;
+    assert!(observed >= 200.0 * 10.0, "frame-to-client latency observed for {observed} deltas");
+
     // The gateway sent all of it over ONE connection.
     let stats = gw.stats();
     assert_eq!(stats.handshakes_ok, 1, "{stats:?}");

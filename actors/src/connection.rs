@@ -37,8 +37,8 @@ pub trait ConnEvents: Send + 'static {
     fn up(&self, hello: HelloOk, tx: mpsc::UnboundedSender<String>);
     /// The attempt failed before hello-ok.
     fn failed(&self, failure: ConnectFailure);
-    /// A decoded frame (or a decode error) after hello-ok.
-    fn frame(&self, frame: Result<Frame, String>);
+    /// A decoded frame (or a decode error) after hello-ok, with the moment its bytes arrived.
+    fn frame(&self, frame: Result<Frame, String>, received: std::time::Instant);
     /// The connection ended.
     fn closed(&self, reason: String);
 }
@@ -111,8 +111,11 @@ pub async fn run(
     let reader = async {
         loop {
             match stream.next().await {
-                Some(Ok(Message::Text(text))) => events.frame(decode_frame(text.as_str(), max_payload).map_err(|e| e.to_string())),
-                Some(Ok(Message::Binary(_))) => events.frame(Err("binary frame from the gateway".to_owned())),
+                Some(Ok(Message::Text(text))) => {
+                    let received = std::time::Instant::now();
+                    events.frame(decode_frame(text.as_str(), max_payload).map_err(|e| e.to_string()), received)
+                }
+                Some(Ok(Message::Binary(_))) => events.frame(Err("binary frame from the gateway".to_owned()), std::time::Instant::now()),
                 Some(Ok(Message::Close(frame))) => {
                     return match frame {
                         Some(f) => format!("the gateway closed the connection ({} {})", u16::from(f.code), f.reason),

@@ -30,6 +30,9 @@ pub struct Metrics {
     pub runs_queued: IntGauge,
     /// Run duration from admission to terminal event.
     pub run_duration: Histogram,
+    /// clawmux's added latency: from a chat frame's bytes arriving on the gateway socket to its
+    /// text delta being handed to the run's SSE clients (decode, route, diff, serialize, fan-out).
+    pub frame_to_client: Histogram,
 }
 
 impl Metrics {
@@ -60,8 +63,16 @@ impl Metrics {
                 HistogramOpts::new("clawmux_run_duration_seconds", "Run duration from admission to terminal event")
                     .buckets(vec![0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0]),
             )?,
+            frame_to_client: Histogram::with_opts(
+                HistogramOpts::new(
+                    "clawmux_frame_to_client_seconds",
+                    "From a chat frame arriving on the gateway socket to its text delta handed to the run's SSE clients",
+                )
+                .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]),
+            )?,
         };
         registry.register(Box::new(m.frames_received.clone()))?;
+        registry.register(Box::new(m.frame_to_client.clone()))?;
         registry.register(Box::new(m.frames_dropped.clone()))?;
         registry.register(Box::new(m.frames_malformed.clone()))?;
         registry.register(Box::new(m.responses_unmatched.clone()))?;

@@ -27,10 +27,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A `chat`/`agent` event whose `(sessionKey, runId)` is this run's.
+/// A `chat`/`agent` event whose `(sessionKey, runId)` is this run's, with the moment its frame
+/// arrived (to measure clawmux's added latency).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Routed(pub GatewayEvent);
+pub struct Routed(pub GatewayEvent, pub Instant);
 
 /// The gateway connection dropped.
 #[derive(Message)]
@@ -108,6 +109,7 @@ pub struct SessionActor {
     chat_error: Option<String>,
     unavailable_retries: u32,
     subscribed: bool,
+    metrics: crate::metrics::Metrics,
 }
 
 impl SessionActor {
@@ -120,6 +122,7 @@ impl SessionActor {
         cfg: SupervisorConfig,
         link: Option<GatewayUp>,
         remaining: Duration,
+        metrics: crate::metrics::Metrics,
     ) -> Self {
         Self {
             spec,
@@ -137,6 +140,7 @@ impl SessionActor {
             chat_error: None,
             unavailable_retries: 0,
             subscribed: false,
+            metrics,
         }
     }
 
@@ -219,9 +223,10 @@ impl SessionActor {
         self.sink.emit(RunEvent::Status { phase: next.0, tool: next.1 });
     }
 
-    fn push_text(&mut self, cumulative: &str) {
+    fn push_text(&mut self, cumulative: &str, received: Instant) {
         if let Some(delta) = self.tracker.push(cumulative) {
             self.sink.emit(RunEvent::TextDelta(delta));
+            self.metrics.frame_to_client.observe(received.elapsed().as_secs_f64());
         }
     }
 
@@ -453,7 +458,7 @@ impl SessionActor {
         });
     }
 
-    fn on_event(&mut self, event: GatewayEvent) {
+    fn on_event(&mut self, event: GatewayEvent, received: Instant) {
         if self.stage == Stage::Done {
             return;
         }
@@ -461,7 +466,7 @@ impl SessionActor {
             GatewayEvent::Chat(chat) => match chat.state {
                 ChatState::Delta | ChatState::Final | ChatState::Aborted => {
                     if let Some(text) = chat.text() {
-                        self.push_text(&text);
+                        self.push_text(&text, received);
                     }
                 }
                 ChatState::Error => {
@@ -493,7 +498,7 @@ impl Actor for SessionActor {
 impl Handler<Routed> for SessionActor {
     type Result = ();
     fn handle(&mut self, msg: Routed, _ctx: &mut Context<Self>) {
-        self.on_event(msg.0);
+        self.on_event(msg.0, msg.1);
     }
 }
 

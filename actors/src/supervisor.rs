@@ -277,6 +277,8 @@ struct ConnFailed {
 struct Inbound {
     generation: u64,
     frame: Result<Frame, String>,
+    /// When the frame's bytes arrived (the start of clawmux's added latency).
+    received: Instant,
 }
 
 #[derive(Message)]
@@ -300,8 +302,8 @@ impl ConnEvents for ToSupervisor {
     fn failed(&self, failure: ConnectFailure) {
         self.addr.do_send(ConnFailed { generation: self.generation, failure });
     }
-    fn frame(&self, frame: Result<Frame, String>) {
-        self.addr.do_send(Inbound { generation: self.generation, frame });
+    fn frame(&self, frame: Result<Frame, String>, received: Instant) {
+        self.addr.do_send(Inbound { generation: self.generation, frame, received });
     }
     fn closed(&self, reason: String) {
         self.addr.do_send(ConnClosed { generation: self.generation, reason });
@@ -476,7 +478,7 @@ impl Supervisor {
         let gateway_run_id = q.spec.gateway_run_id.clone();
         let remaining = q.spec.timeout.saturating_sub(q.admitted.elapsed());
         let link = self.link_info();
-        let actor = SessionActor::new(q.spec, q.sink, ctx.address(), self.cfg.clone(), link, remaining);
+        let actor = SessionActor::new(q.spec, q.sink, ctx.address(), self.cfg.clone(), link, remaining, self.metrics.clone());
         let addr = actor.start();
         self.routes.insert(session_key.as_str(), &gateway_run_id, addr.clone().recipient());
         self.runs.insert(run_id, RunSlot::Active { addr, admitted: q.admitted });
@@ -520,7 +522,7 @@ impl Supervisor {
         reply_to.do_send(Reply { tag: p.tag, result });
     }
 
-    fn on_event(&mut self, ctx: &mut Context<Self>, event: GatewayEvent) {
+    fn on_event(&mut self, ctx: &mut Context<Self>, event: GatewayEvent, received: Instant) {
         match event {
             GatewayEvent::Chat(_) | GatewayEvent::Agent(_) => {
                 let target = match event.route_key() {
@@ -528,7 +530,7 @@ impl Supervisor {
                     None => return,
                 };
                 match target {
-                    Ok(r) => r.do_send(Routed(event)),
+                    Ok(r) => r.do_send(Routed(event, received)),
                     Err(reason) => {
                         self.metrics.frames_dropped.with_label_values(&[reason.as_str()]).inc();
                     }
@@ -711,7 +713,7 @@ impl Handler<Inbound> for Supervisor {
             }
             Ok(Frame::Event(ev)) => {
                 self.metrics.frames_received.with_label_values(&["event"]).inc();
-                self.on_event(ctx, ev.event);
+                self.on_event(ctx, ev.event, msg.received);
             }
             Ok(Frame::Req(_)) => {
                 self.metrics.frames_malformed.inc();
