@@ -319,7 +319,7 @@ enum Conn {
     /// Waiting to reconnect.
     Disconnected,
     /// A connection task is connecting and handshaking.
-    Connecting { task: tokio::task::JoinHandle<()> },
+    Connecting { task: futures_util::future::AbortHandle },
     /// Handshake done.
     Connected(Connected),
     /// Shutting down: no reconnects.
@@ -327,7 +327,7 @@ enum Conn {
 }
 
 struct Connected {
-    task: tokio::task::JoinHandle<()>,
+    task: futures_util::future::AbortHandle,
     tx: mpsc::UnboundedSender<String>,
     protocol: u32,
     boot_id: Option<String>,
@@ -374,6 +374,8 @@ pub struct Supervisor {
     runs: HashMap<String, RunSlot>,
     queue: KeyQueue<SessionKey, QueuedRun>,
     outbound_headers_supported: Option<bool>,
+    /// The thread the gateway connection's I/O runs on (created on first connect).
+    io: Option<Arbiter>,
 }
 
 impl Supervisor {
@@ -398,6 +400,7 @@ impl Supervisor {
             runs: HashMap::new(),
             queue: KeyQueue::new(),
             outbound_headers_supported,
+            io: None,
         }
     }
 
@@ -415,8 +418,21 @@ impl Supervisor {
         self.generation += 1;
         let events = ToSupervisor { addr: ctx.address(), generation: self.generation };
         let params = ConnectParams::multiplexer(&self.cfg.client_version, self.cfg.token.clone());
-        let task =
-            actix::spawn(connection::run(self.cfg.url.clone(), params, self.cfg.device.clone(), self.cfg.handshake_timeout, events));
+        let (fut, task) = futures_util::future::abortable(connection::run(
+            self.cfg.url.clone(),
+            params,
+            self.cfg.device.clone(),
+            self.cfg.handshake_timeout,
+            events,
+        ));
+        // The socket's reads, decoding and writes run on their own thread, so that a burst of
+        // frames is decoded while this actor routes the previous ones.
+        let io = self.io.get_or_insert_with(Arbiter::new);
+        if !io.spawn(async move {
+            let _ = fut.await;
+        }) {
+            tracing::error!("the gateway I/O thread is gone");
+        }
         self.conn = Conn::Connecting { task };
     }
 
@@ -899,6 +915,9 @@ impl Handler<Disconnect> for Supervisor {
             s.connected = false;
             s.last_error = Some("clawmux is shutting down".to_owned());
         });
+        if let Some(io) = self.io.take() {
+            io.stop();
+        }
     }
 }
 
