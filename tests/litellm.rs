@@ -70,23 +70,6 @@ async fn wait_records(ll: &LiteLlm, run_id: &str, n: usize) -> Vec<Value> {
     }
 }
 
-fn chat_body(text: &str, stream: bool) -> Value {
-    json!({"model": "fake-model", "stream": stream, "stream_options": {"include_usage": true},
-           "messages": [{"role": "user", "content": text}]})
-}
-
-/// Waits until the run's document shows it was accepted by the gateway.
-async fn wait_accepted(c: &reqwest::Client, base: &str, run_id: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let doc: Value = c.get(format!("{base}/v1/runs/{run_id}")).send().await.expect("get").json().await.expect("doc");
-        if !doc["gatewayRunId"].is_null() {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "run not accepted: {doc}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// clawmux in-process, its proxy's upstream = LiteLLM with LiteLLM's master key; a paused replay
 /// gateway keeps runs live while calls are made on their behalf.

@@ -10,23 +10,6 @@ use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-fn chat_body(text: &str, stream: bool) -> Value {
-    json!({"model": "fake-model", "stream": stream, "stream_options": {"include_usage": true},
-           "messages": [{"role": "user", "content": text}]})
-}
-
-/// Waits until the run's document shows it was accepted by the gateway.
-async fn wait_accepted(c: &reqwest::Client, base: &str, run_id: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let doc: Value = c.get(format!("{base}/v1/runs/{run_id}")).send().await.expect("get").json().await.expect("doc");
-        if !doc["gatewayRunId"].is_null() {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "run not accepted: {doc}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 #[actix_rt::test]
 async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refuses_the_rest() {
@@ -151,8 +134,10 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
     assert_eq!(r.status(), 202);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        let r = c.post(format!("{proxy}/v1/chat/completions")).header("traceparent", &call_tp).json(&chat_body("hello LATE", true)).send().await.expect("call");
-        if r.status() == 403 {
+        // A call that races the run's end is cut by the proxy (the run's streams end with it): that
+        // is a broken response here, not a forwarded one.
+        let sent = c.post(format!("{proxy}/v1/chat/completions")).header("traceparent", &call_tp).json(&chat_body("hello LATE", true)).send().await;
+        if sent.as_ref().is_ok_and(|r| r.status() == 403) {
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "calls for an ended run are still forwarded");
@@ -167,15 +152,19 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
     assert!(!raw.contains("PROXYSTREAM") && !raw.contains("hello"), "prompts are in the audit log");
     let recs = clawmux::audit::read_records(&path).expect("whole records");
     let billed: Vec<&Value> = recs.iter().filter(|r| r["runId"] == "run-billed").collect();
-    assert!(billed.len() >= 2, "{recs:?}");
+    // The two calls above completed; a LATE call that raced the abort was cut when the run ended.
+    let completed: Vec<&&Value> = billed.iter().filter(|r| r["outcome"] == "ok").collect();
+    assert!(completed.len() >= 2, "{recs:?}");
     for r in &billed {
         assert_eq!(r["billingAccountId"], "acct-payer");
         assert_eq!(r["status"], 200);
-        assert_eq!(r["outcome"], "ok");
+        assert!(r["outcome"] == "ok" || r["outcome"] == "run_ended", "{r}");
         assert!(r["upstreamCallId"].as_str().is_some_and(|s| !s.is_empty()));
-        assert!(r["inputTokens"].as_u64().is_some());
     }
-    assert!(billed.iter().any(|r| r["streamed"] == true) && billed.iter().any(|r| r["streamed"] == false));
+    for r in &completed {
+        assert!(r["inputTokens"].as_u64().is_some(), "{r}");
+    }
+    assert!(completed.iter().any(|r| r["streamed"] == true) && completed.iter().any(|r| r["streamed"] == false));
     clawmux::server::shutdown(&running).await;
     gw.stop().await;
     let _ = std::fs::remove_dir_all(dir);

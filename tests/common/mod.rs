@@ -226,3 +226,22 @@ pub fn temp_dir(tag: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
+
+/// An OpenAI chat-completions body with one user message.
+pub fn chat_body(text: &str, stream: bool) -> Value {
+    serde_json::json!({"model": "fake-model", "stream": stream, "stream_options": {"include_usage": true},
+           "messages": [{"role": "user", "content": text}]})
+}
+
+/// Waits until the run's document shows it was accepted by the gateway.
+pub async fn wait_accepted(c: &reqwest::Client, base: &str, run_id: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let doc: Value = c.get(format!("{base}/v1/runs/{run_id}")).send().await.expect("get").json().await.expect("doc");
+        if !doc["gatewayRunId"].is_null() {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "run not accepted: {doc}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
