@@ -226,18 +226,17 @@ stop_pid() {
 
 # ------------------------------------------------------------------ gateway process
 
-# launch_gateway RUN_DIR NODE_BIN OPENCLAW_MJS GW_PORT: start in the background, write gateway.pid.
-# In NETNS_V, `ip netns exec` execs the gateway in place (same PID), so the PID file stays valid.
-launch_gateway() {
-  local rd="$1" node="$2" mjs="$3" port="$4" pid bind=loopback
-  [ -z "${BIND_HOST_V:-}" ] || bind=custom
-  mkdir -p "$rd/home" "$rd/state" "$CACHE/gateway-tmp"
-  # The token lives only in the config file (gateway.auth.token), not in the environment.
-  # TMPDIR is persistent under the cache dir: the launcher keys Node's compile cache on
-  # os.tmpdir(), so a fresh TMPDIR per run costs ~4 s of start-up.
-  (
-    cd "$rd"
-    exec "${NSX[@]}" env -i \
+# in_gateway_env RUN_DIR NODE_BIN OPENCLAW_MJS ARGS...: EXECS `node openclaw.mjs ARGS...` in RUN_DIR with
+# the gateway's isolated environment, inside NETNS_V when set. It replaces the calling shell, so call
+# it in a subshell: `in_gateway_env ... &` (then $! is the gateway's PID) or `( in_gateway_env ... )`.
+# The token lives only in the config file (gateway.auth.token), never in the environment.
+# TMPDIR is persistent under the cache dir: the launcher keys Node's compile cache on os.tmpdir(),
+# so a fresh TMPDIR per run costs ~4 s of start-up.
+in_gateway_env() {
+  local rd="$1" node="$2" mjs="$3"
+  shift 3
+  cd "$rd" || exit 1
+  exec "${NSX[@]}" env -i \
       PATH="$(dirname "$node"):/usr/local/bin:/usr/bin:/bin" \
       HOME="$rd/home" \
       TMPDIR="$CACHE/gateway-tmp" \
@@ -247,8 +246,18 @@ launch_gateway() {
       OPENCLAW_NO_AUTO_UPDATE=1 \
       OPENCLAW_DISABLE_BONJOUR=1 \
       DO_NOT_TRACK=1 \
-      "$node" "$mjs" gateway run --port "$port" --bind "$bind" --auth token
-  ) </dev/null >>"$rd/gateway.log" 2>&1 &
+      NO_COLOR=1 \
+      "$node" "$mjs" "$@"
+}
+
+# launch_gateway RUN_DIR NODE_BIN OPENCLAW_MJS GW_PORT: start in the background, write gateway.pid.
+# In NETNS_V, `ip netns exec` execs the gateway in place (same PID), so the PID file stays valid.
+launch_gateway() {
+  local rd="$1" node="$2" mjs="$3" port="$4" pid bind=loopback
+  [ -z "${BIND_HOST_V:-}" ] || bind=custom
+  mkdir -p "$rd/home" "$rd/state" "$CACHE/gateway-tmp"
+  in_gateway_env "$rd" "$node" "$mjs" gateway run --port "$port" --bind "$bind" --auth token \
+    </dev/null >>"$rd/gateway.log" 2>&1 &
   pid=$!
   echo "$pid" >"$rd/gateway.pid"
 }
@@ -560,21 +569,7 @@ cmd_status() {
 oc() {
   local rd="$1"
   shift
-  (
-    cd "$rd"
-    exec "${NSX[@]}" env -i \
-      PATH="$(dirname "$NODE_BIN_V"):/usr/local/bin:/usr/bin:/bin" \
-      HOME="$rd/home" \
-      TMPDIR="$CACHE/gateway-tmp" \
-      LANG=C.UTF-8 \
-      OPENCLAW_CONFIG_PATH="$rd/openclaw.json" \
-      OPENCLAW_STATE_DIR="$rd/state" \
-      OPENCLAW_NO_AUTO_UPDATE=1 \
-      OPENCLAW_DISABLE_BONJOUR=1 \
-      DO_NOT_TRACK=1 \
-      NO_COLOR=1 \
-      "$NODE_BIN_V" "$OPENCLAW_MJS_V" "$@"
-  ) </dev/null
+  ( in_gateway_env "$rd" "$NODE_BIN_V" "$OPENCLAW_MJS_V" "$@" ) </dev/null
 }
 
 cmd_approve_device() {
