@@ -126,22 +126,17 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
                 Some(Outbound::Drop) | None => break,
             },
             msg = ws.next() => match msg {
-                Some(Ok(Message::Text(text))) => match on_text(&shared, key, handshaken, text.as_str()) {
-                    Ok(Next::Continue) => {}
-                    Ok(Next::Handshaken) => handshaken = true,
-                    // Closing: answers queued before the close still go out first.
-                    Err((code, reason)) => {
-                        flush_queued(&shared, key, &mut rx, &mut ws).await;
-                        close = Some((code, reason));
-                        break;
-                    }
-                },
-                Some(Ok(Message::Binary(bytes))) => {
+                Some(Ok(msg @ (Message::Text(_) | Message::Binary(_)))) => {
                     // Node's `ws` hands binary frames to the gateway as text; so do we.
-                    let text = String::from_utf8_lossy(&bytes).into_owned();
+                    let text = match &msg {
+                        Message::Binary(b) => String::from_utf8_lossy(b),
+                        Message::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),
+                        _ => std::borrow::Cow::Borrowed(""),
+                    };
                     match on_text(&shared, key, handshaken, &text) {
                         Ok(Next::Continue) => {}
                         Ok(Next::Handshaken) => handshaken = true,
+                        // Closing: answers queued before the close still go out first.
                         Err((code, reason)) => {
                             flush_queued(&shared, key, &mut rx, &mut ws).await;
                             close = Some((code, reason));
