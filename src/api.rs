@@ -11,6 +11,7 @@ use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use actix_web_lab::sse;
 use clawmux_actors::supervisor::{AdmitError, CancelRun, StartRun};
 use clawmux_actors::{CancelReason, RunSpec, StatusHandle, Supervisor};
+use clawmux_protocol::session_key::Conversation;
 use clawmux_protocol::{SessionKey, TraceParent};
 use futures_util::StreamExt;
 use std::sync::Arc;
@@ -115,7 +116,7 @@ async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
 fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     match &state.cfg.api_token {
         Some(token) => {
-            let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer_token);
             match given {
                 Some(g) if constant_time_eq(g.as_bytes(), token.expose().as_bytes()) => Ok(()),
                 Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the bearer token is not valid")),
@@ -131,6 +132,17 @@ fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
             )),
         },
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive
+/// (RFC 7235 section 2.1), one or more spaces separate it from the token.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = rest.trim_start_matches(' ');
+    (!token.is_empty()).then_some(token)
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -231,8 +243,12 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
         },
     };
 
-    let session_key =
-        SessionKey::for_run(&run.agent_id, &run.request.billing_account_id, run.request.state_key.as_deref().unwrap_or(&run.run_id));
+    let conversation = match run.request.state_key.as_deref() {
+        Some(state) => Conversation::State(state),
+        None => Conversation::Run(&run.run_id),
+    };
+    let session_key = SessionKey::for_run(&run.agent_id, &run.request.billing_account_id, conversation)
+        .map_err(|e| ApiError::invalid(format!("cannot name the run's session: {e}")))?;
     let fingerprint = request::fingerprint(&run.request);
     let abort_on_disconnect = run.on_disconnect == OnDisconnect::Abort;
     let record = match state.store.insert(&run.run_id, session_key.as_str(), fingerprint, idempotency_key.as_deref(), abort_on_disconnect) {
@@ -528,5 +544,20 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     match encoder.encode(&state.registry.gather(), &mut buf) {
         Ok(()) => HttpResponse::Ok().content_type(encoder.format_type()).body(buf),
         Err(e) => HttpResponse::InternalServerError().body(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer t0k", "bearer t0k", "BEARER t0k", "bEaReR   t0k"] {
+            assert_eq!(bearer_token(v), Some("t0k"), "{v}");
+        }
+        for v in ["Basic dXNlcjpwYXNz", "Bearer", "Bearer ", "Bearert0k", "t0k", ""] {
+            assert_eq!(bearer_token(v), None, "{v}");
+        }
     }
 }

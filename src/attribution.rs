@@ -78,10 +78,14 @@ impl RunBilling {
         (self.input_tokens.load(Ordering::Relaxed), self.output_tokens.load(Ordering::Relaxed), self.llm_calls.load(Ordering::Relaxed))
     }
 
-    /// Adds one call's usage.
+    /// Adds one call's usage. The numbers come from the upstream's answer (untrusted): the sums
+    /// saturate instead of wrapping around to a small bill.
     pub fn add_usage(&self, input: u64, output: u64) {
-        self.input_tokens.fetch_add(input, Ordering::Relaxed);
-        self.output_tokens.fetch_add(output, Ordering::Relaxed);
+        let add = |total: &std::sync::atomic::AtomicU64, n: u64| {
+            let _ = total.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| Some(t.saturating_add(n)));
+        };
+        add(&self.input_tokens, input);
+        add(&self.output_tokens, output);
     }
 }
 

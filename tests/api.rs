@@ -424,7 +424,7 @@ async fn isolation(scoped: bool) {
         let what = &r.run_id;
         assert_stream_shape(&r.sse, what);
         let events = r.sse.all();
-        let session_key = format!("agent:main:{}:{}", r.account, r.run_id);
+        let session_key = format!("agent:main:clawmux:{}.r.{}", r.account, r.run_id);
         assert_eq!(events[0].data["runId"], r.run_id.as_str(), "{what}");
         assert_eq!(events[0].data["sessionKey"], session_key.as_str(), "{what}");
         let gid = events[0].data["gatewayRunId"].as_str().unwrap().to_owned();
@@ -1043,6 +1043,11 @@ async fn a_configured_bearer_token_is_required_on_v1() {
     let r = ok(env.http.get(env.url(&format!("/v1/runs/{}", doc["runId"].as_str().unwrap())))).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(ok(env.http.get(env.url("/v1/agents"))).send().await.unwrap().status(), 200);
+    // The scheme is case-insensitive (RFC 7235): what curl users and many client libraries send.
+    for scheme in ["bearer", "BEARER"] {
+        let r = env.http.get(env.url("/v1/agents")).header("authorization", format!("{scheme} api-s3cret")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{scheme}");
+    }
     // Outside /v1 nothing needs the token.
     assert_eq!(env.http.get(env.url("/healthz")).send().await.unwrap().status(), 200);
     assert_eq!(env.http.get(env.url("/readyz")).send().await.unwrap().status(), 200);
@@ -1173,7 +1178,7 @@ async fn wait_false_answers_202_and_json_waits_for_the_document() {
     let run_id = doc["runId"].as_str().unwrap().to_owned();
     assert_eq!(uuid::Uuid::parse_str(&run_id).map(|u| u.get_version_num()).ok(), Some(4), "a default run id is a UUID v4");
     assert_eq!(run_id, run_id.to_lowercase());
-    assert_eq!(doc["sessionKey"], format!("agent:main:acct-doc:{run_id}"));
+    assert_eq!(doc["sessionKey"], format!("agent:main:clawmux:acct-doc.r.{run_id}"));
     env.gw.set_paused(false);
     let e = &env;
     let id = &run_id;
@@ -1185,8 +1190,9 @@ async fn wait_false_answers_202_and_json_waits_for_the_document() {
     assert_eq!(status, 200);
     for (doc, marker) in [(env.doc(&run_id).await, &m), (doc, &m2)] {
         assert_eq!(doc["status"], "ok", "{doc}");
-        // Session keys are lower-cased (the second account is "Acct-Doc").
-        assert_eq!(doc["sessionKey"], format!("agent:main:acct-doc:{}", doc["runId"].as_str().unwrap()), "{doc}");
+        // Upper case is escaped, never folded: "Acct-Doc" is another account than "acct-doc".
+        let account = if doc["content"] == answer(&m) { "acct-doc" } else { "_acct-_doc" };
+        assert_eq!(doc["sessionKey"], format!("agent:main:clawmux:{account}.r.{}", doc["runId"].as_str().unwrap()), "{doc}");
         assert_eq!(doc["content"], answer(marker));
         assert!(doc["gatewayRunId"].as_str().is_some_and(|g| !g.is_empty()), "{doc}");
         assert!(doc.get("error").is_none_or(Value::is_null), "{doc}");
@@ -1352,10 +1358,10 @@ async fn runs_of_one_session_key_run_one_after_the_other() {
     let mut b1 = body(&unique("<first>"), "acct-serial");
     b1["stateKey"] = json!("Conversation-1");
     let mut b2 = body(&unique("<second>"), "acct-serial");
-    b2["stateKey"] = json!("conversation-1");
+    b2["stateKey"] = json!("Conversation-1");
     let mut first = env.sse(&b1).await;
     let acc1 = first.accepted().await;
-    assert_eq!(acc1.session_key, "agent:main:acct-serial:conversation-1");
+    assert_eq!(acc1.session_key, "agent:main:clawmux:acct-serial.s._conversation-1");
     let mut second = env.sse(&b2).await;
     // The second waits in clawmux: not even sent to the gateway while the first is in flight.
     assert!(second.next(Duration::from_millis(400)).await.is_none(), "{:?}", second.all());
@@ -1382,6 +1388,51 @@ async fn runs_of_one_session_key_run_one_after_the_other() {
     assert_eq!(runs[0].run_id, acc1.gateway_run_id, "gateway start order");
     assert_eq!(runs[1].run_id, second.all()[0].data["gatewayRunId"].as_str().unwrap());
     assert!(runs.iter().all(|r| r.session_key == acc1.session_key && r.status == RunStatus::Ok));
+}
+
+/// Regression (cross-tenant): under plain concatenation each pair below got ONE gateway session, so
+/// the two tenants shared a transcript and queued behind each other. Each pair must now get two
+/// sessions: both runs are sent to the gateway at once (neither waits behind the other), their keys
+/// differ, and each stream carries only its own text.
+#[actix_rt::test]
+async fn runs_of_different_tenants_never_share_a_session() {
+    let env = env(fast()).await;
+    env.gw.set_paused(true);
+    let pairs = [
+        ((json!("t-a:x"), Some("y"), None), (json!("t-a"), Some("x:y"), None)),
+        ((json!("Acme"), Some("c1"), None), (json!("acme"), Some("c1"), None)),
+        ((json!("a"), Some("x"), None), (json!("a"), None, Some("x"))),
+    ];
+    let mut streams = Vec::new();
+    for (i, (one, two)) in pairs.iter().enumerate() {
+        let mut keys = Vec::new();
+        for (j, (account, state, run_id)) in [one, two].into_iter().enumerate() {
+            let marker = unique(&format!("<tenant-{i}-{j}>"));
+            let mut b = body(&marker, "placeholder");
+            b["billingAccountId"] = account.clone();
+            if let Some(s) = state {
+                b["stateKey"] = json!(s);
+            }
+            if let Some(r) = run_id {
+                b["runId"] = json!(format!("{r}"));
+            }
+            let mut sse = env.sse(&b).await;
+            // Paused gateway: an ACK still arrives for a run the gateway got; a run queued behind
+            // another of the same session would get nothing.
+            let acc = sse.accepted().await;
+            keys.push(acc.session_key.clone());
+            streams.push((sse, marker, acc));
+        }
+        assert_ne!(keys[0], keys[1], "pair {i} shares a gateway session");
+    }
+    assert_eq!(env.metric("clawmux_runs_queued").await, 0.0, "no run waits behind another tenant's run");
+    env.gw.set_paused(false);
+    for (sse, marker, acc) in &mut streams {
+        let fin = sse.terminal(WAIT).await.expect("terminal");
+        assert_eq!(fin.event, "final", "{fin:?}");
+        assert_eq!(sse.text(), answer(marker), "{acc:?}");
+        assert_eq!(env.gw_run(&acc.gateway_run_id).session_key, acc.session_key, "the gateway used the key clawmux routes by");
+    }
 }
 
 #[actix_rt::test]

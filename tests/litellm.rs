@@ -204,7 +204,7 @@ async fn litellm_spend_records_carry_each_runs_billing_account_and_run_id() {
             assert_eq!(meta["run_id"], run_id.as_str());
             assert_eq!(meta["graph_id"], "sandbox:openclaw");
             assert_eq!(meta["attempt"], 0);
-            assert_eq!(meta["session_key"], format!("agent:main:{account}:{run_id}"));
+            assert_eq!(meta["session_key"], format!("agent:main:clawmux:{account}.r.{run_id}"));
             assert_eq!(s["metadata"]["requester_custom_headers"]["x-cogni-run-id"], run_id.as_str());
             assert_eq!(s["metadata"]["requester_custom_headers"]["x-litellm-end-user-id"], account.as_str());
             assert_eq!(s["trace_id"], trace.as_str(), "LiteLLM took the trace id from the forwarded traceparent");

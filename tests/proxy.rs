@@ -92,7 +92,7 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
         let meta: Value = serde_json::from_str(h["x-litellm-spend-logs-metadata"].as_str().expect("metadata")).expect("json");
         assert_eq!(meta["run_id"], "run-billed");
         assert_eq!(meta["graph_id"], "sandbox:openclaw");
-        assert_eq!(meta["session_key"], "agent:main:acct-payer:run-billed");
+        assert_eq!(meta["session_key"], "agent:main:clawmux:acct-payer.r.run-billed");
         assert_eq!(h["traceparent"], call_tp.as_str());
     }
 

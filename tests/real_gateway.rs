@@ -446,3 +446,46 @@ async fn proxied_calls_that_no_running_run_owns_are_refused() {
     clawmux::server::shutdown(&running).await;
     let _ = std::fs::remove_dir_all(audit_dir);
 }
+
+/// Regression (cross-tenant): ids that collided under the old key rule get separate sessions on
+/// the REAL gateway. The key the gateway reports back for each run (its `agent` ACK, the session of
+/// every event) is the one clawmux computed (clawmux ends a run whose ACK names another session),
+/// and the second tenant's conversation does not contain the first tenant's message.
+#[actix_rt::test]
+async fn live_session_keys_are_injective_on_the_real_gateway() {
+    let Some(g) = gateway() else { return };
+    let running = start_for(&g, Some(&g.token)).await;
+    let base = base(&running);
+    let c = client();
+    wait_ready(&c, &base, Duration::from_secs(30)).await;
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    // (account, stateKey, expected key): the first two were one session under plain
+    // concatenation + lower-casing, and so were the last two.
+    let cases = [
+        ("Acme:Tenant.X_1", "Conv:1", "agent:main:clawmux:_acme_1_tenant_0_x_21.s._conv_11"),
+        ("acme:tenant.x_1", "conv:1", "agent:main:clawmux:acme_1tenant_0x_21.s.conv_11"),
+        ("t-a:x", "y", "agent:main:clawmux:t-a_1x.s.y"),
+        ("t-a", "x:y", "agent:main:clawmux:t-a.s.x_1y"),
+    ];
+    for (i, (account, state, expected)) in cases.iter().enumerate() {
+        let marker = format!("KEY{tag}T{i}X");
+        let state = format!("{state}-{tag}");
+        let expected = format!("{expected}-{tag}");
+        let body = json!({"message": format!("key check {marker}"), "billingAccountId": account, "stateKey": state});
+        let resp = post_sse(&c, &base, &body, &[]).await;
+        assert_eq!(resp.status(), 200);
+        let mut sse = SseReader::new(resp);
+        let t = sse.terminal(Duration::from_secs(90)).await.expect("terminal");
+        assert_eq!(t.event, "final", "{account}/{state}: {t:?}");
+        let accepted = sse.events.iter().find(|e| e.event == "accepted").expect("accepted");
+        assert_eq!(accepted.data["sessionKey"], expected.as_str(), "{account}/{state}");
+        assert!(t.data["content"].as_str().unwrap_or_default().contains(&marker), "{t:?}");
+        // Each conversation is new: no earlier tenant's message is in its LLM context.
+        for r in llm_requests_for(&g, &marker) {
+            let earlier: Vec<String> = (0..i).map(|j| format!("KEY{tag}T{j}X")).collect();
+            assert_eq!(r["n_messages"].as_u64().map(|n| n <= 3), Some(true), "{marker}: a fresh session has no history: {r}");
+            assert!(!earlier.iter().any(|m| r.to_string().contains(m.as_str())), "{marker} saw another tenant's message: {r}");
+        }
+    }
+    clawmux::server::shutdown(&running).await;
+}

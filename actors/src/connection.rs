@@ -13,7 +13,7 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 
 /// Largest frame accepted before `hello-ok` tells the real limit (hello-ok itself is ~100 KB).
-pub const PRE_HELLO_MAX: usize = 4 * 1024 * 1024;
+pub const PRE_HELLO_MAX: usize = crate::limits::PRE_HELLO_MAX_PAYLOAD;
 
 /// How one connection attempt failed.
 #[derive(Debug, Clone)]
@@ -51,7 +51,11 @@ pub async fn run(
     handshake_timeout: Duration,
     events: impl ConnEvents,
 ) {
-    let config = WebSocketConfig::default().max_message_size(Some(PRE_HELLO_MAX)).max_frame_size(Some(PRE_HELLO_MAX));
+    // The transport's bound is the largest limit a `hello-ok` can negotiate (tokio-tungstenite
+    // cannot change it on an open socket); the tighter limits, before and after `hello-ok`, are
+    // applied to each frame before it is parsed (`decode_frame`).
+    let cap = crate::limits::MAX_PAYLOAD_CAP;
+    let config = WebSocketConfig::default().max_message_size(Some(cap)).max_frame_size(Some(cap));
     // Nagle off: frames are small and latency-sensitive (a run starts with three round trips).
     let connect = tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), true);
     let ws = match tokio::time::timeout(handshake_timeout, connect).await {
@@ -94,7 +98,9 @@ pub async fn run(
             return;
         }
     };
-    let max_payload = usize::try_from(hello.policy.max_payload).unwrap_or(usize::MAX);
+    // The gateway's `policy.maxPayload` from here on (the real gateway advertises 25 MiB and
+    // sends frames that large), within clawmux's own bounds.
+    let max_payload = crate::limits::max_payload(hello.policy.max_payload);
 
     let (tx, mut rx) = mpsc::unbounded_channel::<String>();
     events.up(hello, tx);

@@ -9,13 +9,14 @@
 //! - [`run`]: the run's spec, events and outcome: the types shared with the HTTP layer.
 //! - Pure logic, unit- and property-tested: [`backoff`] (reconnect delays), [`delta`] (cumulative
 //!   text → increments by prefix), [`routes`] (the fail-closed routing table), [`queue`] (per-key
-//!   FIFO admission).
+//!   FIFO admission), [`limits`] (bounds on every number the gateway sends).
 //! - [`metrics`]: Prometheus counters and gauges of all of the above.
 
 pub mod backoff;
 pub mod connection;
 pub mod delta;
 pub mod device;
+pub mod limits;
 pub mod metrics;
 pub mod queue;
 pub mod routes;

@@ -33,6 +33,10 @@ pub struct Metrics {
     /// clawmux's added latency: from a chat frame's bytes arriving on the gateway socket to its
     /// text delta being handed to the run's SSE clients (decode, route, diff, serialize, fan-out).
     pub frame_to_client: Histogram,
+    /// Gateway runs clawmux gave up on and cancelled on the gateway (`chat.abort`), by when:
+    /// `at_end` (the connection was up) or `after_reconnect` (sent once the same gateway process
+    /// was back), or `lost` (the gateway restarted, so the run is gone anyway).
+    pub runs_abandoned: IntCounterVec,
 }
 
 impl Metrics {
@@ -70,7 +74,15 @@ impl Metrics {
                 )
                 .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]),
             )?,
+            runs_abandoned: IntCounterVec::new(
+                Opts::new(
+                    "clawmux_gateway_runs_abandoned_total",
+                    "Gateway runs clawmux stopped waiting for and cancelled on the gateway, so none runs on without an owner",
+                ),
+                &["when"],
+            )?,
         };
+        registry.register(Box::new(m.runs_abandoned.clone()))?;
         registry.register(Box::new(m.frames_received.clone()))?;
         registry.register(Box::new(m.frame_to_client.clone()))?;
         registry.register(Box::new(m.frames_dropped.clone()))?;

@@ -132,6 +132,9 @@ pub enum ErrorCode {
     GatewayRejected,
     /// The connection dropped mid-run and the run could not be recovered.
     GatewayDisconnected,
+    /// The gateway answered the run's own request with something clawmux cannot understand
+    /// (a malformed or contradictory frame); the gateway run was cancelled.
+    GatewayProtocolError,
     /// A bug in clawmux.
     Internal,
 }
@@ -145,6 +148,7 @@ impl ErrorCode {
             ErrorCode::AgentError => "agent_error",
             ErrorCode::GatewayRejected => "gateway_rejected",
             ErrorCode::GatewayDisconnected => "gateway_disconnected",
+            ErrorCode::GatewayProtocolError => "gateway_protocol_error",
             ErrorCode::Internal => "internal",
         }
     }

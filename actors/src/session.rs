@@ -13,14 +13,15 @@
 
 use crate::delta::DeltaTracker;
 use crate::run::{CancelReason, ErrorCode, Phase, RunEvent, RunOutcome, RunSink, RunSpec};
+use crate::limits::clip;
 use crate::supervisor::{
-    internal_outcome, Call, CallError, OutboundHeadersUnsupported, Reply, RunEnded, Supervisor, SupervisorConfig,
+    Abandoned, Call, CallError, OutboundHeadersUnsupported, Reply, RunEnded, Supervisor, SupervisorConfig, Wait,
 };
 use actix::prelude::*;
 use clawmux_protocol::events::AgentSignal;
 use clawmux_protocol::methods::{
     decode_agent_reply, name, AgentParams, AgentReply, AgentWaitParams, AgentWaitResult, ChatAbortParams, FinalStatus,
-    SessionKeyParams, SessionsPatchParams,
+    SessionKeyParams, SessionsPatchParams, WaitOutcome,
 };
 use clawmux_protocol::{ChatState, GatewayEvent};
 use std::collections::BTreeMap;
@@ -87,6 +88,10 @@ const TAG_RESUBSCRIBE: u64 = 6;
 /// How many times a call answered `UNAVAILABLE` is repeated.
 const MAX_UNAVAILABLE_RETRIES: u32 = 5;
 
+/// How long to wait before asking `agent.wait` again when the gateway says the run is still
+/// queued (it answers `pending` at once, without waiting).
+const PENDING_RECHECK: Duration = Duration::from_secs(1);
+
 /// One run.
 pub struct SessionActor {
     spec: RunSpec,
@@ -109,6 +114,12 @@ pub struct SessionActor {
     chat_error: Option<String>,
     unavailable_retries: u32,
     subscribed: bool,
+    /// `agent` was sent: from here on the gateway may be running the run.
+    agent_sent: bool,
+    /// The gateway reported the run's end (final `res` or a terminal `agent.wait`).
+    gateway_ended: bool,
+    /// `chat.abort` was sent for the run.
+    abort_sent: bool,
     metrics: crate::metrics::Metrics,
 }
 
@@ -140,12 +151,41 @@ impl SessionActor {
             chat_error: None,
             unavailable_retries: 0,
             subscribed: false,
+            agent_sent: false,
+            gateway_ended: false,
+            abort_sent: false,
             metrics,
         }
     }
 
-    fn call(&self, ctx: &mut Context<Self>, method: &'static str, params: serde_json::Value, tag: u64, traceparent: Option<String>) {
-        self.supervisor.do_send(Call { method, params, traceparent, tag, reply_to: Some(ctx.address().recipient()) });
+    fn call(&self, ctx: &mut Context<Self>, method: &'static str, params: serde_json::Value, tag: u64) {
+        self.supervisor.do_send(Call::new(method, params, tag, Some(ctx.address().recipient())));
+    }
+
+    /// Sends `chat.abort` for the gateway run (once).
+    fn send_abort(&mut self, ctx: &mut Context<Self>) {
+        if self.abort_sent {
+            return;
+        }
+        self.abort_sent = true;
+        let params = ChatAbortParams { session_key: self.spec.session_key.to_string(), run_id: Some(self.spec.gateway_run_id.clone()) };
+        let v = self.to_value(&params);
+        self.call(ctx, name::CHAT_ABORT, v, TAG_ABORT);
+    }
+
+    /// Asks the gateway how the run ends, waiting as long as the run may still run: the generic
+    /// request timeout would cut a long run's recovery short while it is still streaming.
+    /// `budget` is how long the gateway may wait: the run's remaining time, or the abort grace
+    /// once the run is being cancelled.
+    fn send_wait(&mut self, ctx: &mut Context<Self>, budget: Duration) {
+        // Node's timers fire at once above 2^31-1 ms; runs never last that long (max 3600 s).
+        let timeout_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX).min(i32::MAX as u64);
+        let params = AgentWaitParams { run_id: self.spec.gateway_run_id.clone(), timeout_ms: Some(timeout_ms) };
+        let v = self.to_value(&params);
+        let mut call = Call::new(name::AGENT_WAIT, v, TAG_WAIT, Some(ctx.address().recipient()));
+        // The gateway answers by `timeoutMs` at the latest; the slack covers the round trip.
+        call.wait = Wait::Up(budget + self.cfg.request_timeout);
+        self.supervisor.do_send(call);
     }
 
     fn to_value<T: serde::Serialize>(&self, v: &T) -> serde_json::Value {
@@ -162,7 +202,7 @@ impl SessionActor {
         let outbound_headers = if link.outbound_headers { Some(self.billing_headers()) } else { None };
         let params = SessionsPatchParams { key: self.spec.session_key.to_string(), model: self.spec.model.clone(), outbound_headers };
         let v = self.to_value(&params);
-        self.call(ctx, name::SESSIONS_PATCH, v, TAG_PATCH, None);
+        self.call(ctx, name::SESSIONS_PATCH, v, TAG_PATCH);
     }
 
     /// Per-session billing headers for gateways that accept them (the Cogni fork).
@@ -184,7 +224,7 @@ impl SessionActor {
         if self.link.as_ref().is_some_and(|l| l.session_scoped) {
             self.stage = Stage::Subscribing;
             let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
-            self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_SUBSCRIBE, None);
+            self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_SUBSCRIBE);
         } else {
             self.send_agent(ctx);
         }
@@ -192,6 +232,7 @@ impl SessionActor {
 
     fn send_agent(&mut self, ctx: &mut Context<Self>) {
         self.stage = Stage::Running;
+        self.agent_sent = true;
         self.agent_boot_id = self.link.as_ref().and_then(|l| l.boot_id.clone());
         let v3 = self.link.as_ref().is_some_and(|l| l.protocol < 4);
         let remaining = self.deadline.saturating_duration_since(Instant::now());
@@ -211,7 +252,11 @@ impl SessionActor {
         // A child span of the caller's trace: same trace id (the attribution key), new span id.
         let span = uuid::Uuid::new_v4().simple().to_string();
         let traceparent = self.spec.traceparent.with_span(&span[..16]).unwrap_or_else(|_| self.spec.traceparent.clone());
-        self.call(ctx, name::AGENT, v, TAG_AGENT, Some(traceparent.to_string()));
+        let mut call = Call::new(name::AGENT, v, TAG_AGENT, Some(ctx.address().recipient()));
+        call.traceparent = Some(traceparent.to_string());
+        // The run's own timeout bounds the wait for its final `res`, not the request timeout.
+        call.wait = Wait::Caller;
+        self.supervisor.do_send(call);
     }
 
     fn emit_status(&mut self, phase: Phase, tool: Option<String>) {
@@ -252,21 +297,35 @@ impl SessionActor {
         );
         let status = outcome.status;
         self.sink.emit(RunEvent::Finished(outcome));
+        // A run clawmux stops waiting for must not go on with no owner on the gateway.
+        let mut abandoned = None;
+        if self.agent_sent && !self.gateway_ended {
+            if self.link.is_some() {
+                if !self.abort_sent {
+                    self.metrics.runs_abandoned.with_label_values(&["at_end"]).inc();
+                }
+                self.send_abort(ctx);
+            } else {
+                abandoned = Some(Abandoned { boot_id: self.agent_boot_id.clone() });
+            }
+        }
         if self.subscribed && self.link.is_some() {
             // Fire and forget: the next run of this session may subscribe again right after.
             let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
-            self.supervisor.do_send(Call { method: name::SESSIONS_UNSUBSCRIBE, params: v, traceparent: None, tag: 0, reply_to: None });
+            self.supervisor.do_send(Call::new(name::SESSIONS_UNSUBSCRIBE, v, 0, None));
         }
         self.supervisor.do_send(RunEnded {
             run_id: self.spec.run_id.clone(),
             session_key: self.spec.session_key.clone(),
             gateway_run_id: self.spec.gateway_run_id.clone(),
             status,
+            abandoned,
         });
         ctx.stop();
     }
 
     fn finish_from_final(&mut self, ctx: &mut Context<Self>, fin: clawmux_protocol::methods::AgentFinal) {
+        self.gateway_ended = true;
         let content = fin.content();
         let usage = fin.usage_hint();
         let outcome = match (fin.status, self.cancelling) {
@@ -275,9 +334,14 @@ impl SessionActor {
                 RunOutcome::failed(ErrorCode::Timeout, "the gateway stopped the run at its timeout", content)
             }
             (FinalStatus::Ok, _) => RunOutcome::ok(content, usage),
+            // The real gateway reports a run aborted by someone else (e.g. while clawmux was away)
+            // as `error` with `stopReason: "rpc"`.
+            (FinalStatus::Error, _) if fin.stop_reason.as_deref() == Some("rpc") => {
+                RunOutcome::failed(ErrorCode::Aborted, "the run was aborted on the gateway", content)
+            }
             (FinalStatus::Error, _) => {
                 let msg = fin.summary.clone().or_else(|| self.chat_error.clone()).unwrap_or_else(|| "the agent run failed".to_owned());
-                RunOutcome::failed(ErrorCode::AgentError, msg, content)
+                RunOutcome::failed(ErrorCode::AgentError, clip(&msg), content)
             }
             (FinalStatus::Timeout, _) if fin.is_abort() => {
                 RunOutcome::failed(ErrorCode::Aborted, "the run was aborted on the gateway", content)
@@ -300,9 +364,7 @@ impl SessionActor {
             // Protocol 3 cannot abort an `agent` run. Ending the run revokes its attribution: the
             // LLM proxy cuts its streams and refuses its further calls, so the gateway run fails at
             // its next LLM call (and a timeout is also enforced by the gateway's own `timeout`).
-            let params = ChatAbortParams { session_key: self.spec.session_key.to_string(), run_id: Some(self.spec.gateway_run_id.clone()) };
-            let v = self.to_value(&params);
-            self.call(ctx, name::CHAT_ABORT, v, TAG_ABORT, None);
+            self.send_abort(ctx);
             if self.spec.attribution_token.is_none() {
                 tracing::warn!(run_id = %self.spec.run_id, "protocol 3 without the LLM proxy: the gateway run cannot be stopped, only abandoned");
             }
@@ -311,10 +373,9 @@ impl SessionActor {
         }
         match self.stage {
             Stage::Running | Stage::Waiting => {
-                // Really stop the gateway run (the LLM stream closes); the final `res` then ends it.
-                let params = ChatAbortParams { session_key: self.spec.session_key.to_string(), run_id: Some(self.spec.gateway_run_id.clone()) };
-                let v = self.to_value(&params);
-                self.call(ctx, name::CHAT_ABORT, v, TAG_ABORT, None);
+                // Really stop the gateway run (the LLM stream closes); the final `res` (or the
+                // pending `agent.wait`) then ends it.
+                self.send_abort(ctx);
                 ctx.run_later(self.cfg.abort_grace, move |act, ctx| {
                     if act.stage != Stage::Done {
                         tracing::warn!(run_id = %act.spec.run_id, "no final answer after abort; ending the run anyway");
@@ -365,7 +426,7 @@ impl SessionActor {
                     if e.is_missing_scope() {
                         self.supervisor.do_send(crate::supervisor::ScopeMissing(e.clone()));
                     }
-                    self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("sessions.patch: {}", e.message), String::new()));
+                    self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("sessions.patch: {}", clip(&e.message)), String::new()));
                 }
             }
             (TAG_SUBSCRIBE, result) if self.stage == Stage::Subscribing => {
@@ -377,6 +438,20 @@ impl SessionActor {
             }
             (TAG_AGENT, Ok(raw)) if self.stage == Stage::Running => match decode_agent_reply(raw.get()) {
                 Ok(AgentReply::Ack(ack)) => {
+                    // The gateway names the session it put the run in: it must be the key clawmux
+                    // routes by, or the run's frames would never reach it (or reach another run).
+                    if let Some(key) = ack.session_key.as_deref().filter(|k| *k != self.spec.session_key.as_str()) {
+                        let msg = format!(
+                            "the gateway put the run in session {:?}, not {:?}; the run was cancelled",
+                            clip(key),
+                            self.spec.session_key.as_str()
+                        );
+                        return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
+                    }
+                    if ack.run_id != self.spec.gateway_run_id {
+                        let msg = format!("the gateway acknowledged run {:?} for run {:?}; the run was cancelled", clip(&ack.run_id), self.spec.gateway_run_id);
+                        return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
+                    }
                     if !self.accepted {
                         self.accepted = true;
                         self.sink.emit(RunEvent::Accepted { gateway_run_id: ack.run_id });
@@ -390,7 +465,14 @@ impl SessionActor {
                     }
                     self.finish_from_final(ctx, fin);
                 }
-                Err(e) => self.finish(ctx, internal_outcome(format!("undecodable agent answer: {e}"))),
+                Err(e) => self.finish(
+                    ctx,
+                    RunOutcome::failed(
+                        ErrorCode::GatewayProtocolError,
+                        format!("the gateway's answer to the run's agent request could not be understood ({}); the run was cancelled", clip(&e.to_string())),
+                        String::new(),
+                    ),
+                ),
             },
             (TAG_AGENT, Err(CallError::Gateway(e))) if self.stage == Stage::Running => {
                 if e.is_missing_scope() {
@@ -399,50 +481,99 @@ impl SessionActor {
                 if !self.accepted && e.is_retryable() && self.unavailable_retries < MAX_UNAVAILABLE_RETRIES {
                     self.retry_later(ctx, e.retry_after_ms);
                 } else if self.accepted {
-                    self.finish(ctx, RunOutcome::failed(ErrorCode::AgentError, e.message, String::new()));
+                    self.gateway_ended = true;
+                    self.finish(ctx, RunOutcome::failed(ErrorCode::AgentError, clip(&e.message), String::new()));
                 } else {
-                    self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("agent: {}", e.message), String::new()));
+                    // Refused: nothing runs on the gateway.
+                    self.gateway_ended = true;
+                    self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("agent: {}", clip(&e.message)), String::new()));
                 }
             }
-            (TAG_WAIT, Ok(raw)) if self.stage == Stage::Waiting => {
-                let wait: Result<AgentWaitResult, _> = serde_json::from_str(raw.get());
-                match wait.as_ref().map(|w| w.status.as_str()) {
-                    Ok("ok") => {
-                        // Events sent while the connection was down are lost; the gateway's
-                        // `terminalReply.text` is the answer. Keep the streamed text only when it is
-                        // not a prefix of that (then it is all we can vouch for).
-                        let emitted = self.tracker.emitted();
-                        let content = serde_json::from_str::<serde_json::Value>(raw.get())
-                            .ok()
-                            .and_then(|v| v.pointer("/terminalReply/text").and_then(|t| t.as_str()).map(str::to_owned))
-                            .filter(|reply| reply.starts_with(emitted))
-                            .unwrap_or_else(|| emitted.to_owned());
-                        self.finish(ctx, RunOutcome::ok(content, None));
-                    }
-                    Ok("error") => self.finish(ctx, RunOutcome::failed(ErrorCode::AgentError, "the agent run failed (reported after a reconnect)", String::new())),
-                    _ if Instant::now() >= self.deadline => self.cancel(ctx, CancelReason::Timeout),
-                    _ => self.finish(
-                        ctx,
-                        RunOutcome::failed(
-                            ErrorCode::GatewayDisconnected,
-                            "the gateway connection dropped and the gateway could not report the run's end",
-                            String::new(),
-                        ),
-                    ),
-                }
+            (TAG_WAIT, Ok(raw)) if self.stage == Stage::Waiting => self.on_wait_answer(ctx, raw.get()),
+            (TAG_WAIT, Err(CallError::TimedOut)) if self.stage == Stage::Waiting => {
+                // Not even the run's own timeout (plus slack) brought an answer: give it up, and
+                // cancel it on the gateway (finish sends `chat.abort`).
+                let outcome = self.cancelling.unwrap_or(CancelReason::Timeout).outcome(String::new());
+                self.finish(ctx, outcome);
             }
             (TAG_WAIT, Err(e)) if self.stage == Stage::Waiting => self.finish(
                 ctx,
-                RunOutcome::failed(ErrorCode::GatewayDisconnected, format!("recovery after reconnect failed: {e:?}"), String::new()),
+                RunOutcome::failed(ErrorCode::GatewayDisconnected, format!("recovery after reconnect failed: {}", describe(&e)), String::new()),
             ),
             (TAG_ABORT | TAG_RESUBSCRIBE, _) => {}
             (_, Err(CallError::TimedOut)) => self.finish(
                 ctx,
                 RunOutcome::failed(ErrorCode::GatewayDisconnected, "the gateway did not answer in time", String::new()),
             ),
-            (_, Err(e)) => self.finish(ctx, internal_outcome(format!("unexpected call failure: {e:?}"))),
+            (_, Err(CallError::Malformed(m))) => self.finish(
+                ctx,
+                RunOutcome::failed(ErrorCode::GatewayProtocolError, format!("the gateway answered malformed: {}", clip(&m)), String::new()),
+            ),
+            (_, Err(e)) => self.finish(
+                ctx,
+                RunOutcome::failed(ErrorCode::GatewayRejected, format!("the gateway refused a request: {}", describe(&e)), String::new()),
+            ),
             // A late answer for a stage already left (e.g. a patch answered after a reconnect).
             _ => {}
+        }
+    }
+
+    /// The answer to the recovery `agent.wait`.
+    fn on_wait_answer(&mut self, ctx: &mut Context<Self>, raw: &str) {
+        let Some(outcome) = serde_json::from_str::<AgentWaitResult>(raw).ok().and_then(|w| w.outcome()) else {
+            let msg = format!("the gateway's agent.wait answer could not be understood: {}", clip(raw));
+            return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
+        };
+        if outcome != WaitOutcome::NotEnded {
+            self.gateway_ended = true;
+        }
+        if let (Some(reason), false) = (self.cancelling, matches!(outcome, WaitOutcome::NotEnded | WaitOutcome::Ok(_))) {
+            return self.finish(ctx, reason.outcome(String::new()));
+        }
+        match outcome {
+            WaitOutcome::Ok(reply) => {
+                // Events sent while the connection was down are lost; the gateway's final reply is
+                // the answer. Keep the streamed text only when it is not a prefix of that (then it is
+                // all clawmux can vouch for).
+                let emitted = self.tracker.emitted();
+                let content = reply.filter(|r| r.starts_with(emitted)).unwrap_or_else(|| emitted.to_owned());
+                self.finish(ctx, RunOutcome::ok(content, None))
+            }
+            WaitOutcome::Error(e) => self.finish(
+                ctx,
+                RunOutcome::failed(ErrorCode::AgentError, format!("the agent run failed (reported after a reconnect): {}", clip(&e)), String::new()),
+            ),
+            WaitOutcome::Aborted => {
+                self.finish(ctx, RunOutcome::failed(ErrorCode::Aborted, "the run was aborted on the gateway", String::new()))
+            }
+            WaitOutcome::TimedOut => {
+                self.finish(ctx, RunOutcome::failed(ErrorCode::Timeout, "the gateway timed the run out", String::new()))
+            }
+            // Still running (the wait expired) or still queued: wait again while the run has time;
+            // past its deadline, cancel it and wait (at most the abort grace) for the gateway to
+            // confirm its end. The abort grace timer ends it in any case.
+            WaitOutcome::NotEnded => {
+                if self.cancelling.is_none() && Instant::now() >= self.deadline {
+                    self.cancel(ctx, CancelReason::Timeout);
+                    if self.stage == Stage::Done {
+                        return;
+                    }
+                }
+                let budget = match self.cancelling {
+                    Some(_) => self.cfg.abort_grace,
+                    None => self.deadline.saturating_duration_since(Instant::now()),
+                };
+                let queued = serde_json::from_str::<AgentWaitResult>(raw).is_ok_and(|w| w.status == "pending");
+                if queued {
+                    ctx.run_later(PENDING_RECHECK, move |act, ctx| {
+                        if act.stage == Stage::Waiting {
+                            act.send_wait(ctx, budget);
+                        }
+                    });
+                } else {
+                    self.send_wait(ctx, budget);
+                }
+            }
         }
     }
 
@@ -562,14 +693,23 @@ impl Handler<GatewayUp> for SessionActor {
                 self.stage = Stage::Waiting;
                 if msg.session_scoped {
                     let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
-                    self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_RESUBSCRIBE, None);
+                    self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_RESUBSCRIBE);
                 }
                 let remaining = self.deadline.saturating_duration_since(Instant::now());
-                let params = AgentWaitParams { run_id: self.spec.gateway_run_id.clone(), timeout_ms: Some(remaining.as_millis() as u64) };
-                let v = self.to_value(&params);
-                self.call(ctx, name::AGENT_WAIT, v, TAG_WAIT, None);
+                self.send_wait(ctx, remaining);
             }
             _ => {}
         }
+    }
+}
+
+/// A call failure in words (never a Rust debug dump in a run's error).
+fn describe(e: &CallError) -> String {
+    match e {
+        CallError::Gateway(e) => format!("{} {}", e.code, clip(&e.message)),
+        CallError::NotConnected => "the gateway connection is down".to_owned(),
+        CallError::Disconnected => "the gateway connection dropped".to_owned(),
+        CallError::TimedOut => "the gateway did not answer in time".to_owned(),
+        CallError::Malformed(m) => format!("malformed answer: {}", clip(m)),
     }
 }

@@ -11,7 +11,7 @@ use crate::connection::{self, ConnEvents, ConnectFailure};
 use crate::metrics::Metrics;
 use crate::queue::KeyQueue;
 use crate::routes::RouteTable;
-use crate::run::{CancelReason, ErrorCode, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
+use crate::run::{CancelReason, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
 use crate::session::{GatewayDown, GatewayUp, Routed, SessionActor};
 use actix::prelude::*;
 use clawmux_protocol::handshake::{ConnectParams, HelloOk};
@@ -197,6 +197,18 @@ pub struct ShutdownAll;
 #[rtype(result = "usize")]
 pub struct InFlight;
 
+/// How long the supervisor waits for the answer to a [`Call`] before failing it with
+/// [`CallError::TimedOut`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// `SupervisorConfig::request_timeout`: for calls the gateway answers at once.
+    Default,
+    /// No deadline here: the caller owns it (the `agent` request, bounded by its run's timeout).
+    Caller,
+    /// This long: calls that may legitimately take as long as a run (`agent.wait`).
+    Up(Duration),
+}
+
 /// A session actor's request to the gateway.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -211,6 +223,15 @@ pub struct Call {
     pub tag: u64,
     /// Where to deliver the answer(s); `None` for fire-and-forget.
     pub reply_to: Option<Recipient<Reply>>,
+    /// How long the answer may take.
+    pub wait: Wait,
+}
+
+impl Call {
+    /// A call answered at once, with the default request timeout.
+    pub fn new(method: &'static str, params: serde_json::Value, tag: u64, reply_to: Option<Recipient<Reply>>) -> Self {
+        Self { method, params, traceparent: None, tag, reply_to, wait: Wait::Default }
+    }
 }
 
 /// How a call failed without a gateway answer.
@@ -250,7 +271,21 @@ pub struct RunEnded {
     pub gateway_run_id: String,
     /// How the run ended (counted in `clawmux_runs_finished_total`).
     pub status: RunStatus,
+    /// Set when the gateway may still be running the run and clawmux could not cancel it (the
+    /// connection was down): the supervisor cancels it once that gateway process is back.
+    pub abandoned: Option<Abandoned>,
 }
+
+/// A gateway run nobody waits for any more, to be cancelled when its gateway process is reachable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Abandoned {
+    /// Boot id of the gateway process that runs it (`None`: the gateway reports none).
+    pub boot_id: Option<String>,
+}
+
+/// Abandoned runs remembered at most (oldest forgotten first, with a warning): a long outage must
+/// not grow memory without bound.
+const MAX_ABANDONED: usize = 10_000;
 
 /// The gateway rejected `outboundHeaders`: stop sending them (auto mode).
 #[derive(Message)]
@@ -376,6 +411,9 @@ pub struct Supervisor {
     outbound_headers_supported: Option<bool>,
     /// The thread the gateway connection's I/O runs on (created on first connect).
     io: Option<Arbiter>,
+    /// Gateway runs given up on while the connection was down: cancelled once that gateway
+    /// process is back, so no run goes on with no owner (and no bill payer watching).
+    abandoned: std::collections::VecDeque<(SessionKey, String, Abandoned)>,
 }
 
 impl Supervisor {
@@ -401,6 +439,7 @@ impl Supervisor {
             queue: KeyQueue::new(),
             outbound_headers_supported,
             io: None,
+            abandoned: std::collections::VecDeque::new(),
         }
     }
 
@@ -441,7 +480,12 @@ impl Supervisor {
             return;
         }
         let jittered = self.cfg.backoff.delay(self.attempt, rand::random::<f64>());
-        let delay = self.next_delay_hint.take().map_or(jittered, |hint| hint.max(self.cfg.backoff.min()));
+        // A delay the gateway asked for is a hint within clawmux's own range: `restartExpectedMs`
+        // of 2^64 must not switch clawmux off, nor 0 make it spin.
+        let delay = self
+            .next_delay_hint
+            .take()
+            .map_or(jittered, |hint| crate::limits::reconnect_hint(hint, self.cfg.backoff.min(), self.cfg.backoff.max()));
         self.attempt = self.attempt.saturating_add(1);
         tracing::info!(delay_ms = delay.as_millis() as u64, attempt = self.attempt, "gateway reconnect scheduled");
         self.conn = Conn::Disconnected;
@@ -499,6 +543,50 @@ impl Supervisor {
         self.routes.insert(session_key.as_str(), &gateway_run_id, addr.clone().recipient());
         self.runs.insert(run_id, RunSlot::Active { addr, admitted: q.admitted });
         self.metrics.runs_started.inc();
+    }
+
+    /// Remembers a gateway run to cancel once its gateway process is reachable again.
+    fn abandon(&mut self, session_key: SessionKey, gateway_run_id: String, abandoned: Abandoned) {
+        if self.abandoned.len() >= MAX_ABANDONED {
+            if let Some((_, id, _)) = self.abandoned.pop_front() {
+                tracing::warn!(gateway_run_id = %id, "too many abandoned gateway runs remembered; forgetting the oldest");
+            }
+        }
+        self.abandoned.push_back((session_key, gateway_run_id, abandoned));
+        if let Conn::Connected(c) = &self.conn {
+            let boot = c.boot_id.clone();
+            self.cancel_abandoned(boot.as_deref());
+        }
+    }
+
+    /// Cancels every remembered run on the gateway process that is connected now; runs of another
+    /// process (a restart since) are gone already.
+    fn cancel_abandoned(&mut self, boot_id: Option<&str>) {
+        for (session_key, gateway_run_id, a) in std::mem::take(&mut self.abandoned) {
+            let same_process = match (a.boot_id.as_deref(), boot_id) {
+                (Some(then), Some(now)) => then == now,
+                // No boot id to compare: cancelling a run that is gone is harmless.
+                _ => true,
+            };
+            if !same_process {
+                self.metrics.runs_abandoned.with_label_values(&["lost"]).inc();
+                continue;
+            }
+            tracing::info!(gateway_run_id = %gateway_run_id, "cancelling a gateway run clawmux gave up on");
+            self.metrics.runs_abandoned.with_label_values(&["after_reconnect"]).inc();
+            let params = serde_json::json!({"sessionKey": session_key.as_str(), "runId": gateway_run_id});
+            self.send_fire_and_forget(name::CHAT_ABORT, params);
+        }
+    }
+
+    /// Sends a call whose answer nobody needs (its `res` is counted as unmatched).
+    fn send_fire_and_forget(&mut self, method: &'static str, params: serde_json::Value) {
+        let Conn::Connected(c) = &self.conn else { return };
+        self.next_request_id += 1;
+        let id = format!("cm-{}", self.next_request_id);
+        if let Ok(text) = encode_request(&id, method, &params, None) {
+            let _ = c.tx.send(text);
+        }
     }
 
     fn link_info(&self) -> Option<GatewayUp> {
@@ -633,13 +721,14 @@ impl Handler<ConnUp> for Supervisor {
         };
         let hello = msg.hello;
         let session_scoped = hello.features.has_method(name::SESSIONS_SUBSCRIBE) && hello.protocol >= 4;
-        let tick_interval = Duration::from_millis(hello.policy.tick_interval_ms.max(100));
+        let tick_interval = crate::limits::tick_interval(hello.policy.tick_interval_ms);
         tracing::info!(
             protocol = hello.protocol,
             server_version = %hello.server.version,
             session_scoped,
             tick_interval_ms = hello.policy.tick_interval_ms,
             max_payload = hello.policy.max_payload,
+            watched_tick_ms = tick_interval.as_millis() as u64,
             "gateway connected"
         );
         self.metrics.connects.with_label_values(&["ok"]).inc();
@@ -658,7 +747,7 @@ impl Handler<ConnUp> for Supervisor {
             s.connected_since = Some(SystemTime::now());
             s.connections += 1;
             s.tick_interval_ms = Some(hello.policy.tick_interval_ms);
-            s.max_payload = Some(hello.policy.max_payload);
+            s.max_payload = Some(crate::limits::max_payload(hello.policy.max_payload) as u64);
             s.pairing_required = false;
             s.missing_scopes.clear();
             s.writes_accepted = None;
@@ -672,6 +761,7 @@ impl Handler<ConnUp> for Supervisor {
             tick_interval,
             last_tick: Instant::now(),
         });
+        self.cancel_abandoned(hello.server.boot_id.as_deref());
         if let Some(up) = self.link_info() {
             for slot in self.runs.values() {
                 if let RunSlot::Active { addr, .. } = slot {
@@ -683,10 +773,7 @@ impl Handler<ConnUp> for Supervisor {
             // Protocol 3 does not say which scopes it granted: learn whether writes work with a
             // harmless one (aborting a run that does not exist).
             let params = serde_json::json!({"sessionKey": "agent:main:clawmux-probe:scopes", "runId": "clawmux-scope-probe"});
-            self.handle(
-                Call { method: name::CHAT_ABORT, params, traceparent: None, tag: PROBE_WRITE, reply_to: Some(ctx.address().recipient()) },
-                ctx,
-            );
+            self.handle(Call::new(name::CHAT_ABORT, params, PROBE_WRITE, Some(ctx.address().recipient())), ctx);
         }
     }
 }
@@ -771,7 +858,11 @@ impl Handler<Call> for Supervisor {
             }
             return;
         }
-        let deadline = if msg.method == name::AGENT { None } else { Some(Instant::now() + self.cfg.request_timeout) };
+        let deadline = match msg.wait {
+            Wait::Default => Some(Instant::now() + self.cfg.request_timeout),
+            Wait::Caller => None,
+            Wait::Up(d) => Instant::now().checked_add(d),
+        };
         self.pending.insert(id, Pending { method: msg.method, tag: msg.tag, reply_to: msg.reply_to, deadline });
     }
 }
@@ -836,6 +927,9 @@ impl Handler<RunEnded> for Supervisor {
     type Result = ();
     fn handle(&mut self, msg: RunEnded, ctx: &mut Context<Self>) {
         self.routes.remove(msg.session_key.as_str(), &msg.gateway_run_id);
+        if let Some(abandoned) = msg.abandoned.clone() {
+            self.abandon(msg.session_key.clone(), msg.gateway_run_id.clone(), abandoned);
+        }
         if let Some(RunSlot::Active { admitted, .. }) = self.runs.remove(&msg.run_id) {
             self.metrics.runs_finished.with_label_values(&[msg.status.as_str()]).inc();
             self.metrics.run_duration.observe(admitted.elapsed().as_secs_f64());
@@ -852,6 +946,7 @@ impl Handler<RunEnded> for Supervisor {
                     session_key: msg.session_key,
                     gateway_run_id: next.spec.gateway_run_id,
                     status: RunStatus::Timeout,
+                    abandoned: None,
                 });
             } else {
                 self.start_session(ctx, next);
@@ -964,11 +1059,6 @@ impl Handler<Reply> for Supervisor {
             Err(e) => tracing::warn!(error = ?e, "scope probe failed"),
         }
     }
-}
-
-/// Ends a run the session actor could not even start (used by the session actor on internal errors).
-pub(crate) fn internal_outcome(message: impl Into<String>) -> RunOutcome {
-    RunOutcome::failed(ErrorCode::Internal, message, String::new())
 }
 
 #[cfg(test)]

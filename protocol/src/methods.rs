@@ -220,21 +220,68 @@ pub fn decode_agent_reply(payload: &str) -> Result<AgentReply, DecodeError> {
     }
 }
 
-/// `agent.wait` result: the terminal status of a run, or `timeout` if it is still running.
+/// `agent.wait` result: the terminal snapshot of a run, or word that it has not ended yet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentWaitResult {
     /// The gateway run id.
     #[serde(default)]
     pub run_id: Option<String>,
-    /// `ok`, `error`, `timeout`, ...
+    /// `ok`, `error`, `timeout` (also: the wait itself timed out), `pending` (still queued).
     pub status: String,
-    /// When it ended.
+    /// When it ended (absent while it runs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at: Option<u64>,
     /// Error text, when the run failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<serde_json::Value>,
+    /// Why it stopped: `rpc` when it was aborted (`chat.abort`, `sessions.abort`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+    /// The final reply (`{"text"}`), when the gateway kept it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub terminal_reply: Option<serde_json::Value>,
+}
+
+/// What an `agent.wait` answer means for the run that asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitOutcome {
+    /// Not ended yet: the wait timed out while the run goes on, or the run is still queued.
+    NotEnded,
+    /// Completed; the final reply text when the gateway reports it.
+    Ok(Option<String>),
+    /// Failed, with the gateway's error text.
+    Error(String),
+    /// Aborted on the gateway (`stopReason: "rpc"`), possibly by someone else while clawmux was
+    /// disconnected. The real gateway reports this as `status: "error"`.
+    Aborted,
+    /// The run itself timed out on the gateway.
+    TimedOut,
+}
+
+impl AgentWaitResult {
+    /// Classifies the answer. `None` for a status no gateway release is known to send.
+    pub fn outcome(&self) -> Option<WaitOutcome> {
+        let aborted = self.stop_reason.as_deref() == Some("rpc");
+        Some(match self.status.as_str() {
+            "pending" => WaitOutcome::NotEnded,
+            // `timeout` without `endedAt` is the wait's own timeout: the run still runs.
+            "timeout" if self.ended_at.is_none() && !aborted => WaitOutcome::NotEnded,
+            "timeout" if aborted => WaitOutcome::Aborted,
+            "timeout" => WaitOutcome::TimedOut,
+            "error" if aborted => WaitOutcome::Aborted,
+            "error" => WaitOutcome::Error(self.error_text().unwrap_or_else(|| "the agent run failed".to_owned())),
+            "ok" => WaitOutcome::Ok(self.terminal_reply.as_ref().and_then(|r| r.get("text")).and_then(|t| t.as_str()).map(str::to_owned)),
+            _ => return None,
+        })
+    }
+
+    fn error_text(&self) -> Option<String> {
+        match self.error.as_ref()? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            v => v.get("message").and_then(|m| m.as_str()).map(str::to_owned),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -269,6 +316,22 @@ mod tests {
             panic!()
         };
         assert!(f.is_abort());
+    }
+
+    #[test]
+    fn agent_wait_answers_are_classified_as_the_real_gateway_means_them() {
+        let w = |j: &str| serde_json::from_str::<AgentWaitResult>(j).expect("decodes").outcome();
+        assert_eq!(w(r#"{"runId":"r","status":"timeout"}"#), Some(WaitOutcome::NotEnded), "the wait timed out");
+        assert_eq!(w(r#"{"runId":"r","status":"pending","timeoutPhase":"queue"}"#), Some(WaitOutcome::NotEnded));
+        assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":5}"#), Some(WaitOutcome::TimedOut));
+        assert_eq!(w(r#"{"runId":"r","status":"error","endedAt":5,"stopReason":"rpc"}"#), Some(WaitOutcome::Aborted));
+        assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":5,"stopReason":"rpc"}"#), Some(WaitOutcome::Aborted));
+        assert_eq!(w(r#"{"runId":"r","status":"error","endedAt":5,"error":"boom"}"#), Some(WaitOutcome::Error("boom".into())));
+        assert_eq!(
+            w(r#"{"runId":"r","status":"ok","endedAt":5,"terminalReply":{"text":"hi"}}"#),
+            Some(WaitOutcome::Ok(Some("hi".into())))
+        );
+        assert_eq!(w(r#"{"runId":"r","status":"sideways"}"#), None);
     }
 
     #[test]
