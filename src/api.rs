@@ -1,16 +1,18 @@
-//! The HTTP API of `docs/API.md` (actix-web).
+//! The HTTP API of `docs/API.md` (actix-web): validate → submit → respond. A run's life belongs
+//! to the actors (`clawmux_actors::registry`); its events and document to the run store.
 
 use crate::agents::AgentRegistry;
 use crate::config::Config;
 use crate::request::{self, Limits, OnDisconnect, RequestError};
-use crate::store::{Insert, RunRecord, RunStore, StoredEvent};
+use crate::store::query;
+use crate::store::{Insert, RunLog, RunRow, RunStore, RunView, SpecRecord, StoredEvent};
 use actix::Addr;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use actix_web_lab::sse;
-use clawmux_actors::supervisor::{AdmitError, CancelRun, StartRun};
-use clawmux_actors::{CancelReason, RunSpec, StatusHandle, Supervisor};
+use clawmux_actors::messages::{AdmitError, Cancel, Submit};
+use clawmux_actors::{CancelReason, Registry, RunSink, RunSpec, StatusHandle};
 use clawmux_protocol::session_key::Conversation;
 use clawmux_protocol::{SessionKey, TraceParent};
 use futures_util::StreamExt;
@@ -18,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::broadcast::error::RecvError;
 
-/// How long an HTTP handler waits for the supervisor to admit a run before answering 503.
+/// How long an HTTP handler waits for the registry to admit a run before answering 503.
 const ADMIT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Comment lines keep quiet streams alive through proxies.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
@@ -29,22 +31,23 @@ const BODY_OVERHEAD: usize = 64 * 1024;
 pub struct AppState {
     /// Effective configuration.
     pub cfg: Config,
-    /// Runs.
+    /// Runs: live logs, stored documents and events, history.
     pub store: Arc<RunStore>,
-    /// The supervisor (the one gateway connection).
-    pub supervisor: Addr<Supervisor>,
+    /// The registry of live runs (admission, cancels).
+    pub registry: Addr<Registry>,
     /// Gateway status for `/readyz`.
     pub status: StatusHandle,
     /// Prometheus registry for `/metrics`.
-    pub registry: prometheus::Registry,
+    pub metrics: prometheus::Registry,
     /// `GET /v1/agents`.
     pub agents: AgentRegistry,
     /// Live runs by trace id (the LLM proxy attributes calls with it); `None` without a proxy.
     pub attributions: Option<Arc<crate::attribution::Attributions>>,
-    /// The git relay and branch locks; `None` without `CLAWMUX_RELAY_CONTAINER`.
-    pub relay: Option<Arc<crate::branch_run::RelayRuntime>>,
-    /// Branch runs not yet handed to the supervisor (waiting for their lock or workspace).
-    pub pending: Arc<crate::branch_run::PendingRuns>,
+    /// True when `CLAWMUX_RELAY_CONTAINER` is set (branch runs are possible).
+    pub relay: bool,
+    /// Flips to true at shutdown: live SSE streams end (clients re-attach to the next process)
+    /// and nothing new is admitted.
+    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// An error answer: `{"error":{"code","message"}}`.
@@ -92,7 +95,9 @@ impl ResponseError for ApiError {
 
 /// Wires the routes.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.service(web::resource("/v1/runs").route(web::post().to(create_run)).default_service(web::to(method_not_allowed)))
+    cfg.service(
+        web::resource("/v1/runs").route(web::post().to(create_run)).route(web::get().to(list_runs)).default_service(web::to(method_not_allowed)),
+    )
         .service(web::resource("/v1/runs/{run_id}").route(web::get().to(get_run)).default_service(web::to(method_not_allowed)))
         .service(web::resource("/v1/runs/{run_id}/events").route(web::get().to(run_events)).default_service(web::to(method_not_allowed)))
         .service(web::resource("/v1/runs/{run_id}/abort").route(web::post().to(abort_run)).default_service(web::to(method_not_allowed)))
@@ -198,8 +203,24 @@ fn new_trace() -> TraceParent {
     }
 }
 
+fn store_unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError { retry_after: Some(2), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", format!("the run store is not available: {e}")) }
+}
+
+fn admit_error(e: AdmitError, run_id: &str) -> ApiError {
+    match e {
+        AdmitError::GatewayDown(reason) => ApiError::unavailable(format!("the gateway is not available: {reason}")),
+        e @ AdmitError::AtCapacity(_) => ApiError::unavailable(e.to_string()),
+        AdmitError::ShuttingDown => ApiError::unavailable("clawmux is shutting down; retry against the next instance"),
+        AdmitError::Duplicate => ApiError::new(StatusCode::CONFLICT, "conflict", format!("run {run_id:?} is already in flight")),
+    }
+}
+
 async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state)?;
+    if *state.stopping.borrow() {
+        return Err(admit_error(AdmitError::ShuttingDown, ""));
+    }
     let wait_false = query_wait_false(&req)?;
     let limit = state.cfg.max_message_bytes.saturating_add(BODY_OVERHEAD);
     let body = read_body(payload, limit).await?;
@@ -218,11 +239,11 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
         if key.eq_ignore_ascii_case(&state.cfg.relay_base_ref) {
             return Err(ApiError::invalid(format!("field `branch`: branch key {key:?} is the protected base ref")));
         }
-    }
-    if run.branch_key.is_some() && state.relay.is_none() {
-        return Err(ApiError::invalid(
-            "field `branch`: this clawmux has no git relay (CLAWMUX_RELAY_CONTAINER is not set), so it cannot work on a branch",
-        ));
+        if !state.relay {
+            return Err(ApiError::invalid(
+                "field `branch`: this clawmux has no git relay (CLAWMUX_RELAY_CONTAINER is not set), so it cannot work on a branch",
+            ));
+        }
     }
     if state.agents.get(&run.agent_id).is_none() {
         return Err(ApiError::invalid(format!("field `agentId`: unknown agent {:?} (see GET /v1/agents)", run.agent_id)));
@@ -242,18 +263,73 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
             _ => return Err(ApiError::invalid("header `Idempotency-Key`: must be 1 to 256 visible ASCII characters")),
         },
     };
-
     let conversation = match run.request.state_key.as_deref() {
         Some(state) => Conversation::State(state),
         None => Conversation::Run(&run.run_id),
     };
     let session_key = SessionKey::for_run(&run.agent_id, &run.request.billing_account_id, conversation)
         .map_err(|e| ApiError::invalid(format!("cannot name the run's session: {e}")))?;
-    let fingerprint = request::fingerprint(&run.request);
+    let branch = run.branch_key.as_ref().map(|key| {
+        let b = run.request.branch.clone().unwrap_or_default();
+        clawmux_actors::branch::BranchPlan {
+            key: key.clone(),
+            base_ref: b.base_ref.unwrap_or_else(|| state.cfg.relay_base_ref.clone()),
+            pr_title: b.pr_title,
+            pr_body: b.pr_body,
+        }
+    });
     let abort_on_disconnect = run.on_disconnect == OnDisconnect::Abort;
-    let record = match state.store.insert(&run.run_id, session_key.as_str(), fingerprint, idempotency_key.as_deref(), abort_on_disconnect) {
-        Insert::New(r) => r,
-        Insert::Existing(r) => return respond(&req, &state, r, wait_false, false).await,
+    let spec = RunSpec {
+        run_id: run.run_id.clone(),
+        // Fixed at admission and stored: a restart sends the same idempotency key, never a new one.
+        gateway_run_id: uuid::Uuid::new_v4().to_string(),
+        session_key,
+        agent_id: run.agent_id.clone(),
+        message: run.request.message.clone(),
+        model: run.request.model.clone(),
+        billing_account_id: run.request.billing_account_id.clone(),
+        graph_id: run.graph_id.clone(),
+        admitted_at: std::time::SystemTime::now(),
+        timeout: Duration::from_secs(run.timeout_sec),
+        traceparent,
+        attribution_token: state.attributions.as_ref().map(|_| crate::attribution::new_token()),
+        branch,
+    };
+    let row = RunRow {
+        seq: 0,
+        run_id: run.run_id.clone(),
+        idempotency_key: idempotency_key.clone(),
+        fingerprint: request::fingerprint(&run.request),
+        billing_account_id: run.request.billing_account_id.clone(),
+        state_key: run.request.state_key.clone(),
+        session_key: spec.session_key.as_str().to_owned(),
+        spec: SpecRecord {
+            gateway_run_id: spec.gateway_run_id.clone(),
+            agent_id: spec.agent_id.clone(),
+            message: spec.message.clone(),
+            model: spec.model.clone(),
+            graph_id: spec.graph_id.clone(),
+            timeout_ms: u64::try_from(spec.timeout.as_millis()).unwrap_or(u64::MAX),
+            traceparent: spec.traceparent.to_string(),
+            attribution_token: spec.attribution_token.clone(),
+            branch: spec.branch.clone(),
+            abort_on_disconnect,
+        },
+        status: "queued".to_owned(),
+        checkpoint: None,
+        gateway_run_id: None,
+        content: String::new(),
+        error: None,
+        gateway_usage: None,
+        usage: state.attributions.as_ref().map(|_| crate::attribution::Usage::default()),
+        relay: None,
+        created_at_ms: crate::store::now_ms(),
+        finished_at_ms: None,
+        last_event_id: 0,
+    };
+    let log = match state.store.insert(row).await.map_err(store_unavailable)? {
+        Insert::New(log) => log,
+        Insert::Existing(view) => return respond(&req, &state, view, wait_false, false).await,
         Insert::Conflict => {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
@@ -269,126 +345,113 @@ async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<Ap
             ))
         }
     };
+    let admitted = match admit(&state, &log, spec, None).await {
+        Ok(a) => a,
+        Err(e) => {
+            state.store.forget(&run.run_id).await;
+            return Err(e);
+        }
+    };
+    tracing::info!(run_id = %run.run_id, session_key = %log.doc().session_key, ?admitted, "run admitted");
+    if wait_false && !wants_sse(&req) {
+        // The document as stored may not show the start yet (its write is in the group commit
+        // queue); the registry's answer is what holds now.
+        let mut doc = log.doc();
+        if admitted == clawmux_actors::Admitted::Started && doc.status == "queued" {
+            doc.status = "running".to_owned();
+        }
+        return Ok(HttpResponse::Accepted().json(doc));
+    }
+    respond(&req, &state, RunView::Live(log), wait_false, abort_on_disconnect).await
+}
 
-    let trace_id = traceparent.trace_id().to_owned();
-    let attribution_token = state.attributions.as_ref().map(|_| crate::attribution::new_token());
-    // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
+/// Makes a stored run attributable and hands it to the registry (new runs and, with `resume`,
+/// runs a restart continues).
+pub async fn admit(
+    state: &AppState,
+    log: &Arc<RunLog>,
+    spec: RunSpec,
+    resume: Option<clawmux_actors::Resume>,
+) -> Result<clawmux_actors::Admitted, ApiError> {
+    let trace_id = spec.traceparent.trace_id().to_owned();
     if let Some(registry) = &state.attributions {
+        // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
         let mut billing = crate::attribution::RunBilling::new(
-            &run.run_id,
-            &run.request.billing_account_id,
-            &run.graph_id,
-            record.doc().session_key.as_str(),
-            traceparent.trace_id(),
+            &spec.run_id,
+            &spec.billing_account_id,
+            &spec.graph_id,
+            spec.session_key.as_str(),
+            &trace_id,
         );
-        if let Some(t) = &attribution_token {
+        if let Some(t) = &spec.attribution_token {
             billing = billing.with_token(t.clone());
+        }
+        if let Some(usage) = log.stored_usage() {
+            billing = billing.with_usage(usage);
         }
         let billing = Arc::new(billing);
         if let Err(owner) = registry.register(billing.clone()) {
-            state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
                 "conflict",
                 format!("the traceparent's trace id is in use by live run {owner:?}; concurrent runs need distinct trace ids"),
             ));
         }
-        record.set_billing(billing, registry.clone());
+        log.set_billing(billing, registry.clone());
     }
-    let spec = RunSpec {
-        run_id: run.run_id.clone(),
-        gateway_run_id: uuid::Uuid::new_v4().to_string(),
-        session_key,
-        agent_id: run.agent_id.clone(),
-        message: run.request.message.clone(),
-        model: run.request.model.clone(),
-        billing_account_id: run.request.billing_account_id.clone(),
-        graph_id: run.graph_id.clone(),
-        timeout: Duration::from_secs(run.timeout_sec),
-        traceparent,
-        attribution_token,
-    };
-    if let (Some(key), Some(_)) = (&run.branch_key, &state.relay) {
-        // Branch runs wait for their branch's lock in the background; the gateway must be up now.
-        let down = state.status.read().map(|s| s.ready().err()).unwrap_or_else(|_| Some("unknown".to_owned()));
-        if let Some(reason) = down {
-            if let Some(registry) = &state.attributions {
-                registry.unregister(&trace_id, &run.run_id);
-            }
-            state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
-            return Err(ApiError::unavailable(format!("the gateway is not available: {reason}")));
-        }
-        let b = run.request.branch.clone().unwrap_or(crate::request::BranchRequest {
-            branch_name: None,
-            work_item_id: None,
-            use_state_key: false,
-            base_ref: None,
-            pr_title: None,
-            pr_body: None,
-        });
-        let plan = crate::branch_run::BranchPlan {
-            key: key.clone(),
-            base_ref: b.base_ref.unwrap_or_else(|| state.cfg.relay_base_ref.clone()),
-            pr_title: b.pr_title,
-            pr_body: b.pr_body,
-        };
-        tracing::info!(run_id = %run.run_id, branch_key = %key, "branch run admitted");
-        crate::branch_run::spawn(state.clone(), record.clone(), spec, plan);
-        return respond(&req, &state, record, wait_false, abort_on_disconnect).await;
-    }
-    let admitted = state.supervisor.send(StartRun { spec, sink: record.clone() }).timeout(ADMIT_TIMEOUT).await;
+    let run_id = spec.run_id.clone();
+    let registry = state.registry.clone();
+    let cancel_id = run_id.clone();
+    log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));
+    let sink: Arc<dyn RunSink> = log.clone();
+    let admitted = state.registry.send(Submit { spec, sink, resume }).timeout(ADMIT_TIMEOUT).await;
     let refusal = match admitted {
-        Ok(Ok(())) => None,
-        Ok(Err(AdmitError::GatewayDown(reason))) => Some(ApiError::unavailable(format!("the gateway is not available: {reason}"))),
-        Ok(Err(e @ AdmitError::AtCapacity(_))) => Some(ApiError::unavailable(e.to_string())),
-        Ok(Err(AdmitError::Duplicate)) => {
-            Some(ApiError::new(StatusCode::CONFLICT, "conflict", format!("run {:?} is already in flight", run.run_id)))
-        }
-        Err(_) => Some(ApiError::unavailable("clawmux is overloaded; retry shortly")),
+        Ok(Ok(admitted)) => return Ok(admitted),
+        Ok(Err(e)) => admit_error(e, &run_id),
+        Err(_) => ApiError::unavailable("clawmux is overloaded; retry shortly"),
     };
-    if let Some(e) = refusal {
-        if let Some(registry) = &state.attributions {
-            registry.unregister(&trace_id, &run.run_id);
-        }
-        state.store.remove_unstarted(&run.run_id, idempotency_key.as_deref());
-        return Err(e);
+    if let Some(registry) = &state.attributions {
+        registry.unregister(&trace_id, &run_id);
     }
-    tracing::info!(run_id = %run.run_id, session_key = %record.doc().session_key, "run admitted");
-    respond(&req, &state, record, wait_false, abort_on_disconnect).await
+    Err(refusal)
 }
 
-/// Answers a POST for `record`: SSE, 202 at once, or the document at the end.
-async fn respond(req: &HttpRequest, state: &web::Data<AppState>, record: Arc<RunRecord>, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
-    let guard = DisconnectGuard {
-        run_id: record.run_id.clone(),
-        record: record.clone(),
-        supervisor: state.supervisor.clone(),
-        pending: state.pending.clone(),
-        armed: arm,
-    };
+/// Answers a POST for a run: SSE, 202 at once, or the document at the end.
+async fn respond(req: &HttpRequest, state: &web::Data<AppState>, view: RunView, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
+    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: arm };
     if wants_sse(req) {
-        return Ok(sse_response(req, record, 0, guard));
+        return sse_response(req, state, view, 0, guard).await;
     }
-    if wait_false {
-        let mut g = guard;
-        g.disarm();
-        let status = if record.is_finished() { StatusCode::OK } else { StatusCode::ACCEPTED };
-        return Ok(HttpResponse::build(status).json(record.doc()));
-    }
+    let log = match (&view, wait_false) {
+        (RunView::Live(log), false) => log.clone(),
+        _ => {
+            let mut g = guard;
+            g.disarm();
+            let status = if view.is_finished() { StatusCode::OK } else { StatusCode::ACCEPTED };
+            return Ok(HttpResponse::build(status).json(view.doc()));
+        }
+    };
     // Dropping this future (the caller went away) drops the guard, which cancels the run.
-    record.finished().await;
+    let mut stopping = state.stopping.clone();
+    tokio::select! {
+        () = log.finished() => {}
+        _ = stopping.wait_for(|s| *s) => {
+            // Handed off: the run goes on in the next process; this caller gets its state now.
+            let mut g = guard;
+            g.disarm();
+            return Ok(HttpResponse::Accepted().json(log.doc()));
+        }
+    }
     let mut g = guard;
     g.disarm();
-    Ok(HttpResponse::Ok().json(record.doc()))
+    Ok(HttpResponse::Ok().json(log.doc()))
 }
 
 /// Cancels the run when a caller that asked for `onDisconnect: abort` goes away before the end.
 struct DisconnectGuard {
     run_id: String,
-    record: Arc<RunRecord>,
-    supervisor: Addr<Supervisor>,
-    /// Branch runs still waiting for their lock are cancelled here, not by the supervisor.
-    pending: Arc<crate::branch_run::PendingRuns>,
+    view: RunView,
+    registry: Addr<Registry>,
     armed: bool,
 }
 
@@ -400,11 +463,9 @@ impl DisconnectGuard {
 
 impl Drop for DisconnectGuard {
     fn drop(&mut self) {
-        if self.armed && !self.record.is_finished() {
+        if self.armed && !self.view.is_finished() {
             tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
-            if !self.pending.cancel(&self.run_id) {
-                self.supervisor.do_send(CancelRun { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
-            }
+            self.registry.do_send(Cancel { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
         }
     }
 }
@@ -415,15 +476,29 @@ struct SseState {
     last_id: u64,
     done: bool,
     guard: DisconnectGuard,
+    stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 fn to_sse(ev: &StoredEvent) -> sse::Event {
-    sse::Event::Data(sse::Data::new(ev.data.clone()).event(ev.name).id(ev.id.to_string()))
+    sse::Event::Data(sse::Data::new(ev.data.clone()).event(ev.name.as_str()).id(ev.id.to_string()))
 }
 
-fn sse_response(req: &HttpRequest, record: Arc<RunRecord>, after: u64, guard: DisconnectGuard) -> HttpResponse {
-    let (backlog, rx) = record.attach(after);
-    let st = SseState { backlog: backlog.into_iter(), rx, last_id: after, done: false, guard };
+async fn sse_response(
+    req: &HttpRequest,
+    state: &web::Data<AppState>,
+    view: RunView,
+    after: u64,
+    guard: DisconnectGuard,
+) -> Result<HttpResponse, ApiError> {
+    let (backlog, rx) = match &view {
+        RunView::Live(log) => log.attach(after),
+        // Not live here: what the store has, then the stream closes.
+        RunView::Stored(row) => {
+            let events = state.store.events(&row.run_id, after).await.map_err(store_unavailable)?;
+            (events.into_iter().map(Arc::new).collect(), None)
+        }
+    };
+    let st = SseState { backlog: backlog.into_iter(), rx, last_id: after, done: false, guard, stopping: state.stopping.clone() };
     let stream = futures_util::stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
@@ -432,7 +507,16 @@ fn sse_response(req: &HttpRequest, record: Arc<RunRecord>, after: u64, guard: Di
             Some(ev) => ev,
             None => loop {
                 let rx = st.rx.as_mut()?;
-                match rx.recv().await {
+                let next = tokio::select! {
+                    r = rx.recv() => r,
+                    _ = st.stopping.wait_for(|s| *s) => {
+                        // Shutdown: end the stream cleanly, without a terminal event; the client
+                        // re-attaches with Last-Event-ID to the next process. The run goes on.
+                        st.guard.disarm();
+                        return None;
+                    }
+                };
+                match next {
                     Ok(ev) if ev.id <= st.last_id => continue,
                     Ok(ev) => break ev,
                     Err(RecvError::Lagged(n)) => {
@@ -455,20 +539,34 @@ fn sse_response(req: &HttpRequest, record: Arc<RunRecord>, after: u64, guard: Di
     });
     let mut resp = sse::Sse::from_infallible_stream(stream).with_keep_alive(KEEP_ALIVE).respond_to(req);
     resp.headers_mut().insert(header::HeaderName::from_static("x-accel-buffering"), HeaderValue::from_static("no"));
-    resp.map_into_boxed_body()
+    Ok(resp.map_into_boxed_body())
 }
 
 use actix_web::Responder;
 
+async fn find(state: &AppState, run_id: &str) -> Result<RunView, ApiError> {
+    state.store.view(run_id).await.map_err(store_unavailable)?.ok_or_else(|| ApiError::not_found(run_id))
+}
+
 async fn get_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state)?;
-    let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
-    Ok(HttpResponse::Ok().json(record.doc()))
+    Ok(HttpResponse::Ok().json(find(&state, &path).await?.doc()))
+}
+
+async fn list_runs(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let q = query::parse(req.query_string()).map_err(|e| {
+        let what = if e.param == "query" { "the query".to_owned() } else { format!("query parameter `{}`", e.param) };
+        ApiError::invalid(format!("{what}: {}", e.message))
+    })?;
+    let (runs, last_seq) = state.store.list(&q).await.map_err(store_unavailable)?;
+    let next = if runs.len() == q.limit { last_seq.map(query::cursor) } else { None };
+    Ok(HttpResponse::Ok().json(serde_json::json!({"runs": runs, "nextCursor": next})))
 }
 
 async fn run_events(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state)?;
-    let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
+    let view = find(&state, &path).await?;
     let after = match req.headers().get("last-event-id") {
         None => 0,
         Some(v) => v
@@ -478,32 +576,24 @@ async fn run_events(req: HttpRequest, path: web::Path<String>, state: web::Data<
             .ok_or_else(|| ApiError::invalid("header `Last-Event-ID`: must be an event id (a non-negative integer)"))?,
     };
     // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
-    let guard = DisconnectGuard {
-        run_id: record.run_id.clone(),
-        record: record.clone(),
-        supervisor: state.supervisor.clone(),
-        pending: state.pending.clone(),
-        armed: false,
-    };
-    Ok(sse_response(&req, record, after, guard))
+    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: false };
+    sse_response(&req, &state, view, after, guard).await
 }
 
 async fn abort_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state)?;
-    let record = state.store.get(&path).ok_or_else(|| ApiError::not_found(&path))?;
-    if record.is_finished() {
-        return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": false})));
-    }
-    if state.pending.cancel(&record.run_id) {
-        return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": true})));
+    let view = find(&state, &path).await?;
+    let run_id = view.run_id().to_owned();
+    if view.is_finished() {
+        return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": run_id, "aborted": false})));
     }
     let found = state
-        .supervisor
-        .send(CancelRun { run_id: record.run_id.clone(), reason: CancelReason::Api })
+        .registry
+        .send(Cancel { run_id: run_id.clone(), reason: CancelReason::Api })
         .timeout(ADMIT_TIMEOUT)
         .await
         .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
-    Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": record.run_id, "aborted": found})))
+    Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": run_id, "aborted": found})))
 }
 
 async fn list_agents(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -541,7 +631,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     use prometheus::Encoder;
     let mut buf = Vec::new();
     let encoder = prometheus::TextEncoder::new();
-    match encoder.encode(&state.registry.gather(), &mut buf) {
+    match encoder.encode(&state.metrics.gather(), &mut buf) {
         Ok(()) => HttpResponse::Ok().content_type(encoder.format_type()).body(buf),
         Err(e) => HttpResponse::InternalServerError().body(e.to_string()),
     }

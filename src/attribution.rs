@@ -36,7 +36,32 @@ pub struct RunBilling {
     /// Cancelled when the run ends: the proxy cuts the run's in-flight LLM streams with it (on
     /// protocol 3 this is what stops an aborted run's LLM stream).
     pub revoked: tokio_util::sync::CancellationToken,
+    /// Told the totals after every change, so the run store keeps them across restarts.
+    on_usage: std::sync::OnceLock<UsageHook>,
 }
+
+/// The run store's hook for usage totals.
+struct UsageHook(Box<dyn Fn(Usage) + Send + Sync>);
+
+impl std::fmt::Debug for UsageHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UsageHook")
+    }
+}
+
+/// A run's LLM usage so far: the proxy's totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    /// Input tokens reported by the upstream, summed.
+    pub input_tokens: u64,
+    /// Output tokens reported by the upstream, summed.
+    pub output_tokens: u64,
+    /// Proxied LLM calls.
+    pub llm_calls: u64,
+}
+
+
 
 impl RunBilling {
     /// A run's billing identity with no usage yet.
@@ -53,7 +78,39 @@ impl RunBilling {
             llm_calls: AtomicU64::new(0),
             token: None,
             revoked: tokio_util::sync::CancellationToken::new(),
+            on_usage: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Continues the totals of a run resumed after a restart.
+    pub fn with_usage(self, usage: Usage) -> Self {
+        self.input_tokens.store(usage.input_tokens, Ordering::Relaxed);
+        self.output_tokens.store(usage.output_tokens, Ordering::Relaxed);
+        self.llm_calls.store(usage.llm_calls, Ordering::Relaxed);
+        self
+    }
+
+    /// Sets the hook told the totals after every change (once).
+    pub fn on_usage(&self, hook: Box<dyn Fn(Usage) + Send + Sync>) {
+        let _ = self.on_usage.set(UsageHook(hook));
+    }
+
+    /// The totals so far.
+    pub fn totals(&self) -> Usage {
+        let (input_tokens, output_tokens, llm_calls) = self.usage();
+        Usage { input_tokens, output_tokens, llm_calls }
+    }
+
+    fn changed(&self) {
+        if let Some(hook) = self.on_usage.get() {
+            (hook.0)(self.totals());
+        }
+    }
+
+    /// Counts one proxied LLM call (at its start: a call cut short still counts).
+    pub fn count_call(&self) {
+        self.llm_calls.fetch_add(1, Ordering::Relaxed);
+        self.changed();
     }
 
     /// With a protocol-3 attribution token.
@@ -86,6 +143,7 @@ impl RunBilling {
         };
         add(&self.input_tokens, input);
         add(&self.output_tokens, output);
+        self.changed();
     }
 }
 

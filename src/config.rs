@@ -128,6 +128,10 @@ pub struct Config {
     pub run_retention_max: usize,
     /// Runs in flight (running + queued) before new ones get 503.
     pub max_runs: usize,
+    /// The run store (`CLAWMUX_STORE_URL`).
+    pub store_url: crate::store::StoreUrl,
+    /// What SIGTERM does with live runs (`CLAWMUX_SHUTDOWN`).
+    pub shutdown: clawmux_actors::ShutdownMode,
 }
 
 /// `$XDG_STATE_HOME/clawmux`, else `$HOME/.local/state/clawmux`, else `./clawmux-state`.
@@ -176,6 +180,8 @@ impl Default for Config {
             run_retention_sec: 3600,
             run_retention_max: 10_000,
             max_runs: 5000,
+            store_url: crate::store::StoreUrl::Sqlite(state_dir().join("runs.db")),
+            shutdown: clawmux_actors::ShutdownMode::Handoff,
         }
     }
 }
@@ -209,6 +215,8 @@ struct FileConfig {
     run_retention_sec: Option<u64>,
     run_retention_max: Option<usize>,
     max_runs: Option<usize>,
+    store_url: Option<String>,
+    shutdown: Option<String>,
 }
 
 /// A configuration problem, naming the setting.
@@ -246,6 +254,14 @@ fn invalid(name: &'static str, message: impl Into<String>) -> ConfigError {
 
 fn parse_addr(name: &'static str, v: &str) -> Result<SocketAddr, ConfigError> {
     v.parse().map_err(|_| invalid(name, format!("{v:?} is not an address like 127.0.0.1:8787")))
+}
+
+fn parse_shutdown(name: &'static str, v: &str) -> Result<clawmux_actors::ShutdownMode, ConfigError> {
+    match v {
+        "handoff" => Ok(clawmux_actors::ShutdownMode::Handoff),
+        "cancel" => Ok(clawmux_actors::ShutdownMode::Cancel),
+        other => Err(invalid(name, format!("{other:?} is not one of handoff, cancel"))),
+    }
 }
 
 fn parse_num<T: std::str::FromStr>(name: &'static str, v: &str) -> Result<T, ConfigError> {
@@ -314,6 +330,12 @@ impl Config {
         }
         if f.relay_remote_url.is_some() {
             self.relay_remote_url = f.relay_remote_url;
+        }
+        if let Some(v) = f.store_url {
+            self.store_url = crate::store::StoreUrl::parse(&v).map_err(|m| invalid("store_url", m))?;
+        }
+        if let Some(v) = f.shutdown {
+            self.shutdown = parse_shutdown("shutdown", &v)?;
         }
         Ok(())
     }
@@ -415,6 +437,12 @@ impl Config {
         if let Some(v) = get("CLAWMUX_MAX_RUNS") {
             self.max_runs = parse_num("CLAWMUX_MAX_RUNS", &v)?;
         }
+        if let Some(v) = get("CLAWMUX_STORE_URL") {
+            self.store_url = crate::store::StoreUrl::parse(&v).map_err(|m| invalid("CLAWMUX_STORE_URL", m))?;
+        }
+        if let Some(v) = get("CLAWMUX_SHUTDOWN") {
+            self.shutdown = parse_shutdown("CLAWMUX_SHUTDOWN", &v)?;
+        }
         Ok(())
     }
 
@@ -481,6 +509,8 @@ impl Config {
             ("CLAWMUX_RUN_RETENTION_SEC", self.run_retention_sec.to_string()),
             ("CLAWMUX_RUN_RETENTION_MAX", self.run_retention_max.to_string()),
             ("CLAWMUX_MAX_RUNS", self.max_runs.to_string()),
+            ("CLAWMUX_STORE_URL", self.store_url.display()),
+            ("CLAWMUX_SHUTDOWN", format!("{:?}", self.shutdown).to_lowercase()),
         ]
     }
 }

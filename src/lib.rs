@@ -7,14 +7,16 @@
 //! - This crate, the binary's half:
 //!   - [`config`]: the configuration table (TOML file + environment).
 //!   - [`request`]: `POST /v1/runs` bodies: decoding and validation (pure).
-//!   - [`store`]: run documents, event logs, re-attachment, idempotency, retention.
-//!   - [`api`]: the HTTP + SSE API (actix-web).
+//!   - [`store`]: the durable run store (SQLite by default): run documents, events, idempotency,
+//!     history, retention, and what a restart continues.
+//!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit → respond.
 //!   - [`agents`]: the agent registry.
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
-//!   - [`server`]: wiring and graceful shutdown.
-//!   - [`relay`]: the host-side git relay (container worktrees, format-patch → am → push → PR);
-//!     [`branch_run`] runs a request on its branch: lock, workspace, run, relay.
+//!   - [`server`]: wiring, the restart path (continuing stored runs) and shutdown (hand off or
+//!     cancel).
+//!   - [`relay`]: the host-side git relay (container worktrees, format-patch → am → push → PR),
+//!     the `Workspace` the session actors use for branch runs.
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
 //!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
@@ -24,7 +26,6 @@ pub mod agents;
 pub mod api;
 pub mod attribution;
 pub mod audit;
-pub mod branch_run;
 pub mod cli;
 
 pub mod config;

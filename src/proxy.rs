@@ -421,7 +421,7 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
     };
     let model = parsed.as_ref().and_then(|v| v.get("model")).and_then(|m| m.as_str()).map(str::to_owned);
     let streamed = parsed.as_ref().and_then(|v| v.get("stream")).and_then(serde_json::Value::as_bool).unwrap_or(false);
-    billing.llm_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    billing.count_call();
 
     let mut r = state.client.request(method, &url).body(body);
     for (k, v) in upstream_headers(&incoming, &billing, state.key.as_ref()) {

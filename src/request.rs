@@ -47,7 +47,7 @@ pub enum OnDisconnect {
 }
 
 /// `branch`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct BranchRequest {
     /// Explicit branch key.
@@ -245,13 +245,12 @@ pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -
     })
 }
 
-/// A stable fingerprint of a request body (field order and whitespace do not matter).
-pub fn fingerprint(request: &RunRequest) -> u64 {
-    use std::hash::{Hash, Hasher};
+/// A stable fingerprint of a request body (field order and whitespace do not matter): SHA-256 of
+/// its canonical JSON, hex. Stored with the run, so it must not change between builds or processes.
+pub fn fingerprint(request: &RunRequest) -> String {
+    use sha2::Digest;
     let canonical = serde_json::to_string(request).unwrap_or_default();
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    canonical.hash(&mut h);
-    h.finish()
+    sha2::Sha256::digest(canonical.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -1,19 +1,26 @@
-//! Wiring: the supervisor, the run store, the HTTP server, signals.
+//! Wiring: the run store, the supervisor, the registry, the LLM proxy, the HTTP server; the restart
+//! path (continuing every unfinished run of the store); shutdown (hand off or cancel).
 
 use crate::agents::AgentRegistry;
 use crate::api::{self, AppState};
 use crate::config::{Config, OutboundHeaders};
-use crate::store::RunStore;
+use crate::store::writer::StoreMetrics;
+use crate::store::{CheckpointRecord, Retention, RunLog, RunRow, RunStore};
 use actix::Actor;
 use actix_web::{web, App, HttpServer};
+use clawmux_actors::messages::{Drain, InFlight, ListenLink};
 use clawmux_actors::metrics::Metrics;
-use clawmux_actors::supervisor::{Disconnect, InFlight, ShutdownAll};
-use clawmux_actors::{OutboundHeadersMode, StatusHandle, Supervisor, SupervisorConfig};
+use clawmux_actors::supervisor::Disconnect;
+use clawmux_actors::{
+    ErrorCode, OutboundHeadersMode, Registry, RegistryConfig, Resume, ResumeStage, RunEvent, RunOutcome, RunSink, RunSpec, ShutdownMode,
+    StatusHandle, Supervisor, SupervisorConfig,
+};
+use clawmux_protocol::{SessionKey, TraceParent};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// A running clawmux (the HTTP server and its supervisor).
+/// A running clawmux (the HTTP server and its actors).
 pub struct Running {
     /// Bound HTTP address (useful with port 0).
     pub addr: SocketAddr,
@@ -25,6 +32,12 @@ pub struct Running {
     pub done: tokio::task::JoinHandle<std::io::Result<()>>,
     /// The LLM attribution proxy, when an upstream is configured: its bound address and handle.
     pub proxy: Option<(SocketAddr, actix_web::dev::ServerHandle)>,
+    /// The supervisor (closed at shutdown).
+    pub supervisor: actix::Addr<Supervisor>,
+    /// Flips `AppState::stopping`.
+    stopping: tokio::sync::watch::Sender<bool>,
+    /// Runs continued from the store at start.
+    pub resumed: usize,
 }
 
 /// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
@@ -61,25 +74,25 @@ pub fn supervisor_config(cfg: &Config, gateway_url: &str) -> Result<SupervisorCo
     Ok(s)
 }
 
-/// Starts the supervisor and the HTTP server inside the current actix System. Signals are not
-/// handled here (see [`run_until_signal`]).
+/// Starts everything inside the current actix System and continues the store's unfinished runs.
+/// Signals are not handled here (see [`run_until_signal`]).
 pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Running> {
     let registry = prometheus::Registry::new();
     let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?;
+    let store_metrics = StoreMetrics::new(&registry).map_err(std::io::Error::other)?;
+    let retention = Retention {
+        max_age_ms: i64::try_from(cfg.run_retention_sec.saturating_mul(1000)).unwrap_or(i64::MAX),
+        max_count: cfg.run_retention_max,
+    };
+    // First: a store that cannot be opened stops startup with one line naming it.
+    let store = RunStore::open(&cfg.store_url, retention, store_metrics).await.map_err(|e| std::io::Error::other(e.0))?;
+    tracing::info!(store = %store.url(), "run store open");
     let status: StatusHandle = StatusHandle::default();
     if let Ok(mut st) = status.write() {
         st.device_id = sup.device.as_ref().map(|d| d.device_id().to_owned());
     }
-    let supervisor = Supervisor::new(sup, metrics, status.clone()).start();
-    let store = Arc::new(RunStore::new(Duration::from_secs(cfg.run_retention_sec), cfg.run_retention_max));
-    let sweeper_store = store.clone();
-    actix::spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_secs(10));
-        loop {
-            every.tick().await;
-            sweeper_store.sweep();
-        }
-    });
+    let registry_cfg = RegistryConfig { max_runs: sup.max_runs, session: sup.session() };
+    let supervisor = Supervisor::new(sup, metrics.clone(), status.clone()).start();
     if cfg.api_token.is_none() {
         tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");
     }
@@ -93,26 +106,41 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         }
         None => (None, None),
     };
-    let relay = match crate::relay::RelayConfig::from_app_config(&cfg).map_err(std::io::Error::other)? {
-        Some(rc) => {
-            let relay = crate::relay::GitRelay::connect(rc)
-                .await
-                .map_err(|e| std::io::Error::other(format!("git relay: {e}")))?;
-            tracing::info!(container = %relay.config().container, "git relay ready");
-            Some(Arc::new(crate::branch_run::RelayRuntime { relay, locks: crate::relay::BranchLocks::new() }))
-        }
-        None => None,
-    };
+    let workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>> =
+        match crate::relay::RelayConfig::from_app_config(&cfg).map_err(std::io::Error::other)? {
+            Some(rc) => {
+                let relay = crate::relay::GitRelay::connect(rc).await.map_err(|e| std::io::Error::other(format!("git relay: {e}")))?;
+                tracing::info!(container = %relay.config().container, "git relay ready");
+                Some(Arc::new(relay))
+            }
+            None => None,
+        };
+    let relay = workspace.is_some();
+    let run_registry =
+        Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace).start();
+    supervisor.do_send(ListenLink(run_registry.clone().recipient()));
+    let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let state = web::Data::new(AppState {
         cfg,
         store,
-        supervisor,
+        registry: run_registry,
         status,
-        registry,
+        metrics: registry,
         agents: AgentRegistry::builtin(),
         attributions,
         relay,
-        pending: Arc::new(crate::branch_run::PendingRuns::default()),
+        stopping,
+    });
+    let resumed = resume(&state).await;
+    let sweeper = state.clone();
+    actix::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            every.tick().await;
+            if let Err(e) = sweeper.store.sweep().await {
+                tracing::warn!(error = %e, "run store retention sweep failed");
+            }
+        }
     });
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
@@ -128,7 +156,74 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     let server = server.run();
     let handle = server.handle();
     let done = actix::spawn(server);
-    Ok(Running { addr, server: handle, state, done, proxy })
+    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed })
+}
+
+/// The spec of a stored run.
+fn spec_of(row: &RunRow) -> Result<RunSpec, String> {
+    let traceparent = TraceParent::parse(&row.spec.traceparent).map_err(|e| format!("stored traceparent: {e}"))?;
+    let created = UNIX_EPOCH + Duration::from_millis(u64::try_from(row.created_at_ms).unwrap_or(0));
+    Ok(RunSpec {
+        run_id: row.run_id.clone(),
+        gateway_run_id: row.spec.gateway_run_id.clone(),
+        session_key: SessionKey::canonicalize(&row.session_key),
+        agent_id: row.spec.agent_id.clone(),
+        message: row.spec.message.clone(),
+        model: row.spec.model.clone(),
+        billing_account_id: row.billing_account_id.clone(),
+        graph_id: row.spec.graph_id.clone(),
+        admitted_at: created.min(SystemTime::now()),
+        timeout: Duration::from_millis(row.spec.timeout_ms),
+        traceparent,
+        attribution_token: row.spec.attribution_token.clone(),
+        branch: row.spec.branch.clone(),
+    })
+}
+
+/// Where a stored run picks up.
+fn resume_of(row: &RunRow, log: &RunLog) -> Resume {
+    let stage = match &row.checkpoint {
+        None | Some(CheckpointRecord::Running | CheckpointRecord::Preparing) => ResumeStage::Start,
+        Some(CheckpointRecord::Sending { boot_id }) => ResumeStage::Sent { boot_id: boot_id.clone() },
+        Some(CheckpointRecord::Publishing { content, gateway_usage }) => {
+            ResumeStage::Publishing { content: content.clone(), gateway_usage: *gateway_usage }
+        }
+    };
+    Resume { stage, emitted: log.emitted_text(), accepted: log.was_accepted() }
+}
+
+/// Continues every unfinished run of the store, in admission order (so each session key's and
+/// branch key's queue is what it was). Returns how many.
+async fn resume(state: &web::Data<AppState>) -> usize {
+    let stored = match state.store.resume().await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot read the unfinished runs of the store; none is continued");
+            return 0;
+        }
+    };
+    let started = std::time::Instant::now();
+    let mut resumed = 0;
+    for (log, row) in stored {
+        let resume = resume_of(&row, &log);
+        let outcome = match spec_of(&row) {
+            Ok(spec) => api::admit(state, &log, spec, Some(resume)).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(_) => resumed += 1,
+            Err(e) => {
+                // Ended, not lost: the run gets its terminal event and says why.
+                tracing::error!(run_id = %row.run_id, error = %e, "a stored run cannot be continued");
+                let msg = format!("clawmux restarted and could not continue the run: {e}");
+                log.emit(RunEvent::Finished(RunOutcome::failed(ErrorCode::Internal, msg, String::new())));
+            }
+        }
+    }
+    if resumed > 0 {
+        tracing::info!(runs = resumed, elapsed_ms = started.elapsed().as_millis() as u64, "continued the unfinished runs of the store");
+    }
+    resumed
 }
 
 /// Starts the LLM attribution proxy on `cfg.proxy_listen`.
@@ -158,7 +253,8 @@ fn start_proxy(
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))
         .on_connect(no_delay)
         .disable_signals()
-        .shutdown_timeout(5)
+        // A handoff lets the LLM streams of the runs in flight finish before the process exits.
+        .shutdown_timeout(PROXY_DRAIN.as_secs())
         .bind(cfg.proxy_listen)?;
     let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound proxy address"))?;
     let server = server.run();
@@ -166,6 +262,9 @@ fn start_proxy(
     actix::spawn(server);
     Ok((addr, handle))
 }
+
+/// How long a stopping clawmux lets in-flight LLM streams through its proxy finish.
+const PROXY_DRAIN: Duration = Duration::from_secs(30);
 
 /// Small SSE events must leave at once: Nagle's algorithm would hold one back until the client's
 /// (delayed) ACK of the previous write.
@@ -175,32 +274,42 @@ fn no_delay(conn: &dyn std::any::Any, _ext: &mut actix_web::dev::Extensions) {
     }
 }
 
-/// Graceful stop: every run in flight gets a terminal event (its gateway run is cancelled), then the
-/// connection and the HTTP server close.
+/// Stops clawmux. `CLAWMUX_SHUTDOWN=handoff` (default): nothing new is admitted (`503`), live SSE
+/// streams end (clients re-attach to the next process), the session actors stop without touching
+/// their gateway runs, in-flight LLM streams through the proxy finish, the store is flushed; the
+/// next start continues every run. `cancel`: every run gets its terminal event (`aborted`) and its
+/// gateway run is cancelled first.
 pub async fn shutdown(running: &Running) {
-    let supervisor = &running.state.supervisor;
-    // Branch runs still waiting for their lock or workspace end first (aborted).
-    running.state.pending.cancel_all();
-    let cancelled = supervisor.send(ShutdownAll).await.unwrap_or(0);
-    if cancelled > 0 {
-        tracing::info!(cancelled, "shutting down: cancelling runs in flight");
+    let state = &running.state;
+    let mode = state.cfg.shutdown;
+    if mode == ShutdownMode::Handoff {
+        // Streams end now (clients re-attach to the next process); in cancel mode they end with
+        // their runs' terminal events.
+        let _ = running.stopping.send(true);
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
-    while tokio::time::Instant::now() < deadline {
-        // Runs leave the supervisor at their gateway final; a branch run still publishes after it.
-        if supervisor.send(InFlight).await.unwrap_or(0) == 0 && running.state.store.unfinished() == 0 {
-            break;
+    let live = state.registry.send(Drain(mode)).await.unwrap_or(0);
+    tracing::info!(live, mode = ?mode, "shutting down");
+    if mode == ShutdownMode::Cancel {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
+        while tokio::time::Instant::now() < deadline {
+            // Branch runs may still publish after their gateway run ended.
+            if state.registry.send(InFlight).await.unwrap_or(0) == 0 && state.store.unfinished() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    supervisor.do_send(Disconnect);
+    let _ = running.stopping.send(true);
+    running.supervisor.do_send(Disconnect);
     running.server.stop(true).await;
     if let Some((_, proxy)) = &running.proxy {
         proxy.stop(true).await;
     }
+    // Whatever the runs and the proxy wrote is stored before the process goes.
+    state.store.flush().await;
 }
 
-/// Runs until SIGINT or SIGTERM, then shuts down gracefully.
+/// Runs until SIGINT or SIGTERM, then shuts down as `CLAWMUX_SHUTDOWN` says.
 pub async fn run_until_signal(running: Running) -> std::io::Result<()> {
     wait_for_signal().await;
     tracing::info!("signal received; shutting down");

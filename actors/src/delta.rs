@@ -17,6 +17,8 @@ pub struct DeltaTracker {
     turn: String,
     /// Everything emitted so far, across turns (what the caller has concatenated).
     emitted: String,
+    /// Resumed after a restart: the current turn's text is unknown, only what was emitted.
+    resuming: bool,
 }
 
 impl DeltaTracker {
@@ -25,10 +27,34 @@ impl DeltaTracker {
         Self::default()
     }
 
+    /// A tracker continuing a run whose deltas so far concatenate to `emitted` (a restart of
+    /// clawmux lost the tracker, not the delivered text). The next cumulative frame continues
+    /// where `emitted` ends: its longest prefix that `emitted` already ends with is not repeated.
+    pub fn resumed(emitted: String) -> Self {
+        Self { turn: String::new(), resuming: !emitted.is_empty(), emitted }
+    }
+
     /// Feeds the cumulative text of a `chat` frame; returns the increment to emit, if any.
     pub fn push(&mut self, cumulative: &str) -> Option<String> {
         if cumulative.is_empty() {
             return None;
+        }
+        if self.resuming {
+            self.resuming = false;
+            let k = overlap(&self.emitted, cumulative);
+            self.turn = cumulative.to_owned();
+            if k == 0 {
+                // Nothing of it was delivered: a new turn.
+                let out = format!("\n\n{cumulative}");
+                self.emitted.push_str(&out);
+                return Some(out);
+            }
+            let ext = &cumulative[k..];
+            if ext.is_empty() {
+                return None;
+            }
+            self.emitted.push_str(ext);
+            return Some(ext.to_owned());
         }
         if let Some(ext) = cumulative.strip_prefix(self.turn.as_str()) {
             if ext.is_empty() {
@@ -70,6 +96,38 @@ impl DeltaTracker {
     pub fn emitted(&self) -> &str {
         &self.emitted
     }
+}
+
+/// The length of the longest prefix of `next` that `done` ends with, on a char boundary
+/// (prefix function over `next`, then a scan of `done`'s tail: linear in the text sizes).
+fn overlap(done: &str, next: &str) -> usize {
+    let p = next.as_bytes();
+    let mut fail = vec![0usize; p.len()];
+    let mut k = 0;
+    for i in 1..p.len() {
+        while k > 0 && p[i] != p[k] {
+            k = fail[k - 1];
+        }
+        if p[i] == p[k] {
+            k += 1;
+        }
+        fail[i] = k;
+    }
+    let tail = &done.as_bytes()[done.len().saturating_sub(p.len())..];
+    let mut m = 0;
+    for &b in tail {
+        while m > 0 && (m == p.len() || b != p[m]) {
+            m = fail[m - 1];
+        }
+        if m < p.len() && b == p[m] {
+            m += 1;
+        }
+    }
+    // `m` is the longest border; shorter ones follow the failure chain.
+    while m > 0 && !next.is_char_boundary(m) {
+        m = fail[m - 1];
+    }
+    m
 }
 
 #[cfg(test)]
@@ -127,7 +185,39 @@ mod tests {
         assert_eq!(t.complete("Something else"), None);
     }
 
+    #[test]
+    fn a_resumed_tracker_continues_without_repeating() {
+        let mut t = DeltaTracker::resumed("First turn\n\nHello wor".to_owned());
+        assert_eq!(t.push("Hello world").as_deref(), Some("ld"));
+        assert_eq!(t.push("Hello world!").as_deref(), Some("!"));
+        assert_eq!(t.emitted(), "First turn\n\nHello world!");
+        // A new turn after the restart.
+        let mut t = DeltaTracker::resumed("Done".to_owned());
+        assert_eq!(t.push("Next").as_deref(), Some("\n\nNext"));
+        // Nothing new yet.
+        let mut t = DeltaTracker::resumed("abc".to_owned());
+        assert_eq!(t.push("abc"), None);
+        assert_eq!(t.push("abcd").as_deref(), Some("d"));
+        // Multi-byte text: the overlap never splits a character.
+        let mut t = DeltaTracker::resumed("héllo wö".to_owned());
+        assert_eq!(t.push("héllo wörld").as_deref(), Some("rld"));
+    }
+
     proptest! {
+        /// After a restart at any point of a turn, the deltas still concatenate to the text.
+        #[test]
+        fn resuming_anywhere_loses_and_repeats_nothing(turn in "[abé ]{1,30}", cut in 0usize..30, more in "[abé ]{0,10}") {
+            let mut cut = cut.min(turn.len());
+            while !turn.is_char_boundary(cut) { cut -= 1; }
+            let full = format!("{turn}{more}");
+            let mut t = DeltaTracker::resumed(turn[..cut].to_owned());
+            let mut joined = turn[..cut].to_owned();
+            if let Some(d) = t.push(&turn) { joined.push_str(&d); }
+            if let Some(d) = t.push(&full) { joined.push_str(&d); }
+            // A cut at 0 is a fresh start; otherwise the restart continues the same turn.
+            prop_assert_eq!(joined, full);
+        }
+
         /// Cumulative growth of one turn: deltas concatenate to the last text, never more.
         #[test]
         fn deltas_concatenate_to_the_cumulative_text(chunks in proptest::collection::vec(".{0,8}", 1..20)) {

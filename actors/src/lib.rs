@@ -1,28 +1,45 @@
-//! The stateful, concurrent half of clawmux.
+//! The stateful, concurrent half of clawmux: every run's whole life.
 //!
 //! # Layout
-//! - [`supervisor`]: the actor that owns the ONE gateway connection, routes frames fail-closed,
-//!   admits runs (one at a time per session key) and reconnects.
-//! - [`session`]: one actor per run: patch → subscribe → agent → stream → final, cancellation,
-//!   recovery after a reconnect.
+//! - [`registry`]: the one registry of live runs: admission, the session-key and branch-key locks
+//!   (FIFO), cancels, shutdown (hand off or cancel).
+//! - [`session`]: one actor per run, from admission to its terminal event: queue and lock waits,
+//!   workspace, patch → subscribe → agent → stream → final, publishing, its timeout, cancellation,
+//!   recovery after a reconnect or a restart of clawmux.
+//! - [`supervisor`]: the actor that owns the ONE gateway connection: request ids, fail-closed
+//!   routing of frames, reconnects, liveness, and cancelling runs abandoned during an outage.
 //! - [`connection`]: the WebSocket task (connect, handshake, frame pump) beside the supervisor.
-//! - [`run`]: the run's spec, events and outcome: the types shared with the HTTP layer.
+//! - [`messages`]: every message between those actors, and the ports (recipients) they use, so
+//!   each actor can be tested with probes.
+//! - [`run`]: the run's spec, events, checkpoints and outcome: the types shared with the HTTP layer
+//!   and the run store; [`branch`]: branch runs and the [`branch::Workspace`] trait the git relay
+//!   implements.
 //! - Pure logic, unit- and property-tested: [`backoff`] (reconnect delays), [`delta`] (cumulative
-//!   text → increments by prefix), [`routes`] (the fail-closed routing table), [`queue`] (per-key
-//!   FIFO admission), [`limits`] (bounds on every number the gateway sends).
-//! - [`metrics`]: Prometheus counters and gauges of all of the above.
+//!   text → increments by prefix, also across a restart), [`routes`] (the fail-closed routing
+//!   table), [`queue`] (per-key FIFO locks), [`limits`] (bounds on every number the gateway sends).
+//! - [`metrics`]: Prometheus counters and gauges of all of the above; [`device`]: the Ed25519
+//!   device identity.
+//!
+//! Module dependencies point one way: `registry` → `session` → `messages`/`run`/`branch`;
+//! `supervisor` → `messages`; nothing points back.
 
 pub mod backoff;
+pub mod branch;
 pub mod connection;
 pub mod delta;
 pub mod device;
 pub mod limits;
+pub mod messages;
 pub mod metrics;
 pub mod queue;
+pub mod registry;
 pub mod routes;
 pub mod run;
 pub mod session;
 pub mod supervisor;
 
-pub use run::{CancelReason, ErrorCode, Phase, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
-pub use supervisor::{GatewayStatus, OutboundHeadersMode, StatusHandle, Supervisor, SupervisorConfig};
+pub use messages::{AdmitError, Admitted, ShutdownMode};
+pub use registry::{Registry, RegistryConfig};
+pub use run::{CancelReason, Checkpoint, ErrorCode, Phase, Resume, ResumeStage, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
+pub use session::{OutboundHeadersMode, SessionConfig};
+pub use supervisor::{GatewayStatus, StatusHandle, Supervisor, SupervisorConfig};

@@ -20,7 +20,9 @@ pub struct Metrics {
     pub disconnects: IntCounterVec,
     /// 1 while the gateway connection is up (after hello-ok).
     pub connected: IntGauge,
-    /// Runs started on the gateway (admitted and not queued).
+    /// Runs admitted (new and resumed after a restart).
+    pub runs_admitted: IntCounter,
+    /// Runs whose `agent` request was sent to the gateway.
     pub runs_started: IntCounter,
     /// Runs finished, by status.
     pub runs_finished: IntCounterVec,
@@ -59,6 +61,7 @@ impl Metrics {
             connects: IntCounterVec::new(Opts::new("clawmux_gateway_connects_total", "Gateway connection attempts"), &["outcome"])?,
             disconnects: IntCounterVec::new(Opts::new("clawmux_gateway_disconnects_total", "Gateway connection losses"), &["reason"])?,
             connected: IntGauge::new("clawmux_gateway_connected", "1 while the gateway connection is up")?,
+            runs_admitted: IntCounter::new("clawmux_runs_admitted_total", "Runs admitted, new and resumed after a restart")?,
             runs_started: IntCounter::new("clawmux_runs_started_total", "Runs started on the gateway")?,
             runs_finished: IntCounterVec::new(Opts::new("clawmux_runs_finished_total", "Runs finished"), &["status"])?,
             runs_active: IntGauge::new("clawmux_runs_active", "Runs in flight, including queued ones")?,
@@ -91,6 +94,7 @@ impl Metrics {
         registry.register(Box::new(m.connects.clone()))?;
         registry.register(Box::new(m.disconnects.clone()))?;
         registry.register(Box::new(m.connected.clone()))?;
+        registry.register(Box::new(m.runs_admitted.clone()))?;
         registry.register(Box::new(m.runs_started.clone()))?;
         registry.register(Box::new(m.runs_finished.clone()))?;
         registry.register(Box::new(m.runs_active.clone()))?;

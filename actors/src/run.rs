@@ -1,8 +1,9 @@
 //! What a run is (its spec), what it reports (events), and how it ends (outcome). These are the
 //! types the HTTP layer and the actors share.
 
+use crate::branch::BranchPlan;
 use clawmux_protocol::{SessionKey, TraceParent};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 /// Everything a session actor needs to run one agent run.
 #[derive(Debug, Clone)]
@@ -24,6 +25,8 @@ pub struct RunSpec {
     pub billing_account_id: String,
     /// Graph id (billing metadata).
     pub graph_id: String,
+    /// When the run was admitted (wall clock: a restarted clawmux continues the same deadline).
+    pub admitted_at: SystemTime,
     /// The run's timeout, from admission (time spent queued counts).
     pub timeout: Duration,
     /// The run's trace context: its trace id ties the run's LLM calls back to it (protocol 4).
@@ -31,6 +34,18 @@ pub struct RunSpec {
     /// A random per-run token carried in `extraSystemPrompt` on protocol 3, where no trace id
     /// reaches the LLM: the proxy attributes calls by it instead. `None` without a proxy.
     pub attribution_token: Option<String>,
+    /// The git branch the run works on (lock, workspace, relay), if any.
+    pub branch: Option<BranchPlan>,
+}
+
+impl RunSpec {
+    /// The run's deadline as an `Instant` (admission + timeout; already past when a restart came
+    /// too late).
+    pub fn deadline(&self) -> Instant {
+        let end = self.admitted_at + self.timeout;
+        let left = end.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+        Instant::now() + left
+    }
 }
 
 /// The line that carries a run's attribution token into every LLM call of the run (protocol 3).
@@ -60,7 +75,8 @@ impl Phase {
     }
 }
 
-/// What a run reports, in order: `Accepted`, any `Status`/`TextDelta`, then exactly one `Finished`.
+/// What a run reports, in order: `Accepted`, any `Status`/`TextDelta`, an optional `Relay`, then
+/// exactly one `Finished`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunEvent {
     /// The gateway acknowledged the run.
@@ -75,10 +91,70 @@ pub enum RunEvent {
         /// Tool name for `ToolUse`.
         tool: Option<String>,
     },
+    /// The run waits for its branch key's lock, held by an earlier run.
+    WaitingForBranch {
+        /// `sandbox/<key>`.
+        branch: String,
+    },
     /// Incremental text.
     TextDelta(String),
+    /// The git relay's result (the `relay` event's data).
+    Relay(serde_json::Value),
     /// Terminal.
     Finished(RunOutcome),
+}
+
+/// A point in a run's life that must survive a restart of clawmux: the run store records it, and a
+/// restarted clawmux continues the run from its last checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Checkpoint {
+    /// The run holds its session key (status `running`).
+    Running,
+    /// Its workspace is being prepared.
+    Preparing,
+    /// `agent` is about to be sent to the gateway process with this boot id (the gateway run id is
+    /// the spec's; a restart sends it again with the same idempotency key, and the gateway dedupes).
+    Sending {
+        /// Boot id of the gateway process (`None`: it reports none).
+        boot_id: Option<String>,
+    },
+    /// The gateway run ended ok; the relay publishes (a restart publishes again: idempotent).
+    Publishing {
+        /// The run's final content.
+        content: String,
+        /// OpenClaw's own token counts.
+        gateway_usage: Option<(u64, u64)>,
+    },
+}
+
+/// Where a restarted clawmux picks a run up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resume {
+    /// The stage of the run's last checkpoint.
+    pub stage: ResumeStage,
+    /// The concatenation of the `text_delta` events already stored: new deltas continue it.
+    pub emitted: String,
+    /// The `accepted` event is stored (it is never sent twice).
+    pub accepted: bool,
+}
+
+/// The stage a resumed run continues from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResumeStage {
+    /// Nothing was sent to the gateway: start from the queue, in admission order.
+    Start,
+    /// `agent` was sent to the gateway process with this boot id.
+    Sent {
+        /// That process's boot id.
+        boot_id: Option<String>,
+    },
+    /// The gateway run ended ok and the relay was publishing.
+    Publishing {
+        /// The run's final content.
+        content: String,
+        /// OpenClaw's own token counts.
+        gateway_usage: Option<(u64, u64)>,
+    },
 }
 
 /// How a run ended.
@@ -193,7 +269,7 @@ pub enum CancelReason {
     ClientGone,
     /// The run's timeout elapsed.
     Timeout,
-    /// clawmux is shutting down.
+    /// clawmux is shutting down (`CLAWMUX_SHUTDOWN=cancel`).
     Shutdown,
 }
 
@@ -211,9 +287,11 @@ impl CancelReason {
     }
 }
 
-/// Where a run's events go. Implementations must not block: the session actor calls this on the
-/// routing thread (the run store appends to a log and wakes bounded per-client channels).
+/// Where a run's events go. Implementations must not block: the session actor calls this on its
+/// arbiter (the run store queues the event for its group commit; clients see it once stored).
 pub trait RunSink: Send + Sync + 'static {
     /// Delivers one event.
     fn emit(&self, event: RunEvent);
+    /// Records a checkpoint of the run's life (see [`Checkpoint`]).
+    fn checkpoint(&self, checkpoint: Checkpoint);
 }

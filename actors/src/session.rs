@@ -1,26 +1,35 @@
-//! The session actor: one per run.
+//! The session actor: one per run, from admission to its terminal event.
 //!
 //! ```text
-//! sessions.patch (model) → [sessions.messages.subscribe] → agent (ACK … events … final res)
-//!        → [sessions.messages.unsubscribe] → RunEnded
+//! queued ─Turn─▶ [waiting_for_branch ─Turn─▶] [preparing (worktree)] ─▶ sessions.patch (model) ─▶
+//! [sessions.messages.subscribe] ─▶ agent (ACK … events … final res) ─▶ [publishing (relay)] ─▶ end
 //! ```
-//! It turns gateway frames into [`RunEvent`]s, treats the `agent` final `res` as the truth, enforces
-//! the run's timeout, cancels the gateway run (`chat.abort`) on timeout, abort or client disconnect,
-//! and survives a dropped connection: before `agent` was sent it simply starts over once the
-//! connection is back; after, it re-subscribes and asks `agent.wait` for the run's end, unless the
-//! gateway restarted (new boot id) or does not come back within the recovery window, in which case
-//! the run ends with `gateway_disconnected`. It never hangs: every wait has a deadline.
+//! It owns the run's timeout from admission (queue and lock waits count), its cancellation in every
+//! stage, its checkpoints in the run store (so a restarted clawmux continues it), and the
+//! conversation with the gateway: it turns frames into [`RunEvent`]s, treats the `agent` final `res`
+//! as the truth, cancels the gateway run (`chat.abort`) on timeout, abort or client disconnect, and
+//! survives a dropped connection: before `agent` was sent it starts over once the connection is
+//! back; after, it re-subscribes and asks `agent.wait` for the run's end (waiting as long as the run
+//! may still run), unless the gateway restarted (new boot id) or does not come back within the
+//! recovery window. A run it stops waiting for is cancelled on the gateway, never left running
+//! with no owner. Every wait has a deadline.
+//!
+//! It talks to the supervisor and the registry only through [`GatewayPort`] and [`RegistryPort`],
+//! so tests drive it with probes.
 
+use crate::branch::{workspace_instructions, Workspace};
 use crate::delta::DeltaTracker;
-use crate::run::{CancelReason, ErrorCode, Phase, RunEvent, RunOutcome, RunSink, RunSpec};
 use crate::limits::clip;
-use crate::supervisor::{
-    Abandoned, Call, CallError, OutboundHeadersUnsupported, Reply, RunEnded, Supervisor, SupervisorConfig, Wait,
+use crate::messages::{
+    Abandon, AddRoute, Call, CallError, CancelRun, GatewayPort, GatewayUp, Link, OutboundHeadersUnsupported, RegistryPort,
+    Release, Lock, RemoveRoute, Reply, Routed, RunEnded, ScopeMissing, Suspend, Turn, Wait,
 };
+use crate::metrics::Metrics;
+use crate::run::{CancelReason, Checkpoint, ErrorCode, Phase, Resume, ResumeStage, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
 use actix::prelude::*;
 use clawmux_protocol::events::AgentSignal;
 use clawmux_protocol::methods::{
-    decode_agent_reply, name, AgentParams, AgentReply, AgentWaitParams, AgentWaitResult, ChatAbortParams, FinalStatus,
+    decode_agent_reply, name, AgentFinal, AgentParams, AgentReply, AgentWaitParams, AgentWaitResult, ChatAbortParams, FinalStatus,
     SessionKeyParams, SessionsPatchParams, WaitOutcome,
 };
 use clawmux_protocol::{ChatState, GatewayEvent};
@@ -28,40 +37,51 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A `chat`/`agent` event whose `(sessionKey, runId)` is this run's, with the moment its frame
-/// arrived (to measure clawmux's added latency).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Routed(pub GatewayEvent, pub Instant);
-
-/// The gateway connection dropped.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct GatewayDown;
-
-/// The gateway connection is (back) up.
-#[derive(Message, Clone, Debug)]
-#[rtype(result = "()")]
-pub struct GatewayUp {
-    /// Negotiated protocol.
-    pub protocol: u32,
-    /// Boot id of the gateway process, when it reports one.
-    pub boot_id: Option<String>,
-    /// Events arrive only for subscribed sessions.
-    pub session_scoped: bool,
-    /// Send per-session outbound headers.
-    pub outbound_headers: bool,
+/// Whether per-session `outboundHeaders` are sent with `sessions.patch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutboundHeadersMode {
+    /// Always (the Cogni fork); a gateway that rejects them fails the run.
+    On,
+    /// Never (stock OpenClaw).
+    Off,
+    /// Try; on `unexpected property 'outboundHeaders'` stop sending them for the process.
+    Auto,
 }
 
-/// Cancel the run.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Cancel(pub CancelReason);
+/// What a session actor needs to know of the configuration.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// How long a run whose connection dropped waits for the connection to come back.
+    pub recovery_window: Duration,
+    /// How long an aborted run waits for the gateway's final answer before ending anyway.
+    pub abort_grace: Duration,
+    /// Slack on top of a gateway-side wait (the round trip of `agent.wait`).
+    pub request_timeout: Duration,
+    /// Outbound headers policy.
+    pub outbound_headers: OutboundHeadersMode,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            recovery_window: Duration::from_secs(30),
+            abort_grace: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            outbound_headers: OutboundHeadersMode::Auto,
+        }
+    }
+}
 
 /// Where the run is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
-    /// Waiting for a connection before anything was sent.
+    /// Waiting for its session key (runs of one session run one after the other).
+    Queued,
+    /// Holds its session key, waits for its branch key.
+    WaitingForBranch,
+    /// Its worktree is being prepared in the gateway container.
+    Preparing,
+    /// Waiting for a connection before anything was sent to the gateway.
     WaitingForGateway,
     /// `sessions.patch` sent.
     Patching,
@@ -71,9 +91,11 @@ enum Stage {
     Running,
     /// The connection dropped after `agent` was sent; waiting for it to come back.
     Recovering,
-    /// Reconnected; `agent.wait` sent.
+    /// Reconnected (or resumed); `agent.wait` sent.
     Waiting,
-    /// Terminal event emitted.
+    /// The gateway run ended ok; the relay publishes.
+    Publishing,
+    /// Terminal event emitted (or suspended).
     Done,
 }
 
@@ -96,12 +118,21 @@ const PENDING_RECHECK: Duration = Duration::from_secs(1);
 pub struct SessionActor {
     spec: RunSpec,
     sink: Arc<dyn RunSink>,
-    supervisor: Addr<Supervisor>,
-    cfg: SupervisorConfig,
+    gateway: GatewayPort,
+    registry: RegistryPort,
+    /// The git relay, for runs with a branch.
+    workspace: Option<Arc<dyn Workspace>>,
+    cfg: SessionConfig,
+    metrics: Metrics,
+    /// The connection as it is now (`None` when down).
     link: Option<GatewayUp>,
     stage: Stage,
-    /// When the run's timeout fires (queue time already deducted).
+    /// When the run's timeout fires (admission + timeout).
     deadline: Instant,
+    /// Where a restarted clawmux picks the run up (consumed when the run gets its turn).
+    resume: Option<crate::run::ResumeStage>,
+    /// The message sent to the agent (the user's, plus the worktree instructions of a branch run).
+    message: String,
     /// Boot id of the gateway the `agent` request went to.
     agent_boot_id: Option<String>,
     accepted: bool,
@@ -114,85 +145,185 @@ pub struct SessionActor {
     chat_error: Option<String>,
     unavailable_retries: u32,
     subscribed: bool,
+    /// The supervisor routes this run's frames here.
+    routed: bool,
+    /// The session key is held (released at the gateway run's end).
+    holds_session: bool,
     /// `agent` was sent: from here on the gateway may be running the run.
     agent_sent: bool,
     /// The gateway reported the run's end (final `res` or a terminal `agent.wait`).
     gateway_ended: bool,
     /// `chat.abort` was sent for the run.
     abort_sent: bool,
-    metrics: crate::metrics::Metrics,
 }
 
 impl SessionActor {
-    /// A session actor; `link` is the connection as it is now (`None` when down), `remaining` the
-    /// time left of the run's timeout.
+    /// A session actor for an admitted run; `link` is the connection as it is now.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         spec: RunSpec,
         sink: Arc<dyn RunSink>,
-        supervisor: Addr<Supervisor>,
-        cfg: SupervisorConfig,
+        gateway: GatewayPort,
+        registry: RegistryPort,
+        workspace: Option<Arc<dyn Workspace>>,
+        cfg: SessionConfig,
+        metrics: Metrics,
         link: Option<GatewayUp>,
-        remaining: Duration,
-        metrics: crate::metrics::Metrics,
+        resume: Option<Resume>,
     ) -> Self {
+        let deadline = spec.deadline();
+        let message = spec.message.clone();
+        let (resume, tracker, accepted) = match resume {
+            Some(r) => (Some(r.stage), DeltaTracker::resumed(r.emitted), r.accepted),
+            None => (None, DeltaTracker::new(), false),
+        };
+        let agent_boot_id = match &resume {
+            Some(ResumeStage::Sent { boot_id }) => boot_id.clone(),
+            _ => None,
+        };
         Self {
             spec,
             sink,
-            supervisor,
+            gateway,
+            registry,
+            workspace,
             cfg,
+            metrics,
             link,
-            stage: Stage::WaitingForGateway,
-            deadline: Instant::now() + remaining,
-            agent_boot_id: None,
-            accepted: false,
-            tracker: DeltaTracker::new(),
+            stage: Stage::Queued,
+            deadline,
+            resume,
+            message,
+            agent_boot_id,
+            accepted,
+            tracker,
             last_status: None,
             cancelling: None,
             chat_error: None,
             unavailable_retries: 0,
             subscribed: false,
+            routed: false,
+            holds_session: false,
             agent_sent: false,
             gateway_ended: false,
             abort_sent: false,
-            metrics,
         }
     }
 
     fn call(&self, ctx: &mut Context<Self>, method: &'static str, params: serde_json::Value, tag: u64) {
-        self.supervisor.do_send(Call::new(method, params, tag, Some(ctx.address().recipient())));
-    }
-
-    /// Sends `chat.abort` for the gateway run (once).
-    fn send_abort(&mut self, ctx: &mut Context<Self>) {
-        if self.abort_sent {
-            return;
-        }
-        self.abort_sent = true;
-        let params = ChatAbortParams { session_key: self.spec.session_key.to_string(), run_id: Some(self.spec.gateway_run_id.clone()) };
-        let v = self.to_value(&params);
-        self.call(ctx, name::CHAT_ABORT, v, TAG_ABORT);
-    }
-
-    /// Asks the gateway how the run ends, waiting as long as the run may still run: the generic
-    /// request timeout would cut a long run's recovery short while it is still streaming.
-    /// `budget` is how long the gateway may wait: the run's remaining time, or the abort grace
-    /// once the run is being cancelled.
-    fn send_wait(&mut self, ctx: &mut Context<Self>, budget: Duration) {
-        // Node's timers fire at once above 2^31-1 ms; runs never last that long (max 3600 s).
-        let timeout_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX).min(i32::MAX as u64);
-        let params = AgentWaitParams { run_id: self.spec.gateway_run_id.clone(), timeout_ms: Some(timeout_ms) };
-        let v = self.to_value(&params);
-        let mut call = Call::new(name::AGENT_WAIT, v, TAG_WAIT, Some(ctx.address().recipient()));
-        // The gateway answers by `timeoutMs` at the latest; the slack covers the round trip.
-        call.wait = Wait::Up(budget + self.cfg.request_timeout);
-        self.supervisor.do_send(call);
+        self.gateway.call.do_send(Call::new(method, params, tag, Some(ctx.address().recipient())));
     }
 
     fn to_value<T: serde::Serialize>(&self, v: &T) -> serde_json::Value {
         serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
     }
 
+    // -----------------------------------------------------------------------------------------
+    // Turn: locks, workspace
+    // -----------------------------------------------------------------------------------------
+
+    fn on_turn(&mut self, ctx: &mut Context<Self>, turn: Turn) {
+        if !matches!(self.stage, Stage::Queued | Stage::WaitingForBranch) {
+            return;
+        }
+        if !self.holds_session && !matches!(self.resume, Some(ResumeStage::Publishing { .. })) {
+            self.holds_session = true;
+            self.sink.checkpoint(Checkpoint::Running);
+        }
+        match turn {
+            Turn::WaitingForBranch => {
+                self.stage = Stage::WaitingForBranch;
+                let branch = self.spec.branch.as_ref().map(|b| b.branch()).unwrap_or_default();
+                self.sink.emit(RunEvent::WaitingForBranch { branch });
+            }
+            Turn::Go => match self.resume.take() {
+                Some(ResumeStage::Publishing { content, gateway_usage }) => self.publish(ctx, RunOutcome::ok(content, gateway_usage)),
+                Some(ResumeStage::Sent { .. }) => {
+                    // The gateway has (or had) the run: recover it once the connection is up.
+                    self.agent_sent = true;
+                    self.add_route(ctx);
+                    self.stage = Stage::Recovering;
+                    if let Some(link) = self.link.clone() {
+                        self.on_link_up(ctx, link);
+                    } else {
+                        self.arm_recovery_deadline(ctx);
+                    }
+                }
+                Some(ResumeStage::Start) | None => self.prepare(ctx),
+            },
+        }
+    }
+
+    /// Prepares the worktree of a branch run, then starts the gateway run.
+    fn prepare(&mut self, ctx: &mut Context<Self>) {
+        let (Some(plan), Some(workspace)) = (self.spec.branch.clone(), self.workspace.clone()) else {
+            return self.begin(ctx);
+        };
+        self.stage = Stage::Preparing;
+        self.sink.checkpoint(Checkpoint::Preparing);
+        let fut = workspace.prepare(&plan);
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            if act.stage != Stage::Preparing {
+                return;
+            }
+            match result {
+                Ok(w) => {
+                    tracing::info!(run_id = %act.spec.run_id, branch = %w.branch, path = %w.path, "workspace ready");
+                    act.message.push_str(&workspace_instructions(&w.path, &w.branch));
+                    act.begin(ctx);
+                }
+                Err(e) => {
+                    let msg = format!("preparing the workspace for {} failed: {}", plan.branch(), clip(&e));
+                    act.finish(ctx, RunOutcome::failed(ErrorCode::Internal, msg, String::new()));
+                }
+            }
+        }));
+    }
+
+    /// Publishes a branch run's commits after an ok gateway run, then ends the run.
+    fn publish(&mut self, ctx: &mut Context<Self>, outcome: RunOutcome) {
+        let (Some(plan), Some(workspace)) = (self.spec.branch.clone(), self.workspace.clone()) else {
+            return self.finish(ctx, outcome);
+        };
+        self.stage = Stage::Publishing;
+        self.release_session();
+        self.sink.checkpoint(Checkpoint::Publishing { content: outcome.content.clone(), gateway_usage: outcome.gateway_usage });
+        let fut = workspace.publish(&plan);
+        ctx.spawn(fut.into_actor(self).map(move |published, act, ctx| {
+            if act.stage != Stage::Publishing {
+                return;
+            }
+            tracing::info!(run_id = %act.spec.run_id, relay = %published.relay, "relay finished");
+            act.sink.emit(RunEvent::Relay(published.relay));
+            act.finish(ctx, outcome);
+        }));
+    }
+
+    fn release_session(&mut self) {
+        if self.holds_session {
+            self.holds_session = false;
+            self.registry.release.do_send(Release { run_id: self.spec.run_id.clone(), lock: Lock::Session });
+        }
+    }
+
+    fn add_route(&mut self, ctx: &mut Context<Self>) {
+        if !self.routed {
+            self.routed = true;
+            // Sent by the same actor before any call, so the route exists before `agent` goes out.
+            self.gateway.add_route.do_send(AddRoute {
+                session_key: self.spec.session_key.clone(),
+                gateway_run_id: self.spec.gateway_run_id.clone(),
+                to: ctx.address().recipient(),
+            });
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The gateway run
+    // -----------------------------------------------------------------------------------------
+
     fn begin(&mut self, ctx: &mut Context<Self>) {
+        self.add_route(ctx);
         let Some(link) = self.link.clone() else {
             self.stage = Stage::WaitingForGateway;
             self.arm_recovery_deadline(ctx);
@@ -232,14 +363,21 @@ impl SessionActor {
 
     fn send_agent(&mut self, ctx: &mut Context<Self>) {
         self.stage = Stage::Running;
-        self.agent_sent = true;
         self.agent_boot_id = self.link.as_ref().and_then(|l| l.boot_id.clone());
+        // Recorded before the frame goes out: a restart then knows the gateway may have the run.
+        self.sink.checkpoint(Checkpoint::Sending { boot_id: self.agent_boot_id.clone() });
+        if !self.agent_sent {
+            self.agent_sent = true;
+            self.metrics.runs_started.inc();
+        }
         let v3 = self.link.as_ref().is_some_and(|l| l.protocol < 4);
         let remaining = self.deadline.saturating_duration_since(Instant::now());
         let params = AgentParams {
-            message: self.spec.message.clone(),
+            message: self.message.clone(),
             agent_id: self.spec.agent_id.clone(),
             session_key: self.spec.session_key.to_string(),
+            // The same key on every attempt: after a restart the gateway dedupes it (`in_flight`,
+            // or the cached final) instead of starting the run twice.
             idempotency_key: self.spec.gateway_run_id.clone(),
             // Protocol 3 cannot abort an `agent` run, but it honours this bound (seconds): the run's
             // timeout then really stops the LLM stream on the gateway.
@@ -256,7 +394,32 @@ impl SessionActor {
         call.traceparent = Some(traceparent.to_string());
         // The run's own timeout bounds the wait for its final `res`, not the request timeout.
         call.wait = Wait::Caller;
-        self.supervisor.do_send(call);
+        self.gateway.call.do_send(call);
+    }
+
+    /// Sends `chat.abort` for the gateway run (once).
+    fn send_abort(&mut self, ctx: &mut Context<Self>) {
+        if self.abort_sent {
+            return;
+        }
+        self.abort_sent = true;
+        let params = ChatAbortParams { session_key: self.spec.session_key.to_string(), run_id: Some(self.spec.gateway_run_id.clone()) };
+        let v = self.to_value(&params);
+        self.call(ctx, name::CHAT_ABORT, v, TAG_ABORT);
+    }
+
+    /// Asks the gateway how the run ends. `budget` is how long the gateway may wait: the run's
+    /// remaining time (a generic request timeout would cut a long run's recovery short while it is
+    /// still streaming), or the abort grace once the run is being cancelled.
+    fn send_wait(&mut self, ctx: &mut Context<Self>, budget: Duration) {
+        // Node's timers fire at once above 2^31-1 ms; runs never last that long (max 3600 s).
+        let timeout_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX).min(i32::MAX as u64);
+        let params = AgentWaitParams { run_id: self.spec.gateway_run_id.clone(), timeout_ms: Some(timeout_ms) };
+        let v = self.to_value(&params);
+        let mut call = Call::new(name::AGENT_WAIT, v, TAG_WAIT, Some(ctx.address().recipient()));
+        // The gateway answers by `timeoutMs` at the latest; the slack covers the round trip.
+        call.wait = Wait::Up(budget + self.cfg.request_timeout);
+        self.gateway.call.do_send(call);
     }
 
     fn emit_status(&mut self, phase: Phase, tool: Option<String>) {
@@ -275,16 +438,78 @@ impl SessionActor {
         }
     }
 
-    /// Emits the terminal event once, releases the session, stops.
+    fn accept(&mut self, gateway_run_id: String) {
+        if !self.accepted {
+            self.accepted = true;
+            self.sink.emit(RunEvent::Accepted { gateway_run_id });
+        }
+    }
+
+    /// The gateway run ended: ok runs with a branch publish first; everything else ends now.
+    fn gateway_done(&mut self, ctx: &mut Context<Self>, outcome: RunOutcome) {
+        self.gateway_ended = true;
+        if outcome.status == RunStatus::Ok && self.cancelling.is_none() && self.spec.branch.is_some() {
+            self.complete_text(&outcome.content);
+            self.stop_gateway_side();
+            return self.publish(ctx, outcome);
+        }
+        self.finish(ctx, outcome);
+    }
+
+    fn complete_text(&mut self, content: &str) {
+        if let Some(rest) = self.tracker.complete(content) {
+            self.sink.emit(RunEvent::TextDelta(rest));
+        }
+    }
+
+    /// Unroutes and unsubscribes the run; cancels its gateway run if clawmux stops waiting for it
+    /// before the gateway reported its end.
+    fn stop_gateway_side(&mut self) {
+        if self.agent_sent && !self.gateway_ended {
+            if self.link.is_some() {
+                if !self.abort_sent {
+                    self.metrics.runs_abandoned.with_label_values(&["at_end"]).inc();
+                    self.abort_sent = true;
+                    let params = ChatAbortParams {
+                        session_key: self.spec.session_key.to_string(),
+                        run_id: Some(self.spec.gateway_run_id.clone()),
+                    };
+                    let v = self.to_value(&params);
+                    self.gateway.call.do_send(Call::new(name::CHAT_ABORT, v, TAG_ABORT, None));
+                }
+            } else {
+                self.gateway.abandon.do_send(Abandon {
+                    session_key: self.spec.session_key.clone(),
+                    gateway_run_id: self.spec.gateway_run_id.clone(),
+                    boot_id: self.agent_boot_id.clone(),
+                });
+            }
+            self.gateway_ended = true;
+        }
+        if self.subscribed && self.link.is_some() {
+            // Fire and forget: the next run of this session may subscribe again right after.
+            let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
+            self.gateway.call.do_send(Call::new(name::SESSIONS_UNSUBSCRIBE, v, 0, None));
+            self.subscribed = false;
+        }
+        if self.routed {
+            self.routed = false;
+            self.gateway.remove_route.do_send(RemoveRoute {
+                session_key: self.spec.session_key.clone(),
+                gateway_run_id: self.spec.gateway_run_id.clone(),
+            });
+        }
+        self.release_session();
+    }
+
+    /// Emits the terminal event once, frees everything the run holds, stops.
     fn finish(&mut self, ctx: &mut Context<Self>, mut outcome: RunOutcome) {
         if self.stage == Stage::Done {
             return;
         }
         self.stage = Stage::Done;
-        if outcome.status == crate::run::RunStatus::Ok {
-            if let Some(rest) = self.tracker.complete(&outcome.content) {
-                self.sink.emit(RunEvent::TextDelta(rest));
-            }
+        if outcome.status == RunStatus::Ok {
+            self.complete_text(&outcome.content);
         } else if outcome.content.is_empty() {
             outcome.content = self.tracker.emitted().to_owned();
         }
@@ -297,38 +522,16 @@ impl SessionActor {
         );
         let status = outcome.status;
         self.sink.emit(RunEvent::Finished(outcome));
-        // A run clawmux stops waiting for must not go on with no owner on the gateway.
-        let mut abandoned = None;
-        if self.agent_sent && !self.gateway_ended {
-            if self.link.is_some() {
-                if !self.abort_sent {
-                    self.metrics.runs_abandoned.with_label_values(&["at_end"]).inc();
-                }
-                self.send_abort(ctx);
-            } else {
-                abandoned = Some(Abandoned { boot_id: self.agent_boot_id.clone() });
-            }
-        }
-        if self.subscribed && self.link.is_some() {
-            // Fire and forget: the next run of this session may subscribe again right after.
-            let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
-            self.supervisor.do_send(Call::new(name::SESSIONS_UNSUBSCRIBE, v, 0, None));
-        }
-        self.supervisor.do_send(RunEnded {
-            run_id: self.spec.run_id.clone(),
-            session_key: self.spec.session_key.clone(),
-            gateway_run_id: self.spec.gateway_run_id.clone(),
-            status,
-            abandoned,
-        });
+        self.stop_gateway_side();
+        self.registry.ended.do_send(RunEnded { run_id: self.spec.run_id.clone(), status: Some(status) });
         ctx.stop();
     }
 
-    fn finish_from_final(&mut self, ctx: &mut Context<Self>, fin: clawmux_protocol::methods::AgentFinal) {
+    fn finish_from_final(&mut self, ctx: &mut Context<Self>, fin: AgentFinal) {
         self.gateway_ended = true;
         let content = fin.content();
         let usage = fin.usage_hint();
-        let outcome = match (fin.status, self.cancelling) {
+        let mut outcome = match (fin.status, self.cancelling) {
             (_, Some(reason)) if fin.status != FinalStatus::Ok || fin.is_abort() || fin.meta_aborted() => reason.outcome(content),
             (FinalStatus::Ok, None) if fin.meta_aborted() => {
                 RunOutcome::failed(ErrorCode::Timeout, "the gateway stopped the run at its timeout", content)
@@ -348,15 +551,18 @@ impl SessionActor {
             }
             (FinalStatus::Timeout, _) => RunOutcome::failed(ErrorCode::Timeout, "the gateway timed the run out", content),
         };
-        let mut outcome = outcome;
         if outcome.gateway_usage.is_none() {
             outcome.gateway_usage = usage;
         }
-        self.finish(ctx, outcome);
+        self.gateway_done(ctx, outcome);
     }
 
     fn cancel(&mut self, ctx: &mut Context<Self>, reason: CancelReason) {
         if self.stage == Stage::Done || self.cancelling.is_some() {
+            return;
+        }
+        if self.stage == Stage::Publishing && reason == CancelReason::Timeout {
+            // The agent's work is done and ok; publishing has its own bounded retries.
             return;
         }
         self.cancelling = Some(reason);
@@ -368,8 +574,8 @@ impl SessionActor {
             if self.spec.attribution_token.is_none() {
                 tracing::warn!(run_id = %self.spec.run_id, "protocol 3 without the LLM proxy: the gateway run cannot be stopped, only abandoned");
             }
-            self.finish(ctx, reason.outcome(String::new()));
-            return;
+            self.gateway_ended = true;
+            return self.finish(ctx, reason.outcome(String::new()));
         }
         match self.stage {
             Stage::Running | Stage::Waiting => {
@@ -383,7 +589,8 @@ impl SessionActor {
                     }
                 });
             }
-            // Nothing runs on the gateway yet (or the connection is down): end now.
+            // Nothing runs on the gateway yet, the connection is down, or the relay publishes:
+            // end now (a gateway run still going is cancelled by `finish`, now or after reconnect).
             _ => self.finish(ctx, reason.outcome(String::new())),
         }
     }
@@ -391,7 +598,7 @@ impl SessionActor {
     fn arm_recovery_deadline(&mut self, ctx: &mut Context<Self>) {
         let wait = self.cfg.recovery_window.min(self.deadline.saturating_duration_since(Instant::now()));
         ctx.run_later(wait, |act, ctx| {
-            if matches!(act.stage, Stage::Recovering | Stage::WaitingForGateway) {
+            if matches!(act.stage, Stage::Recovering | Stage::WaitingForGateway) && act.link.is_none() {
                 act.finish(
                     ctx,
                     RunOutcome::failed(
@@ -405,17 +612,17 @@ impl SessionActor {
     }
 
     fn on_reply(&mut self, ctx: &mut Context<Self>, tag: u64, result: Result<Box<serde_json::value::RawValue>, CallError>) {
-        if self.stage == Stage::Done {
+        if matches!(self.stage, Stage::Done | Stage::Publishing) {
             return;
         }
         match (tag, result) {
             (_, Err(CallError::NotConnected | CallError::Disconnected)) => {
-                // GatewayDown (sent by the supervisor) drives recovery; nothing to do per call.
+                // `Link(None)` drives recovery; nothing to do per call.
             }
             (TAG_PATCH, Ok(_)) if self.stage == Stage::Patching => self.after_patch(ctx),
             (TAG_PATCH, Err(CallError::Gateway(e))) if self.stage == Stage::Patching => {
-                if e.message.contains("outboundHeaders") && self.cfg.outbound_headers == crate::supervisor::OutboundHeadersMode::Auto {
-                    self.supervisor.do_send(OutboundHeadersUnsupported);
+                if e.message.contains("outboundHeaders") && self.cfg.outbound_headers == OutboundHeadersMode::Auto {
+                    self.gateway.headers_unsupported.do_send(OutboundHeadersUnsupported);
                     if let Some(l) = self.link.as_mut() {
                         l.outbound_headers = false;
                     }
@@ -424,7 +631,7 @@ impl SessionActor {
                     self.retry_later(ctx, e.retry_after_ms);
                 } else {
                     if e.is_missing_scope() {
-                        self.supervisor.do_send(crate::supervisor::ScopeMissing(e.clone()));
+                        self.gateway.scope_missing.do_send(ScopeMissing(e.clone()));
                     }
                     self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("sessions.patch: {}", clip(&e.message)), String::new()));
                 }
@@ -432,51 +639,14 @@ impl SessionActor {
             (TAG_SUBSCRIBE, result) if self.stage == Stage::Subscribing => {
                 match result {
                     Ok(_) => self.subscribed = true,
-                    Err(e) => tracing::warn!(run_id = %self.spec.run_id, error = ?e, "subscribe failed; the run's events may not arrive"),
+                    Err(e) => tracing::warn!(run_id = %self.spec.run_id, error = %describe(&e), "subscribe failed; the run's events may not arrive"),
                 }
                 self.send_agent(ctx);
             }
-            (TAG_AGENT, Ok(raw)) if self.stage == Stage::Running => match decode_agent_reply(raw.get()) {
-                Ok(AgentReply::Ack(ack)) => {
-                    // The gateway names the session it put the run in: it must be the key clawmux
-                    // routes by, or the run's frames would never reach it (or reach another run).
-                    if let Some(key) = ack.session_key.as_deref().filter(|k| *k != self.spec.session_key.as_str()) {
-                        let msg = format!(
-                            "the gateway put the run in session {:?}, not {:?}; the run was cancelled",
-                            clip(key),
-                            self.spec.session_key.as_str()
-                        );
-                        return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
-                    }
-                    if ack.run_id != self.spec.gateway_run_id {
-                        let msg = format!("the gateway acknowledged run {:?} for run {:?}; the run was cancelled", clip(&ack.run_id), self.spec.gateway_run_id);
-                        return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
-                    }
-                    if !self.accepted {
-                        self.accepted = true;
-                        self.sink.emit(RunEvent::Accepted { gateway_run_id: ack.run_id });
-                    }
-                }
-                Ok(AgentReply::Final(fin)) => {
-                    if !self.accepted {
-                        // A cached final without ACK (repeated key): still report acceptance first.
-                        self.accepted = true;
-                        self.sink.emit(RunEvent::Accepted { gateway_run_id: fin.run_id.clone() });
-                    }
-                    self.finish_from_final(ctx, fin);
-                }
-                Err(e) => self.finish(
-                    ctx,
-                    RunOutcome::failed(
-                        ErrorCode::GatewayProtocolError,
-                        format!("the gateway's answer to the run's agent request could not be understood ({}); the run was cancelled", clip(&e.to_string())),
-                        String::new(),
-                    ),
-                ),
-            },
+            (TAG_AGENT, Ok(raw)) if self.stage == Stage::Running => self.on_agent_answer(ctx, raw.get()),
             (TAG_AGENT, Err(CallError::Gateway(e))) if self.stage == Stage::Running => {
                 if e.is_missing_scope() {
-                    self.supervisor.do_send(crate::supervisor::ScopeMissing(e.clone()));
+                    self.gateway.scope_missing.do_send(ScopeMissing(e.clone()));
                 }
                 if !self.accepted && e.is_retryable() && self.unavailable_retries < MAX_UNAVAILABLE_RETRIES {
                     self.retry_later(ctx, e.retry_after_ms);
@@ -492,7 +662,7 @@ impl SessionActor {
             (TAG_WAIT, Ok(raw)) if self.stage == Stage::Waiting => self.on_wait_answer(ctx, raw.get()),
             (TAG_WAIT, Err(CallError::TimedOut)) if self.stage == Stage::Waiting => {
                 // Not even the run's own timeout (plus slack) brought an answer: give it up, and
-                // cancel it on the gateway (finish sends `chat.abort`).
+                // cancel it on the gateway (`finish` sends `chat.abort`).
                 let outcome = self.cancelling.unwrap_or(CancelReason::Timeout).outcome(String::new());
                 self.finish(ctx, outcome);
             }
@@ -518,14 +688,56 @@ impl SessionActor {
         }
     }
 
+    /// An `ok` answer to the run's `agent` request: ACK, `in_flight` (a repeated key of a run the
+    /// gateway is running: its final goes to the first request, so wait for it), or the final.
+    fn on_agent_answer(&mut self, ctx: &mut Context<Self>, raw: &str) {
+        let protocol_error = |msg: String| RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new());
+        match decode_agent_reply(raw) {
+            Ok(AgentReply::Ack(ack)) => {
+                // The gateway names the session it put the run in: it must be the key clawmux
+                // routes by, or the run's frames would never reach it (or reach another run).
+                if let Some(key) = ack.session_key.as_deref().filter(|k| *k != self.spec.session_key.as_str()) {
+                    let msg = format!(
+                        "the gateway put the run in session {:?}, not {:?}; the run was cancelled",
+                        clip(key),
+                        self.spec.session_key.as_str()
+                    );
+                    return self.finish(ctx, protocol_error(msg));
+                }
+                if ack.run_id != self.spec.gateway_run_id {
+                    let msg = format!("the gateway acknowledged run {:?} for run {:?}; the run was cancelled", clip(&ack.run_id), self.spec.gateway_run_id);
+                    return self.finish(ctx, protocol_error(msg));
+                }
+                let in_flight = ack.status == "in_flight";
+                self.accept(ack.run_id);
+                if in_flight {
+                    self.stage = Stage::Waiting;
+                    let remaining = self.deadline.saturating_duration_since(Instant::now());
+                    self.send_wait(ctx, remaining);
+                }
+            }
+            Ok(AgentReply::Final(fin)) => {
+                // A cached final without ACK (repeated key): still report acceptance first.
+                self.accept(fin.run_id.clone());
+                self.finish_from_final(ctx, fin);
+            }
+            Err(e) => {
+                let msg = format!("the gateway's answer to the run's agent request could not be understood ({}); the run was cancelled", clip(&e.to_string()));
+                self.finish(ctx, protocol_error(msg));
+            }
+        }
+    }
+
     /// The answer to the recovery `agent.wait`.
     fn on_wait_answer(&mut self, ctx: &mut Context<Self>, raw: &str) {
-        let Some(outcome) = serde_json::from_str::<AgentWaitResult>(raw).ok().and_then(|w| w.outcome()) else {
+        let wait = serde_json::from_str::<AgentWaitResult>(raw).ok();
+        let Some(outcome) = wait.as_ref().and_then(AgentWaitResult::outcome) else {
             let msg = format!("the gateway's agent.wait answer could not be understood: {}", clip(raw));
             return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
         };
         if outcome != WaitOutcome::NotEnded {
             self.gateway_ended = true;
+            self.accept(self.spec.gateway_run_id.clone());
         }
         if let (Some(reason), false) = (self.cancelling, matches!(outcome, WaitOutcome::NotEnded | WaitOutcome::Ok(_))) {
             return self.finish(ctx, reason.outcome(String::new()));
@@ -537,7 +749,7 @@ impl SessionActor {
                 // all clawmux can vouch for).
                 let emitted = self.tracker.emitted();
                 let content = reply.filter(|r| r.starts_with(emitted)).unwrap_or_else(|| emitted.to_owned());
-                self.finish(ctx, RunOutcome::ok(content, None))
+                self.gateway_done(ctx, RunOutcome::ok(content, None))
             }
             WaitOutcome::Error(e) => self.finish(
                 ctx,
@@ -563,8 +775,7 @@ impl SessionActor {
                     Some(_) => self.cfg.abort_grace,
                     None => self.deadline.saturating_duration_since(Instant::now()),
                 };
-                let queued = serde_json::from_str::<AgentWaitResult>(raw).is_ok_and(|w| w.status == "pending");
-                if queued {
+                if wait.is_some_and(|w| w.status == "pending") {
                     ctx.run_later(PENDING_RECHECK, move |act, ctx| {
                         if act.stage == Stage::Waiting {
                             act.send_wait(ctx, budget);
@@ -583,14 +794,14 @@ impl SessionActor {
         tracing::info!(run_id = %self.spec.run_id, delay_ms = delay.as_millis() as u64, "gateway unavailable; retrying");
         self.stage = Stage::WaitingForGateway;
         ctx.run_later(delay, |act, ctx| {
-            if act.stage == Stage::WaitingForGateway {
+            if act.stage == Stage::WaitingForGateway && act.link.is_some() {
                 act.begin(ctx);
             }
         });
     }
 
     fn on_event(&mut self, event: GatewayEvent, received: Instant) {
-        if self.stage == Stage::Done {
+        if matches!(self.stage, Stage::Done | Stage::Publishing) {
             return;
         }
         match event {
@@ -606,11 +817,68 @@ impl SessionActor {
             },
             GatewayEvent::Agent(agent) => match agent.signal() {
                 Some(AgentSignal::Lifecycle(p)) if p == "start" => self.emit_status(Phase::Thinking, None),
-                Some(AgentSignal::ToolStart(tool)) => self.emit_status(Phase::ToolUse, Some(tool)),
+                Some(AgentSignal::ToolStart(tool)) => self.emit_status(Phase::ToolUse, Some(clip(&tool))),
                 Some(AgentSignal::ToolEnd | AgentSignal::CompactionEnd) => self.emit_status(Phase::Thinking, None),
                 Some(AgentSignal::CompactionStart) => self.emit_status(Phase::Compacting, None),
                 _ => {}
             },
+            _ => {}
+        }
+    }
+
+    fn on_link_down(&mut self, ctx: &mut Context<Self>) {
+        match self.stage {
+            Stage::Running | Stage::Waiting | Stage::Recovering => {
+                if let Some(reason) = self.cancelling {
+                    // Nothing more can be cancelled over a dead connection; end as asked (the
+                    // gateway run is cancelled once that gateway is back).
+                    self.finish(ctx, reason.outcome(String::new()));
+                    return;
+                }
+                self.stage = Stage::Recovering;
+                self.arm_recovery_deadline(ctx);
+            }
+            Stage::WaitingForGateway | Stage::Patching | Stage::Subscribing => {
+                self.stage = Stage::WaitingForGateway;
+                self.arm_recovery_deadline(ctx);
+            }
+            Stage::Queued | Stage::WaitingForBranch | Stage::Preparing | Stage::Publishing | Stage::Done => {}
+        }
+    }
+
+    fn on_link_up(&mut self, ctx: &mut Context<Self>, link: GatewayUp) {
+        match self.stage {
+            Stage::WaitingForGateway => self.begin(ctx),
+            Stage::Recovering => {
+                if let (Some(before), Some(now)) = (&self.agent_boot_id, &link.boot_id) {
+                    if before != now {
+                        // The run died with the old gateway process: nothing to cancel.
+                        self.gateway_ended = true;
+                        self.finish(
+                            ctx,
+                            RunOutcome::failed(
+                                ErrorCode::GatewayDisconnected,
+                                "the gateway restarted mid-run and the run was lost with it",
+                                String::new(),
+                            ),
+                        );
+                        return;
+                    }
+                }
+                if !self.accepted {
+                    // Resumed after a restart of clawmux before the ACK was stored: send `agent`
+                    // again with the same idempotency key; the gateway dedupes it.
+                    return self.begin(ctx);
+                }
+                self.stage = Stage::Waiting;
+                if link.session_scoped {
+                    let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
+                    self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_RESUBSCRIBE);
+                    self.subscribed = true;
+                }
+                let remaining = self.deadline.saturating_duration_since(Instant::now());
+                self.send_wait(ctx, remaining);
+            }
             _ => {}
         }
     }
@@ -622,7 +890,13 @@ impl Actor for SessionActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         let remaining = self.deadline.saturating_duration_since(Instant::now());
         ctx.run_later(remaining, |act, ctx| act.cancel(ctx, CancelReason::Timeout));
-        self.begin(ctx);
+    }
+}
+
+impl Handler<Turn> for SessionActor {
+    type Result = ();
+    fn handle(&mut self, msg: Turn, ctx: &mut Context<Self>) {
+        self.on_turn(ctx, msg);
     }
 }
 
@@ -640,65 +914,43 @@ impl Handler<Reply> for SessionActor {
     }
 }
 
-impl Handler<Cancel> for SessionActor {
+impl Handler<CancelRun> for SessionActor {
     type Result = ();
-    fn handle(&mut self, msg: Cancel, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: CancelRun, ctx: &mut Context<Self>) {
         self.cancel(ctx, msg.0);
     }
 }
 
-impl Handler<GatewayDown> for SessionActor {
+impl Handler<Suspend> for SessionActor {
     type Result = ();
-    fn handle(&mut self, _msg: GatewayDown, ctx: &mut Context<Self>) {
-        self.link = None;
-        match self.stage {
-            Stage::Done => {}
-            Stage::Running | Stage::Waiting | Stage::Recovering => {
-                if let Some(reason) = self.cancelling {
-                    // Nothing more can be cancelled over a dead connection; end as asked.
-                    self.finish(ctx, reason.outcome(String::new()));
-                    return;
-                }
-                self.stage = Stage::Recovering;
-                self.arm_recovery_deadline(ctx);
-            }
-            Stage::WaitingForGateway | Stage::Patching | Stage::Subscribing => {
-                self.stage = Stage::WaitingForGateway;
-                self.arm_recovery_deadline(ctx);
-            }
+    fn handle(&mut self, _msg: Suspend, ctx: &mut Context<Self>) {
+        if self.stage == Stage::Done {
+            return;
         }
+        // Handoff: the gateway run goes on; the store has the run's checkpoints and events, and the
+        // next start of clawmux continues it. No terminal event, no abort.
+        self.stage = Stage::Done;
+        if self.routed {
+            self.gateway.remove_route.do_send(RemoveRoute {
+                session_key: self.spec.session_key.clone(),
+                gateway_run_id: self.spec.gateway_run_id.clone(),
+            });
+        }
+        self.registry.ended.do_send(RunEnded { run_id: self.spec.run_id.clone(), status: None });
+        ctx.stop();
     }
 }
 
-impl Handler<GatewayUp> for SessionActor {
+impl Handler<Link> for SessionActor {
     type Result = ();
-    fn handle(&mut self, msg: GatewayUp, ctx: &mut Context<Self>) {
-        self.link = Some(msg.clone());
-        match self.stage {
-            Stage::WaitingForGateway => self.begin(ctx),
-            Stage::Recovering => {
-                if let (Some(before), Some(now)) = (&self.agent_boot_id, &msg.boot_id) {
-                    if before != now {
-                        self.finish(
-                            ctx,
-                            RunOutcome::failed(
-                                ErrorCode::GatewayDisconnected,
-                                "the gateway restarted mid-run and the run was lost with it",
-                                String::new(),
-                            ),
-                        );
-                        return;
-                    }
-                }
-                self.stage = Stage::Waiting;
-                if msg.session_scoped {
-                    let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
-                    self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_RESUBSCRIBE);
-                }
-                let remaining = self.deadline.saturating_duration_since(Instant::now());
-                self.send_wait(ctx, remaining);
-            }
-            _ => {}
+    fn handle(&mut self, msg: Link, ctx: &mut Context<Self>) {
+        if self.stage == Stage::Done {
+            return;
+        }
+        self.link = msg.0.clone();
+        match msg.0 {
+            Some(up) => self.on_link_up(ctx, up),
+            None => self.on_link_down(ctx),
         }
     }
 }

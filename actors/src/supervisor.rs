@@ -2,37 +2,29 @@
 //!
 //! It owns the connection state, allocates request ids and routes every `res` to whoever asked
 //! (including the double `res` of `agent`), routes every `chat`/`agent` event to the session actor
-//! that owns its `(sessionKey, runId)` and drops (and counts) everything else, admits runs (one at a
-//! time per session key), reconnects with backoff and jitter, watches `tick`s, and handles
-//! `shutdown`. It never awaits a session actor: everything it sends them is `do_send`.
+//! that owns its `(sessionKey, runId)` and drops (and counts) everything else, reconnects with
+//! backoff and jitter, watches `tick`s, handles `shutdown`, and cancels gateway runs their session
+//! gave up on while the connection was down. It reports the connection's state to one listener (the
+//! registry). It knows nothing of admission or run lifecycles, and never awaits anyone: everything
+//! it sends is `do_send`.
 
 use crate::backoff::Backoff;
 use crate::connection::{self, ConnEvents, ConnectFailure};
+use crate::messages::{
+    Abandon, AddRoute, Call, CallError, GatewayUp, Link, ListenLink, OutboundHeadersUnsupported, RemoveRoute, Reply, Routed,
+    ScopeMissing, Wait,
+};
 use crate::metrics::Metrics;
-use crate::queue::KeyQueue;
 use crate::routes::RouteTable;
-use crate::run::{CancelReason, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
-use crate::session::{GatewayDown, GatewayUp, Routed, SessionActor};
+use crate::session::OutboundHeadersMode;
 use actix::prelude::*;
 use clawmux_protocol::handshake::{ConnectParams, HelloOk};
 use clawmux_protocol::methods::name;
-use clawmux_protocol::{encode_request, ErrorShape, Frame, GatewayEvent, SessionKey};
-use serde_json::value::RawValue;
+use clawmux_protocol::{encode_request, ErrorShape, Frame, GatewayEvent};
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
-
-/// Whether per-session `outboundHeaders` are sent with `sessions.patch`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OutboundHeadersMode {
-    /// Always (the Cogni fork); a gateway that rejects them fails the run.
-    On,
-    /// Never (stock OpenClaw).
-    Off,
-    /// Try; on `unexpected property 'outboundHeaders'` stop sending them for the process.
-    Auto,
-}
 
 /// Supervisor settings.
 #[derive(Debug, Clone)]
@@ -62,6 +54,16 @@ pub struct SupervisorConfig {
 }
 
 impl SupervisorConfig {
+    /// What the session actors need of these settings.
+    pub fn session(&self) -> crate::session::SessionConfig {
+        crate::session::SessionConfig {
+            recovery_window: self.recovery_window,
+            abort_grace: self.abort_grace,
+            request_timeout: self.request_timeout,
+            outbound_headers: self.outbound_headers,
+        }
+    }
+
     /// Defaults for `url`.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
@@ -149,148 +151,9 @@ impl GatewayStatus {
 /// Shared, cheaply readable status (HTTP handlers read it without messaging the actor).
 pub type StatusHandle = Arc<RwLock<GatewayStatus>>;
 
-// ---------------------------------------------------------------------------------------------
-// Messages
-// ---------------------------------------------------------------------------------------------
-
-/// Why a run was not admitted.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdmitError {
-    /// The gateway connection is down.
-    #[error("the gateway connection is down: {0}")]
-    GatewayDown(String),
-    /// Too many runs in flight.
-    #[error("clawmux is at its capacity of {0} runs in flight")]
-    AtCapacity(usize),
-    /// A run with this id is already in flight.
-    #[error("a run with this id is already in flight")]
-    Duplicate,
-}
-
-/// Start a run (HTTP → supervisor). Answers once the run is admitted (running or queued).
-#[derive(Message)]
-#[rtype(result = "Result<(), AdmitError>")]
-pub struct StartRun {
-    /// The run.
-    pub spec: RunSpec,
-    /// Where its events go.
-    pub sink: Arc<dyn RunSink>,
-}
-
-/// Cancel a run (HTTP → supervisor). Answers whether the run was in flight.
-#[derive(Message)]
-#[rtype(result = "bool")]
-pub struct CancelRun {
-    /// The API run id.
-    pub run_id: String,
-    /// Why.
-    pub reason: CancelReason,
-}
-
-/// Cancel every run and stop reconnecting (SIGTERM). Answers the number of runs cancelled.
-#[derive(Message)]
-#[rtype(result = "usize")]
-pub struct ShutdownAll;
-
-/// Number of runs in flight (running + queued).
-#[derive(Message)]
-#[rtype(result = "usize")]
-pub struct InFlight;
-
-/// How long the supervisor waits for the answer to a [`Call`] before failing it with
-/// [`CallError::TimedOut`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wait {
-    /// `SupervisorConfig::request_timeout`: for calls the gateway answers at once.
-    Default,
-    /// No deadline here: the caller owns it (the `agent` request, bounded by its run's timeout).
-    Caller,
-    /// This long: calls that may legitimately take as long as a run (`agent.wait`).
-    Up(Duration),
-}
-
-/// A session actor's request to the gateway.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Call {
-    /// Method name.
-    pub method: &'static str,
-    /// Params (already closed-schema typed by the caller).
-    pub params: serde_json::Value,
-    /// W3C trace context for the frame (protocol 4 only).
-    pub traceparent: Option<String>,
-    /// Correlates the reply at the caller.
-    pub tag: u64,
-    /// Where to deliver the answer(s); `None` for fire-and-forget.
-    pub reply_to: Option<Recipient<Reply>>,
-    /// How long the answer may take.
-    pub wait: Wait,
-}
-
-impl Call {
-    /// A call answered at once, with the default request timeout.
-    pub fn new(method: &'static str, params: serde_json::Value, tag: u64, reply_to: Option<Recipient<Reply>>) -> Self {
-        Self { method, params, traceparent: None, tag, reply_to, wait: Wait::Default }
-    }
-}
-
-/// How a call failed without a gateway answer.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CallError {
-    /// The gateway answered `ok: false`.
-    Gateway(ErrorShape),
-    /// The connection was down when the call was made.
-    NotConnected,
-    /// The connection dropped before the answer.
-    Disconnected,
-    /// No answer within the request timeout.
-    TimedOut,
-    /// The answer could not be decoded.
-    Malformed(String),
-}
-
-/// The answer to a [`Call`] (for `agent`: delivered twice, ACK then final).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Reply {
-    /// The caller's tag.
-    pub tag: u64,
-    /// Payload or error.
-    pub result: Result<Box<RawValue>, CallError>,
-}
-
-/// A session actor is done: free its route and its session key.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct RunEnded {
-    /// API run id.
-    pub run_id: String,
-    /// Session key.
-    pub session_key: SessionKey,
-    /// Gateway run id.
-    pub gateway_run_id: String,
-    /// How the run ended (counted in `clawmux_runs_finished_total`).
-    pub status: RunStatus,
-    /// Set when the gateway may still be running the run and clawmux could not cancel it (the
-    /// connection was down): the supervisor cancels it once that gateway process is back.
-    pub abandoned: Option<Abandoned>,
-}
-
-/// A gateway run nobody waits for any more, to be cancelled when its gateway process is reachable.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Abandoned {
-    /// Boot id of the gateway process that runs it (`None`: the gateway reports none).
-    pub boot_id: Option<String>,
-}
-
-/// Abandoned runs remembered at most (oldest forgotten first, with a warning): a long outage must
-/// not grow memory without bound.
+/// Gateway runs remembered at most for cancelling after a reconnect (oldest forgotten first, with
+/// a warning): a long outage must not grow memory without bound.
 const MAX_ABANDONED: usize = 10_000;
-
-/// The gateway rejected `outboundHeaders`: stop sending them (auto mode).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct OutboundHeadersUnsupported;
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -379,18 +242,6 @@ struct Pending {
     deadline: Option<Instant>,
 }
 
-/// A run admitted but waiting for its session key.
-struct QueuedRun {
-    spec: RunSpec,
-    sink: Arc<dyn RunSink>,
-    admitted: Instant,
-}
-
-enum RunSlot {
-    Queued { session_key: SessionKey },
-    Active { addr: Addr<SessionActor>, admitted: Instant },
-}
-
 /// The supervisor actor. Start it once, in `main`.
 pub struct Supervisor {
     cfg: SupervisorConfig,
@@ -406,17 +257,29 @@ pub struct Supervisor {
     next_request_id: u64,
     pending: HashMap<String, Pending>,
     routes: RouteTable<Recipient<Routed>>,
-    runs: HashMap<String, RunSlot>,
-    queue: KeyQueue<SessionKey, QueuedRun>,
+    /// Who hears of the connection going up and down (the registry, which tells the runs).
+    listener: Option<Recipient<Link>>,
     outbound_headers_supported: Option<bool>,
     /// The thread the gateway connection's I/O runs on (created on first connect).
     io: Option<Arbiter>,
     /// Gateway runs given up on while the connection was down: cancelled once that gateway
     /// process is back, so no run goes on with no owner (and no bill payer watching).
-    abandoned: std::collections::VecDeque<(SessionKey, String, Abandoned)>,
+    abandoned: std::collections::VecDeque<Abandon>,
 }
 
 impl Supervisor {
+    /// The supervisor-side ports a session actor uses.
+    pub fn port(addr: &Addr<Supervisor>) -> crate::messages::GatewayPort {
+        crate::messages::GatewayPort {
+            call: addr.clone().recipient(),
+            add_route: addr.clone().recipient(),
+            remove_route: addr.clone().recipient(),
+            abandon: addr.clone().recipient(),
+            headers_unsupported: addr.clone().recipient(),
+            scope_missing: addr.clone().recipient(),
+        }
+    }
+
     /// A supervisor that will connect to `cfg.url` when started.
     pub fn new(cfg: SupervisorConfig, metrics: Metrics, status: StatusHandle) -> Self {
         let outbound_headers_supported = match cfg.outbound_headers {
@@ -435,8 +298,7 @@ impl Supervisor {
             next_request_id: 0,
             pending: HashMap::new(),
             routes: RouteTable::new(),
-            runs: HashMap::new(),
-            queue: KeyQueue::new(),
+            listener: None,
             outbound_headers_supported,
             io: None,
             abandoned: std::collections::VecDeque::new(),
@@ -523,36 +385,19 @@ impl Supervisor {
             }
         }
         if was_connected {
-            for slot in self.runs.values() {
-                if let RunSlot::Active { addr, .. } = slot {
-                    addr.do_send(GatewayDown);
-                }
-            }
+            self.announce(None);
         }
         self.schedule_reconnect(ctx);
     }
 
-    fn start_session(&mut self, ctx: &mut Context<Self>, q: QueuedRun) {
-        let run_id = q.spec.run_id.clone();
-        let session_key = q.spec.session_key.clone();
-        let gateway_run_id = q.spec.gateway_run_id.clone();
-        let remaining = q.spec.timeout.saturating_sub(q.admitted.elapsed());
-        let link = self.link_info();
-        let actor = SessionActor::new(q.spec, q.sink, ctx.address(), self.cfg.clone(), link, remaining, self.metrics.clone());
-        let addr = actor.start();
-        self.routes.insert(session_key.as_str(), &gateway_run_id, addr.clone().recipient());
-        self.runs.insert(run_id, RunSlot::Active { addr, admitted: q.admitted });
-        self.metrics.runs_started.inc();
-    }
-
     /// Remembers a gateway run to cancel once its gateway process is reachable again.
-    fn abandon(&mut self, session_key: SessionKey, gateway_run_id: String, abandoned: Abandoned) {
+    fn abandon(&mut self, abandoned: Abandon) {
         if self.abandoned.len() >= MAX_ABANDONED {
-            if let Some((_, id, _)) = self.abandoned.pop_front() {
-                tracing::warn!(gateway_run_id = %id, "too many abandoned gateway runs remembered; forgetting the oldest");
+            if let Some(a) = self.abandoned.pop_front() {
+                tracing::warn!(gateway_run_id = %a.gateway_run_id, "too many abandoned gateway runs remembered; forgetting the oldest");
             }
         }
-        self.abandoned.push_back((session_key, gateway_run_id, abandoned));
+        self.abandoned.push_back(abandoned);
         if let Conn::Connected(c) = &self.conn {
             let boot = c.boot_id.clone();
             self.cancel_abandoned(boot.as_deref());
@@ -562,7 +407,7 @@ impl Supervisor {
     /// Cancels every remembered run on the gateway process that is connected now; runs of another
     /// process (a restart since) are gone already.
     fn cancel_abandoned(&mut self, boot_id: Option<&str>) {
-        for (session_key, gateway_run_id, a) in std::mem::take(&mut self.abandoned) {
+        for a in std::mem::take(&mut self.abandoned) {
             let same_process = match (a.boot_id.as_deref(), boot_id) {
                 (Some(then), Some(now)) => then == now,
                 // No boot id to compare: cancelling a run that is gone is harmless.
@@ -572,9 +417,9 @@ impl Supervisor {
                 self.metrics.runs_abandoned.with_label_values(&["lost"]).inc();
                 continue;
             }
-            tracing::info!(gateway_run_id = %gateway_run_id, "cancelling a gateway run clawmux gave up on");
+            tracing::info!(gateway_run_id = %a.gateway_run_id, "cancelling a gateway run clawmux gave up on");
             self.metrics.runs_abandoned.with_label_values(&["after_reconnect"]).inc();
-            let params = serde_json::json!({"sessionKey": session_key.as_str(), "runId": gateway_run_id});
+            let params = serde_json::json!({"sessionKey": a.session_key.as_str(), "runId": a.gateway_run_id});
             self.send_fire_and_forget(name::CHAT_ABORT, params);
         }
     }
@@ -586,6 +431,13 @@ impl Supervisor {
         let id = format!("cm-{}", self.next_request_id);
         if let Ok(text) = encode_request(&id, method, &params, None) {
             let _ = c.tx.send(text);
+        }
+    }
+
+    /// Tells the listener the connection's state.
+    fn announce(&self, link: Option<GatewayUp>) {
+        if let Some(l) = &self.listener {
+            l.do_send(Link(link));
         }
     }
 
@@ -674,19 +526,6 @@ impl Supervisor {
             }
         }
     }
-
-    fn finish_queued(&mut self, run_id: &str, sink: &Arc<dyn RunSink>, outcome: RunOutcome, admitted: Instant) {
-        self.runs.remove(run_id);
-        self.metrics.runs_finished.with_label_values(&[outcome.status.as_str()]).inc();
-        self.metrics.run_duration.observe(admitted.elapsed().as_secs_f64());
-        sink.emit(RunEvent::Finished(outcome));
-        self.update_gauges();
-    }
-
-    fn update_gauges(&self) {
-        self.metrics.runs_active.set(self.runs.len() as i64);
-        self.metrics.runs_queued.set(self.queue.waiting_len() as i64);
-    }
 }
 
 fn is_accepted(payload: &str) -> bool {
@@ -762,13 +601,7 @@ impl Handler<ConnUp> for Supervisor {
             last_tick: Instant::now(),
         });
         self.cancel_abandoned(hello.server.boot_id.as_deref());
-        if let Some(up) = self.link_info() {
-            for slot in self.runs.values() {
-                if let RunSlot::Active { addr, .. } = slot {
-                    addr.do_send(up.clone());
-                }
-            }
-        }
+        self.announce(self.link_info());
         if hello.auth.is_none() {
             // Protocol 3 does not say which scopes it granted: learn whether writes work with a
             // harmless one (aborting a run that does not exist).
@@ -867,95 +700,6 @@ impl Handler<Call> for Supervisor {
     }
 }
 
-impl Handler<StartRun> for Supervisor {
-    type Result = Result<(), AdmitError>;
-    fn handle(&mut self, msg: StartRun, ctx: &mut Context<Self>) -> Self::Result {
-        if matches!(self.conn, Conn::Stopped) {
-            return Err(AdmitError::GatewayDown("clawmux is shutting down".to_owned()));
-        }
-        if !matches!(self.conn, Conn::Connected(_)) {
-            let reason = self.status.read().ok().and_then(|s| s.last_error.clone()).unwrap_or_else(|| "connecting".to_owned());
-            return Err(AdmitError::GatewayDown(reason));
-        }
-        // Connected is not enough: without the scopes every write would fail (`/readyz` says why).
-        if let Some(Err(reason)) = self.status.read().ok().map(|s| s.ready()) {
-            return Err(AdmitError::GatewayDown(reason));
-        }
-        if self.runs.len() >= self.cfg.max_runs {
-            return Err(AdmitError::AtCapacity(self.cfg.max_runs));
-        }
-        if self.runs.contains_key(&msg.spec.run_id) {
-            return Err(AdmitError::Duplicate);
-        }
-        let key = msg.spec.session_key.clone();
-        let q = QueuedRun { spec: msg.spec, sink: msg.sink, admitted: Instant::now() };
-        let run_id = q.spec.run_id.clone();
-        match self.queue.admit(&key, q) {
-            Some(q) => self.start_session(ctx, q),
-            None => {
-                tracing::info!(run_id = %run_id, session_key = %key, "run queued behind another run of its session");
-                self.runs.insert(run_id, RunSlot::Queued { session_key: key });
-            }
-        }
-        self.update_gauges();
-        Ok(())
-    }
-}
-
-impl Handler<CancelRun> for Supervisor {
-    type Result = bool;
-    fn handle(&mut self, msg: CancelRun, _ctx: &mut Context<Self>) -> bool {
-        match self.runs.get(&msg.run_id) {
-            Some(RunSlot::Active { addr, .. }) => {
-                addr.do_send(crate::session::Cancel(msg.reason));
-                true
-            }
-            Some(RunSlot::Queued { session_key }) => {
-                let key = session_key.clone();
-                let run_id = msg.run_id.clone();
-                if let Some(q) = self.queue.remove_waiting(&key, |q| q.spec.run_id == run_id) {
-                    self.finish_queued(&msg.run_id, &q.sink, msg.reason.outcome(String::new()), q.admitted);
-                }
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-impl Handler<RunEnded> for Supervisor {
-    type Result = ();
-    fn handle(&mut self, msg: RunEnded, ctx: &mut Context<Self>) {
-        self.routes.remove(msg.session_key.as_str(), &msg.gateway_run_id);
-        if let Some(abandoned) = msg.abandoned.clone() {
-            self.abandon(msg.session_key.clone(), msg.gateway_run_id.clone(), abandoned);
-        }
-        if let Some(RunSlot::Active { admitted, .. }) = self.runs.remove(&msg.run_id) {
-            self.metrics.runs_finished.with_label_values(&[msg.status.as_str()]).inc();
-            self.metrics.run_duration.observe(admitted.elapsed().as_secs_f64());
-        }
-        if let Some(next) = self.queue.finish(&msg.session_key) {
-            if next.admitted.elapsed() >= next.spec.timeout {
-                let sink = next.sink.clone();
-                let (id, admitted) = (next.spec.run_id.clone(), next.admitted);
-                self.finish_queued(&id, &sink, CancelReason::Timeout.outcome(String::new()), admitted);
-                // Free the key for whoever waits behind the expired run.
-                // (Already counted by `finish_queued`: it is no longer in `runs`.)
-                ctx.notify(RunEnded {
-                    run_id: id,
-                    session_key: msg.session_key,
-                    gateway_run_id: next.spec.gateway_run_id,
-                    status: RunStatus::Timeout,
-                    abandoned: None,
-                });
-            } else {
-                self.start_session(ctx, next);
-            }
-        }
-        self.update_gauges();
-    }
-}
-
 impl Handler<OutboundHeadersUnsupported> for Supervisor {
     type Result = ();
     fn handle(&mut self, _msg: OutboundHeadersUnsupported, _ctx: &mut Context<Self>) {
@@ -964,65 +708,87 @@ impl Handler<OutboundHeadersUnsupported> for Supervisor {
         }
         self.outbound_headers_supported = Some(false);
         self.set_status(|s| s.outbound_headers = Some(false));
-    }
-}
-
-impl Handler<InFlight> for Supervisor {
-    type Result = usize;
-    fn handle(&mut self, _msg: InFlight, _ctx: &mut Context<Self>) -> usize {
-        self.runs.len()
-    }
-}
-
-impl Handler<ShutdownAll> for Supervisor {
-    type Result = usize;
-    fn handle(&mut self, _msg: ShutdownAll, _ctx: &mut Context<Self>) -> usize {
-        let mut n = 0;
-        for q in self.queue.drain_waiting() {
-            self.finish_queued(&q.spec.run_id.clone(), &q.sink, CancelReason::Shutdown.outcome(String::new()), q.admitted);
-            n += 1;
+        // Runs admitted from now on start without them.
+        if matches!(self.conn, Conn::Connected(_)) {
+            self.announce(self.link_info());
         }
-        for slot in self.runs.values() {
-            if let RunSlot::Active { addr, .. } = slot {
-                addr.do_send(crate::session::Cancel(CancelReason::Shutdown));
-                n += 1;
-            }
-        }
-        n
     }
 }
 
-/// Stops reconnecting and closes the connection (after [`ShutdownAll`] has let runs finish).
+impl Handler<AddRoute> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: AddRoute, _ctx: &mut Context<Self>) {
+        if self.routes.insert(msg.session_key.as_str(), &msg.gateway_run_id, msg.to).is_some() {
+            // Gateway run ids are fresh UUIDs: a second owner is a bug, and the first one keeps
+            // nothing it could be sent by mistake.
+            tracing::error!(gateway_run_id = %msg.gateway_run_id, "a route was registered twice; the newer owner has it");
+        }
+    }
+}
+
+impl Handler<RemoveRoute> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: RemoveRoute, _ctx: &mut Context<Self>) {
+        self.routes.remove(msg.session_key.as_str(), &msg.gateway_run_id);
+    }
+}
+
+impl Handler<Abandon> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: Abandon, _ctx: &mut Context<Self>) {
+        self.abandon(msg);
+    }
+}
+
+impl Handler<ListenLink> for Supervisor {
+    type Result = ();
+    fn handle(&mut self, msg: ListenLink, _ctx: &mut Context<Self>) {
+        // The current state at once, so a listener that arrives late misses nothing.
+        msg.0.do_send(Link(self.link_info()));
+        self.listener = Some(msg.0);
+    }
+}
+
+/// Stops reconnecting and closes the connection (shutdown, once the runs are handed off or ended).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Disconnect;
 
 impl Handler<Disconnect> for Supervisor {
     type Result = ();
-    fn handle(&mut self, _msg: Disconnect, _ctx: &mut Context<Self>) {
-        match std::mem::replace(&mut self.conn, Conn::Stopped) {
-            Conn::Connected(c) => c.task.abort(),
-            Conn::Connecting { task } => task.abort(),
-            _ => {}
-        }
+    fn handle(&mut self, _msg: Disconnect, ctx: &mut Context<Self>) {
+        let task = match std::mem::replace(&mut self.conn, Conn::Stopped) {
+            // Dropping the sender ends the writer, which closes the socket with a close frame;
+            // the task is stopped for good a moment later.
+            Conn::Connected(c) => Some(c.task),
+            Conn::Connecting { task } => {
+                task.abort();
+                None
+            }
+            _ => None,
+        };
         self.metrics.connected.set(0);
         self.set_status(|s| {
             s.connected = false;
             s.last_error = Some("clawmux is shutting down".to_owned());
         });
-        if let Some(io) = self.io.take() {
-            io.stop();
-        }
+        let io = self.io.take();
+        ctx.run_later(CLOSE_GRACE, move |_, _| {
+            if let Some(t) = task {
+                t.abort();
+            }
+            if let Some(io) = io {
+                io.stop();
+            }
+        });
     }
 }
 
+/// How long a closing connection may take to send its close frame.
+const CLOSE_GRACE: Duration = Duration::from_millis(500);
+
 /// Reply tag of the protocol-3 write-scope probe.
 const PROBE_WRITE: u64 = u64::MAX;
-
-/// A write was refused for a missing scope (session actors report it; `/readyz` shows it).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct ScopeMissing(pub ErrorShape);
 
 fn scope_of(e: &ErrorShape) -> String {
     e.message.strip_prefix("missing scope:").map(|s| s.trim().to_owned()).unwrap_or_else(|| e.message.clone())

@@ -1,8 +1,6 @@
 //! The host-side git relay: the agent commits inside the gateway container, the host turns those
 //! commits into a pushed branch and a pull request, and no credential ever enters the container.
 //!
-//! - [`locks`]: [`BranchLocks`], one holder per branch key (FIFO), so two runs never share a
-//!   worktree.
 //! - [`exec`]: [`ContainerExec`], running an argv inside the container ([`DockerExec`] through
 //!   the Docker API; [`Recording`] wraps any of them and keeps every argv).
 //! - [`git`]: pure argv builders, validation and parsers.
@@ -20,10 +18,8 @@ pub mod exec;
 pub mod git;
 mod github;
 mod host;
-pub mod locks;
 
 pub use exec::{ContainerExec, DockerExec, ExecOutput, RecordedExec, Recording};
-pub use locks::{BranchGuard, BranchLocks};
 
 use crate::config::Secret;
 use git::{Paths, Plan};
@@ -287,7 +283,8 @@ pub struct RelayOutcome {
     pub error: Option<RelayFailure>,
 }
 
-/// The relay. Cheap to share (`Arc` inside); callers serialize per key with [`BranchLocks`].
+/// The relay. Cheap to share (`Arc` inside). Callers serialize per key: the registry of live runs
+/// holds one lock per branch key (`clawmux_actors::registry`).
 #[derive(Clone)]
 pub struct GitRelay {
     /// Settings.
@@ -640,6 +637,29 @@ impl GitRelay {
     }
 }
 
+/// The relay as the session actors use it.
+impl clawmux_actors::branch::Workspace for GitRelay {
+    fn prepare(&self, plan: &clawmux_actors::branch::BranchPlan) -> futures_util::future::BoxFuture<'static, Result<clawmux_actors::branch::Prepared, String>> {
+        let relay = self.clone();
+        let plan = plan.clone();
+        Box::pin(async move {
+            GitRelay::prepare(&relay, &plan.key, &plan.base_ref)
+                .await
+                .map(|w| clawmux_actors::branch::Prepared { path: w.path, branch: w.branch })
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn publish(&self, plan: &clawmux_actors::branch::BranchPlan) -> futures_util::future::BoxFuture<'static, clawmux_actors::branch::Published> {
+        let relay = self.clone();
+        let plan = plan.clone();
+        Box::pin(async move {
+            let outcome = GitRelay::publish(&relay, &plan.key, &plan.base_ref, plan.pr_title.as_deref(), plan.pr_body.as_deref()).await;
+            clawmux_actors::branch::Published { relay: serde_json::to_value(&outcome).unwrap_or(serde_json::Value::Null) }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::exec::fake::ScriptedExec;
@@ -749,3 +769,4 @@ mod tests {
         assert_eq!(json, serde_json::json!({"stage": "pull_request", "message": "x", "attempts": 3}));
     }
 }
+

@@ -37,6 +37,8 @@ pub async fn start_clawmux_with(
     cfg.gateway_token = token.map(Secret::new);
     // Tests use a key file of their own unless they say otherwise.
     cfg.device_key_file = std::env::temp_dir().join(format!("clawmux-test-device-{}.json", std::process::id()));
+    // And a run store of their own: the real default backend (SQLite), in a fresh file.
+    cfg.store_url = clawmux::store::StoreUrl::Sqlite(temp_dir("store").join("runs.db"));
     tweak(&mut cfg);
     let mut sup = server::supervisor_config(&cfg, gateway_url).expect("supervisor config");
     sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");

@@ -1,0 +1,446 @@
+//! A live run's log: what its session actor emits, on its way through the store to its clients.
+//!
+//! ```text
+//! session actor ──emit──▶ RunLog::submit ──Write──▶ group commit ──stored──▶ visible: the log, the
+//!                         (ids assigned,                                      broadcast to SSE
+//!                          data serialized once)                              clients, the document
+//! ```
+//! An event becomes visible only once the store has it. If the store cannot take a run's writes,
+//! the run is closed with an `internal` error that says why (delivered to its clients, not stored:
+//! it cannot be) and its session actor is cancelled, so the gateway run stops too; the store still
+//! has everything up to the failure, and a restart continues the run from there.
+
+use super::writer::Writer;
+use super::{now_ms, Applied, CheckpointRecord, EventName, RunPatch, RunRow, StoreError, StoredEvent, Write};
+use crate::attribution::{Attributions, RunBilling, Usage};
+use clawmux_actors::{Checkpoint, RunEvent, RunSink, RunStatus};
+use serde::Serialize;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Instant;
+use time::OffsetDateTime;
+use tokio::sync::broadcast;
+
+/// Events buffered per live client before it counts as too slow (it is then disconnected and can
+/// re-attach with `Last-Event-ID`). The ring exists only while a client is attached.
+pub const CLIENT_BUFFER: usize = 256;
+
+/// `usage` of the run document.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DocUsage {
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// LLM calls.
+    pub llm_calls: u64,
+    /// `proxy` (billing truth) or `gateway` (OpenClaw's own numbers, a hint).
+    pub source: &'static str,
+    /// OpenClaw's own numbers when `source` is `proxy` (kept as a hint, never billed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway_hint: Option<GatewayHint>,
+}
+
+/// OpenClaw's own token counts.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayHint {
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+}
+
+/// `error` of the run document.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct DocError {
+    /// Code.
+    pub code: String,
+    /// Message.
+    pub message: String,
+}
+
+/// The run document of the contract.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RunDoc {
+    /// API run id.
+    pub run_id: String,
+    /// Canonical session key.
+    pub session_key: String,
+    /// Gateway run id (null until accepted).
+    pub gateway_run_id: Option<String>,
+    /// `queued`, `running`, `ok`, `error`, `aborted`, `timeout`.
+    pub status: String,
+    /// Final text.
+    pub content: String,
+    /// Why it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<DocError>,
+    /// Token usage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<DocUsage>,
+    /// Git relay result.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub relay: Option<serde_json::Value>,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339 or null.
+    pub finished_at: Option<String>,
+}
+
+fn rfc3339_ms(ms: i64) -> String {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_default()
+}
+
+impl RunDoc {
+    /// The document of a stored run; `live_usage` (the proxy's current totals) wins over the
+    /// stored ones.
+    pub fn from_row(row: &RunRow, live_usage: Option<Usage>) -> Self {
+        let proxy = live_usage.or(row.usage);
+        let gateway = |(i, o): (u64, u64)| DocUsage { input_tokens: i, output_tokens: o, llm_calls: 0, source: "gateway", gateway_hint: None };
+        let usage = match (proxy, row.gateway_usage) {
+            // No LLM call went through the proxy (it was not in the path): OpenClaw's numbers.
+            (Some(u), Some(hint)) if u.llm_calls == 0 => Some(gateway(hint)),
+            // The proxy's records are the truth; OpenClaw's own numbers stay as a hint.
+            (Some(u), hint) => Some(DocUsage {
+                input_tokens: u.input_tokens,
+                output_tokens: u.output_tokens,
+                llm_calls: u.llm_calls,
+                source: "proxy",
+                gateway_hint: hint.map(|(i, o)| GatewayHint { input_tokens: i, output_tokens: o }),
+            }),
+            (None, Some(hint)) => Some(gateway(hint)),
+            (None, None) => None,
+        };
+        Self {
+            run_id: row.run_id.clone(),
+            session_key: row.session_key.clone(),
+            gateway_run_id: row.gateway_run_id.clone(),
+            status: row.status.clone(),
+            content: row.content.clone(),
+            error: row.error.as_ref().map(|(code, message)| DocError { code: code.clone(), message: message.clone() }),
+            usage,
+            relay: row.relay.clone(),
+            created_at: rfc3339_ms(row.created_at_ms),
+            finished_at: row.finished_at_ms.map(rfc3339_ms),
+        }
+    }
+}
+
+struct LogState {
+    /// The row as stored (what documents show).
+    stored: RunRow,
+    /// The row with every submitted change applied (what the next event's data is built from).
+    latest: RunRow,
+    /// Stored events, in order: what clients see.
+    events: Vec<Arc<StoredEvent>>,
+    /// The id of the last event submitted.
+    next_id: u64,
+    /// A terminal event was submitted, or the store failed: nothing more is taken.
+    closed: bool,
+    /// When the terminal event became visible.
+    finished_at: Option<Instant>,
+    /// Live clients; created by the first one, dropped with the terminal event.
+    tx: Option<broadcast::Sender<Arc<StoredEvent>>>,
+}
+
+/// A live run's log (the session actor's [`RunSink`]).
+pub struct RunLog {
+    me: Weak<RunLog>,
+    writer: Writer,
+    /// API run id.
+    pub run_id: String,
+    /// Fingerprint of the request body (idempotency and run-id reuse).
+    pub fingerprint: String,
+    /// Whether a vanished caller cancels the run.
+    pub abort_on_disconnect: bool,
+    state: Mutex<LogState>,
+    /// Flips to true with the terminal event (waiters that only need the end use this, so a
+    /// lagging broadcast receiver can never make them miss it).
+    done: tokio::sync::watch::Sender<bool>,
+    /// The run's billing identity and the registry it is live in (with the LLM proxy): it stops
+    /// being attributable with its terminal event.
+    billing: OnceLock<(Arc<RunBilling>, Arc<Attributions>)>,
+    /// Cancels the run's session actor when the store fails it.
+    on_failure: OnceLock<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl RunLog {
+    /// The log of a stored run, with its stored events (none for a new run).
+    pub fn new(row: RunRow, events: Vec<StoredEvent>, writer: Writer) -> Arc<Self> {
+        let next_id = events.last().map_or(row.last_event_id, |e| e.id.max(row.last_event_id));
+        let finished = row.finished_at_ms.is_some();
+        Arc::new_cyclic(|me| RunLog {
+            me: me.clone(),
+            writer,
+            run_id: row.run_id.clone(),
+            fingerprint: row.fingerprint.clone(),
+            abort_on_disconnect: row.spec.abort_on_disconnect,
+            state: Mutex::new(LogState {
+                latest: row.clone(),
+                stored: row,
+                events: events.into_iter().map(Arc::new).collect(),
+                next_id,
+                closed: finished,
+                finished_at: finished.then(Instant::now),
+                tx: None,
+            }),
+            done: tokio::sync::watch::channel(finished).0,
+            billing: OnceLock::new(),
+            on_failure: OnceLock::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LogState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Ties the run to its billing identity: its LLM calls are attributed until it ends, and the
+    /// proxy's totals are stored as they change.
+    pub fn set_billing(&self, billing: Arc<RunBilling>, registry: Arc<Attributions>) {
+        let writer = self.writer.clone();
+        let run_id = self.run_id.clone();
+        billing.on_usage(Box::new(move |usage| {
+            let patch = RunPatch { usage: Some(usage), ..RunPatch::default() };
+            writer.submit(Write::Append { run_id: run_id.clone(), event: None, patch }, None);
+        }));
+        let _ = self.billing.set((billing, registry));
+    }
+
+    /// What cancels the run when the store cannot take its writes.
+    pub fn on_failure(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_failure.set(hook);
+    }
+
+    /// The proxy's totals as stored (a resumed run's billing continues from them).
+    pub fn stored_usage(&self) -> Option<Usage> {
+        self.lock().stored.usage
+    }
+
+    fn live_usage(&self) -> Option<Usage> {
+        self.billing.get().map(|(b, _)| b.totals())
+    }
+
+    /// The current document (as stored; usage as the proxy counts it now).
+    pub fn doc(&self) -> RunDoc {
+        RunDoc::from_row(&self.lock().stored, self.live_usage())
+    }
+
+    /// Resolves once the run's terminal event is visible.
+    pub async fn finished(&self) {
+        let mut rx = self.done.subscribe();
+        let _ = rx.wait_for(|d| *d).await;
+    }
+
+    /// True once the terminal event is visible.
+    pub fn is_finished(&self) -> bool {
+        self.lock().finished_at.is_some()
+    }
+
+    /// How long ago the run finished (the store's cache forgets finished runs after a while).
+    pub fn finished_for(&self) -> Option<std::time::Duration> {
+        self.lock().finished_at.map(|t| t.elapsed())
+    }
+
+    /// Stored events after `after`, and a receiver for the ones that follow (taken under the same
+    /// lock, so nothing is lost or repeated between the two). `None` once the run finished.
+    pub fn attach(&self, after: u64) -> (Vec<Arc<StoredEvent>>, Option<broadcast::Receiver<Arc<StoredEvent>>>) {
+        let mut st = self.lock();
+        let start = st.events.partition_point(|e| e.id <= after);
+        let backlog = st.events[start..].to_vec();
+        let rx = if st.finished_at.is_some() {
+            None
+        } else {
+            Some(st.tx.get_or_insert_with(|| broadcast::channel(CLIENT_BUFFER).0).subscribe())
+        };
+        (backlog, rx)
+    }
+
+    /// The text delivered so far (the `text_delta` events, concatenated).
+    pub fn emitted_text(&self) -> String {
+        let st = self.lock();
+        st.events
+            .iter()
+            .filter(|e| e.name == EventName::TextDelta)
+            .filter_map(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
+            .filter_map(|v| v.get("text").and_then(|t| t.as_str()).map(str::to_owned))
+            .collect()
+    }
+
+    /// True when an `accepted` event is stored.
+    pub fn was_accepted(&self) -> bool {
+        self.lock().events.iter().any(|e| e.name == EventName::Accepted)
+    }
+
+    /// Queues an event and/or row changes for the store.
+    fn submit(&self, event: Option<(EventName, String)>, patch: RunPatch) {
+        let write;
+        let stored_event;
+        {
+            let mut st = self.lock();
+            if st.closed {
+                return;
+            }
+            let event = event.map(|(name, data)| {
+                st.next_id += 1;
+                StoredEvent { id: st.next_id, name, data }
+            });
+            if event.as_ref().is_some_and(StoredEvent::is_terminal) {
+                st.closed = true;
+            }
+            patch.apply(&mut st.latest);
+            stored_event = event.clone().map(Arc::new);
+            write = Write::Append { run_id: self.run_id.clone(), event, patch: patch.clone() };
+        }
+        let me = self.me.clone();
+        self.writer.submit(
+            write,
+            Some(Box::new(move |result: Result<Applied, StoreError>| {
+                if let Some(log) = me.upgrade() {
+                    match result {
+                        Ok(_) => log.stored(stored_event, patch),
+                        Err(e) => log.fail(&e),
+                    }
+                }
+            })),
+        );
+    }
+
+    /// The store has it: apply, publish.
+    fn stored(&self, event: Option<Arc<StoredEvent>>, patch: RunPatch) {
+        let terminal = {
+            let mut st = self.lock();
+            if st.finished_at.is_some() {
+                return;
+            }
+            patch.apply(&mut st.stored);
+            let Some(ev) = event else { return };
+            st.events.push(ev.clone());
+            if let Some(tx) = &st.tx {
+                // No receivers is fine: the event is in the log for re-attachment.
+                let _ = tx.send(ev.clone());
+            }
+            if ev.is_terminal() {
+                st.finished_at = Some(Instant::now());
+                st.tx = None;
+            }
+            ev.is_terminal()
+        };
+        if terminal {
+            self.end();
+        }
+    }
+
+    /// The store failed this run: close it with an error that says why, and cancel it.
+    fn fail(&self, e: &StoreError) {
+        {
+            let mut st = self.lock();
+            if st.finished_at.is_some() {
+                return;
+            }
+            st.closed = true;
+            st.next_id += 1;
+            let message = format!("the run store cannot record this run ({e}); the run was cancelled");
+            let data = serde_json::json!({"runId": self.run_id, "code": "internal", "message": message}).to_string();
+            let ev = Arc::new(StoredEvent { id: st.next_id, name: EventName::Error, data });
+            st.stored.status = "error".to_owned();
+            st.stored.error = Some(("internal".to_owned(), message));
+            st.events.push(ev.clone());
+            if let Some(tx) = &st.tx {
+                let _ = tx.send(ev);
+            }
+            st.finished_at = Some(Instant::now());
+            st.tx = None;
+        }
+        tracing::error!(run_id = %self.run_id, error = %e, "the run store failed a run; cancelling it");
+        if let Some(hook) = self.on_failure.get() {
+            hook();
+        }
+        self.end();
+    }
+
+    fn end(&self) {
+        if let Some((billing, registry)) = self.billing.get() {
+            // LLM calls after the end belong to no run and are refused (fail-closed).
+            registry.unregister(&billing.trace_id, &billing.run_id);
+        }
+        self.done.send_replace(true);
+    }
+}
+
+fn status_of(s: RunStatus) -> &'static str {
+    s.as_str()
+}
+
+impl RunSink for RunLog {
+    fn emit(&self, event: RunEvent) {
+        match event {
+            RunEvent::Accepted { gateway_run_id } => {
+                let data = {
+                    let st = self.lock();
+                    serde_json::json!({"runId": self.run_id, "sessionKey": st.latest.session_key, "gatewayRunId": gateway_run_id})
+                };
+                let patch = RunPatch { gateway_run_id: Some(gateway_run_id), ..RunPatch::default() };
+                self.submit(Some((EventName::Accepted, data.to_string())), patch);
+            }
+            RunEvent::Status { phase, tool } => {
+                let data = match tool {
+                    Some(t) => serde_json::json!({"phase": phase.as_str(), "tool": t}),
+                    None => serde_json::json!({"phase": phase.as_str()}),
+                };
+                self.submit(Some((EventName::Status, data.to_string())), RunPatch::default());
+            }
+            RunEvent::WaitingForBranch { branch } => {
+                let data = serde_json::json!({"phase": "waiting_for_branch", "branch": branch});
+                self.submit(Some((EventName::Status, data.to_string())), RunPatch::default());
+            }
+            RunEvent::TextDelta(text) => {
+                let data = serde_json::json!({ "text": text }).to_string();
+                self.submit(Some((EventName::TextDelta, data)), RunPatch::default());
+            }
+            RunEvent::Relay(relay) => {
+                let data = relay.to_string();
+                self.submit(Some((EventName::Relay, data)), RunPatch { relay: Some(relay), ..RunPatch::default() });
+            }
+            RunEvent::Finished(outcome) => {
+                let usage = self.live_usage();
+                let patch = RunPatch {
+                    status: Some(status_of(outcome.status).to_owned()),
+                    content: Some(outcome.content.clone()),
+                    error: outcome.error.as_ref().map(|e| (e.code.as_str().to_owned(), e.message.clone())),
+                    gateway_usage: outcome.gateway_usage,
+                    usage,
+                    finished_at_ms: Some(now_ms()),
+                    ..RunPatch::default()
+                };
+                let event = match (&outcome.error, outcome.status) {
+                    (Some(e), s) if s != RunStatus::Ok => {
+                        let data = serde_json::json!({"runId": self.run_id, "code": e.code.as_str(), "message": e.message});
+                        (EventName::Error, data.to_string())
+                    }
+                    _ => {
+                        let mut row = self.lock().latest.clone();
+                        patch.apply(&mut row);
+                        let data = serde_json::to_string(&RunDoc::from_row(&row, usage)).unwrap_or_default();
+                        (EventName::Final, data)
+                    }
+                };
+                self.submit(Some(event), patch);
+            }
+        }
+    }
+
+    fn checkpoint(&self, checkpoint: Checkpoint) {
+        let (status, checkpoint) = match checkpoint {
+            Checkpoint::Running => (Some("running".to_owned()), CheckpointRecord::Running),
+            Checkpoint::Preparing => (None, CheckpointRecord::Preparing),
+            Checkpoint::Sending { boot_id } => (None, CheckpointRecord::Sending { boot_id }),
+            Checkpoint::Publishing { content, gateway_usage } => (None, CheckpointRecord::Publishing { content, gateway_usage }),
+        };
+        self.submit(None, RunPatch { status, checkpoint: Some(checkpoint), ..RunPatch::default() });
+    }
+}

@@ -1,0 +1,154 @@
+//! `memory:`: the run store in this process's memory (tests, throwaway use). Same semantics as the
+//! durable backends; nothing survives a restart.
+
+use super::{Applied, ListQuery, Retention, RunRow, Store, StoreError, StoredEvent, Write};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard};
+
+#[derive(Default)]
+struct Inner {
+    next_seq: i64,
+    runs: HashMap<String, RunRow>,
+    by_seq: BTreeMap<i64, String>,
+    idempotency: HashMap<String, String>,
+    events: HashMap<String, Vec<StoredEvent>>,
+}
+
+/// The in-memory store.
+#[derive(Default)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Inner {
+    fn insert(&mut self, row: &RunRow) -> Applied {
+        if let Some(key) = &row.idempotency_key {
+            if let Some(id) = self.idempotency.get(key) {
+                let Some(existing) = self.runs.get(id) else { return Applied::IdempotencyMismatch };
+                return if existing.fingerprint == row.fingerprint {
+                    Applied::Existing { run_id: id.clone() }
+                } else {
+                    Applied::IdempotencyMismatch
+                };
+            }
+        }
+        if let Some(existing) = self.runs.get(&row.run_id) {
+            return if existing.fingerprint == row.fingerprint {
+                Applied::Existing { run_id: row.run_id.clone() }
+            } else {
+                Applied::Conflict
+            };
+        }
+        self.next_seq += 1;
+        let mut row = row.clone();
+        row.seq = self.next_seq;
+        if let Some(key) = &row.idempotency_key {
+            self.idempotency.insert(key.clone(), row.run_id.clone());
+        }
+        self.by_seq.insert(row.seq, row.run_id.clone());
+        let seq = row.seq;
+        self.runs.insert(row.run_id.clone(), row);
+        Applied::Inserted { seq }
+    }
+
+    fn delete(&mut self, run_id: &str) {
+        if let Some(row) = self.runs.remove(run_id) {
+            self.by_seq.remove(&row.seq);
+            if let Some(key) = &row.idempotency_key {
+                self.idempotency.remove(key);
+            }
+        }
+        self.events.remove(run_id);
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
+        let mut st = self.lock();
+        let mut out = Vec::with_capacity(batch.len());
+        for w in batch {
+            out.push(match w {
+                Write::Insert(row) => st.insert(row),
+                Write::Append { run_id, event, patch } => {
+                    if let Some(row) = st.runs.get_mut(run_id) {
+                        patch.apply(row);
+                        if let Some(e) = event {
+                            row.last_event_id = row.last_event_id.max(e.id);
+                        }
+                        if let Some(e) = event {
+                            st.events.entry(run_id.clone()).or_default().push(e.clone());
+                        }
+                    }
+                    Applied::Done
+                }
+                Write::Delete { run_id } => {
+                    st.delete(run_id);
+                    Applied::Done
+                }
+            });
+        }
+        Ok(out)
+    }
+
+    async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
+        Ok(self.lock().runs.get(run_id).cloned())
+    }
+
+    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
+        Ok(self.lock().events.get(run_id).map(|v| v.iter().filter(|e| e.id > after).cloned().collect()).unwrap_or_default())
+    }
+
+    async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
+        let st = self.lock();
+        let upper = q.before_seq.unwrap_or(i64::MAX);
+        Ok(st
+            .by_seq
+            .range(..upper)
+            .rev()
+            .filter_map(|(_, id)| st.runs.get(id))
+            .filter(|r| q.statuses.is_empty() || q.statuses.contains(&r.status))
+            .filter(|r| q.billing_account_id.as_ref().is_none_or(|a| *a == r.billing_account_id))
+            .filter(|r| q.state_key.is_none() || q.state_key == r.state_key)
+            .filter(|r| q.since_ms.is_none_or(|s| r.created_at_ms >= s))
+            .take(q.limit)
+            .cloned()
+            .collect())
+    }
+
+    async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
+        let st = self.lock();
+        Ok(st.by_seq.values().filter_map(|id| st.runs.get(id)).filter(|r| r.finished_at_ms.is_none()).cloned().collect())
+    }
+
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<u64, StoreError> {
+        let mut st = self.lock();
+        let mut finished: Vec<(i64, String)> =
+            st.runs.values().filter_map(|r| r.finished_at_ms.map(|t| (t, r.run_id.clone()))).collect();
+        finished.sort();
+        let over = finished.len().saturating_sub(retention.max_count);
+        let mut removed = 0;
+        for (i, (t, id)) in finished.iter().enumerate() {
+            if i < over || now_ms - t >= retention.max_age_ms {
+                st.delete(id);
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+}

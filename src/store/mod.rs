@@ -1,0 +1,411 @@
+//! The run store: every run's document, its SSE events, idempotency keys, and what a restarted
+//! clawmux needs to continue it.
+//!
+//! # Layout
+//! - this module: the rows and writes ([`RunRow`], [`Write`], [`RunPatch`]) and the one trait every
+//!   backend implements ([`Store`]), selected by `CLAWMUX_STORE_URL` ([`StoreUrl`]).
+//! - [`sqlite`]: the default backend (WAL, one writer connection, migrations in
+//!   `migrations/sqlite/`); [`memory`]: `memory:` (nothing survives a restart).
+//! - [`writer`]: the group commit: every write goes through one task that applies what has queued
+//!   up in one transaction, then tells each writer it is stored.
+//! - [`live`]: a live run's log in memory ([`live::RunLog`], the session actor's [`RunSink`]):
+//!   events become visible to SSE clients only once the store has them.
+//! - [`runs`]: the facade the HTTP layer and the restart path use ([`runs::RunStore`]).
+//! - [`query`]: `GET /v1/runs` filters and cursors, parsed and validated (pure).
+//!
+//! Invariant: an event reaches a client only after the store has it, so a client that saw event N
+//! can always continue at N+1 after any crash.
+//!
+//! [`RunSink`]: clawmux_actors::RunSink
+
+pub mod live;
+pub mod memory;
+pub mod query;
+pub mod runs;
+pub mod sqlite;
+pub mod writer;
+
+pub use live::{RunDoc, RunLog};
+pub use runs::{Insert, RunStore, RunView};
+
+use crate::attribution::Usage;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The name of an SSE event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventName {
+    /// The gateway acknowledged the run.
+    Accepted,
+    /// Progress.
+    Status,
+    /// Incremental text.
+    TextDelta,
+    /// The git relay's result.
+    Relay,
+    /// Terminal: the run document.
+    Final,
+    /// Terminal: the run's error.
+    Error,
+}
+
+impl EventName {
+    /// The SSE `event:` name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventName::Accepted => "accepted",
+            EventName::Status => "status",
+            EventName::TextDelta => "text_delta",
+            EventName::Relay => "relay",
+            EventName::Final => "final",
+            EventName::Error => "error",
+        }
+    }
+
+    /// Parses a stored name (`None` for anything clawmux never writes).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "accepted" => EventName::Accepted,
+            "status" => EventName::Status,
+            "text_delta" => EventName::TextDelta,
+            "relay" => EventName::Relay,
+            "final" => EventName::Final,
+            "error" => EventName::Error,
+            _ => return None,
+        })
+    }
+
+    /// `final` and `error` end a run's stream.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, EventName::Final | EventName::Error)
+    }
+}
+
+/// One SSE event, serialized once and shared by every client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredEvent {
+    /// Per-run sequence number, from 1.
+    pub id: u64,
+    /// Event name.
+    pub name: EventName,
+    /// JSON data.
+    pub data: String,
+}
+
+impl StoredEvent {
+    /// True for `final` and `error`.
+    pub fn is_terminal(&self) -> bool {
+        self.name.is_terminal()
+    }
+}
+
+/// What a restarted clawmux needs to run a run again: its spec, minus what has columns of its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpecRecord {
+    /// The gateway run id (the `agent` idempotency key), fixed at admission.
+    pub gateway_run_id: String,
+    /// Agent id.
+    pub agent_id: String,
+    /// The user's message.
+    pub message: String,
+    /// Model override.
+    pub model: Option<String>,
+    /// Graph id.
+    pub graph_id: String,
+    /// The run's timeout in milliseconds (from `createdAt`).
+    pub timeout_ms: u64,
+    /// W3C traceparent (its trace id attributes the run's LLM calls).
+    pub traceparent: String,
+    /// Protocol-3 attribution token.
+    pub attribution_token: Option<String>,
+    /// The branch the run works on.
+    pub branch: Option<clawmux_actors::branch::BranchPlan>,
+    /// Whether the caller's disconnect cancels the run.
+    pub abort_on_disconnect: bool,
+}
+
+/// The last checkpoint of a run (see `clawmux_actors::Checkpoint`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "stage", rename_all = "camelCase")]
+pub enum CheckpointRecord {
+    /// Holds its session key.
+    Running,
+    /// Its workspace is being prepared.
+    Preparing,
+    /// `agent` was sent to the gateway process with this boot id.
+    #[serde(rename_all = "camelCase")]
+    Sending {
+        /// Boot id.
+        boot_id: Option<String>,
+    },
+    /// The relay publishes.
+    #[serde(rename_all = "camelCase")]
+    Publishing {
+        /// The run's final content.
+        content: String,
+        /// OpenClaw's own token counts.
+        gateway_usage: Option<(u64, u64)>,
+    },
+}
+
+/// A run as the store keeps it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRow {
+    /// Admission order (assigned by the store).
+    pub seq: i64,
+    /// API run id.
+    pub run_id: String,
+    /// `Idempotency-Key` header.
+    pub idempotency_key: Option<String>,
+    /// Fingerprint of the request body.
+    pub fingerprint: String,
+    /// Billing account.
+    pub billing_account_id: String,
+    /// Conversation key.
+    pub state_key: Option<String>,
+    /// Canonical session key.
+    pub session_key: String,
+    /// How to run it again.
+    pub spec: SpecRecord,
+    /// `queued`, `running`, `ok`, `error`, `aborted`, `timeout`.
+    pub status: String,
+    /// The last checkpoint.
+    pub checkpoint: Option<CheckpointRecord>,
+    /// The gateway run id once the gateway acknowledged the run (the document's field).
+    pub gateway_run_id: Option<String>,
+    /// Final text.
+    pub content: String,
+    /// Error code and message.
+    pub error: Option<(String, String)>,
+    /// OpenClaw's own token counts.
+    pub gateway_usage: Option<(u64, u64)>,
+    /// The LLM proxy's totals (billing truth).
+    pub usage: Option<Usage>,
+    /// The relay's result.
+    pub relay: Option<serde_json::Value>,
+    /// Admission time (ms).
+    pub created_at_ms: i64,
+    /// End time (ms).
+    pub finished_at_ms: Option<i64>,
+    /// Id of the last stored event.
+    pub last_event_id: u64,
+}
+
+/// Changes to a run's row; `None` leaves a column as it is.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunPatch {
+    /// New status.
+    pub status: Option<String>,
+    /// New checkpoint.
+    pub checkpoint: Option<CheckpointRecord>,
+    /// The acknowledged gateway run id.
+    pub gateway_run_id: Option<String>,
+    /// Final text.
+    pub content: Option<String>,
+    /// Error code and message.
+    pub error: Option<(String, String)>,
+    /// OpenClaw's own token counts.
+    pub gateway_usage: Option<(u64, u64)>,
+    /// The proxy's totals.
+    pub usage: Option<Usage>,
+    /// The relay's result.
+    pub relay: Option<serde_json::Value>,
+    /// End time (ms).
+    pub finished_at_ms: Option<i64>,
+}
+
+impl RunPatch {
+    /// True when it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == RunPatch::default()
+    }
+
+    /// `later` applied after `self`: later values win.
+    pub fn merge(&mut self, later: RunPatch) {
+        macro_rules! take {
+            ($($f:ident),*) => { $( if later.$f.is_some() { self.$f = later.$f; } )* };
+        }
+        take!(status, checkpoint, gateway_run_id, content, error, gateway_usage, usage, relay, finished_at_ms);
+    }
+
+    /// Applies the patch to a row.
+    pub fn apply(&self, row: &mut RunRow) {
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { row.$f = v.clone(); } )* };
+        }
+        set!(status, content);
+        macro_rules! set_opt {
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { row.$f = Some(v.clone()); } )* };
+        }
+        set_opt!(checkpoint, gateway_run_id, error, gateway_usage, usage, relay, finished_at_ms);
+    }
+}
+
+/// One write; a batch of them is applied in one transaction.
+// `Append` is the hot case (one per event): boxing its patch would add an allocation per delta.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum Write {
+    /// Admission: a new run unless its run id or idempotency key is taken.
+    Insert(Box<RunRow>),
+    /// An event (with the row changes it implies) or row changes alone.
+    Append {
+        /// The run.
+        run_id: String,
+        /// The event, if any.
+        event: Option<StoredEvent>,
+        /// Row changes.
+        patch: RunPatch,
+    },
+    /// A run whose admission failed after it was stored (so the caller can retry its id).
+    Delete {
+        /// The run.
+        run_id: String,
+    },
+}
+
+/// What a write did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Applied {
+    /// A new run, with its admission order.
+    Inserted {
+        /// Admission order.
+        seq: i64,
+    },
+    /// The same request was stored before: this is its run.
+    Existing {
+        /// Its run id.
+        run_id: String,
+    },
+    /// The run id exists with a different body.
+    Conflict,
+    /// The idempotency key exists with a different body.
+    IdempotencyMismatch,
+    /// Stored.
+    Done,
+}
+
+/// A store failure, in words that name the store.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StoreError(pub String);
+
+/// `GET /v1/runs`, validated.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ListQuery {
+    /// Only runs with one of these statuses (empty: all).
+    pub statuses: Vec<String>,
+    /// Only this billing account.
+    pub billing_account_id: Option<String>,
+    /// Only this conversation.
+    pub state_key: Option<String>,
+    /// Only runs admitted at or after this time (ms).
+    pub since_ms: Option<i64>,
+    /// Page size.
+    pub limit: usize,
+    /// Only runs admitted before this admission order (the cursor).
+    pub before_seq: Option<i64>,
+}
+
+/// How long finished runs are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// Finished runs older than this are deleted.
+    pub max_age_ms: i64,
+    /// At most this many finished runs are kept (the oldest go first).
+    pub max_count: usize,
+}
+
+/// A run store backend. Implementations are used by one writer task (`apply`) and any number of
+/// readers.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// `sqlite`, `memory`, ...
+    fn kind(&self) -> &'static str;
+    /// Applies a batch in one transaction; one result per write, in order. An error means nothing
+    /// of the batch is stored.
+    async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError>;
+    /// One run.
+    async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError>;
+    /// A run's events after `after`, in order.
+    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError>;
+    /// History, newest first.
+    async fn list(&self, query: &ListQuery) -> Result<Vec<RunRow>, StoreError>;
+    /// Every run without a terminal event, in admission order.
+    async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError>;
+    /// Deletes finished runs past the retention; returns how many.
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<u64, StoreError>;
+}
+
+/// `CLAWMUX_STORE_URL`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// `sqlite://PATH` (`~/` is the home directory).
+    Sqlite(PathBuf),
+    /// `memory:`.
+    Memory,
+}
+
+impl StoreUrl {
+    /// Parses a store URL.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        if url == "memory:" || url == "memory://" {
+            return Ok(StoreUrl::Memory);
+        }
+        if let Some(path) = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")) {
+            if path.is_empty() {
+                return Err("sqlite:// needs a file path, e.g. sqlite:///var/lib/clawmux/runs.db".to_owned());
+            }
+            let path = match path.strip_prefix("~/") {
+                Some(rest) => std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default().join(rest),
+                None => PathBuf::from(path),
+            };
+            return Ok(StoreUrl::Sqlite(path));
+        }
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Err("postgres:// is not supported by this build yet; use sqlite://PATH or memory:".to_owned());
+        }
+        // Only the scheme is echoed: the rest may hold credentials.
+        let scheme = url.split_once("://").map_or("", |(s, _)| s);
+        Err(format!("a store URL with scheme {scheme:?} is not supported (sqlite://PATH or memory:)"))
+    }
+
+    /// For `doctor` and logs (no credentials in either form).
+    pub fn display(&self) -> String {
+        match self {
+            StoreUrl::Sqlite(p) => format!("sqlite://{}", p.display()),
+            StoreUrl::Memory => "memory:".to_owned(),
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_urls() {
+        assert_eq!(StoreUrl::parse("memory:"), Ok(StoreUrl::Memory));
+        assert_eq!(StoreUrl::parse("sqlite:///var/x.db"), Ok(StoreUrl::Sqlite("/var/x.db".into())));
+        assert_eq!(StoreUrl::parse("sqlite:runs.db"), Ok(StoreUrl::Sqlite("runs.db".into())));
+        assert!(StoreUrl::parse("sqlite://").is_err());
+        let e = StoreUrl::parse("mysql://user:secret@db/x").expect_err("unknown scheme");
+        assert!(!e.contains("secret"), "{e}");
+        assert!(StoreUrl::parse("postgres://u:p@h/db").is_err_and(|e| !e.contains(":p@")));
+    }
+
+    #[test]
+    fn patches_merge_later_wins() {
+        let mut a = RunPatch { status: Some("running".into()), content: Some("x".into()), ..RunPatch::default() };
+        a.merge(RunPatch { status: Some("ok".into()), ..RunPatch::default() });
+        assert_eq!(a.status.as_deref(), Some("ok"));
+        assert_eq!(a.content.as_deref(), Some("x"));
+        assert!(RunPatch::default().is_empty());
+    }
+}

@@ -1,0 +1,191 @@
+//! The run store as the HTTP layer and the restart path use it: admission (idempotency, run-id
+//! reuse), the logs of live runs, reads of stored ones, history, retention, and the runs a restart
+//! continues.
+
+use super::live::RunLog;
+use super::memory::MemoryStore;
+use super::sqlite::SqliteStore;
+use super::writer::{StoreMetrics, Writer};
+use super::{now_ms, Applied, ListQuery, Retention, RunDoc, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
+use dashmap::DashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a finished run's log stays in memory (re-attaching clients are served from it; after
+/// that from the store).
+const LINGER: Duration = Duration::from_secs(60);
+
+/// How an admission went.
+pub enum Insert {
+    /// A new run was stored.
+    New(Arc<RunLog>),
+    /// The same request was stored before: this is its run.
+    Existing(RunView),
+    /// The run id exists with a different body.
+    Conflict,
+    /// The idempotency key exists with a different body.
+    IdempotencyMismatch,
+}
+
+/// A run, live in this process or only stored.
+#[derive(Clone)]
+pub enum RunView {
+    /// Live (or recently finished): its log.
+    Live(Arc<RunLog>),
+    /// Stored only (finished, or owned by no live process).
+    Stored(Box<RunRow>),
+}
+
+impl RunView {
+    /// Its document.
+    pub fn doc(&self) -> RunDoc {
+        match self {
+            RunView::Live(log) => log.doc(),
+            RunView::Stored(row) => RunDoc::from_row(row, None),
+        }
+    }
+
+    /// Its run id.
+    pub fn run_id(&self) -> &str {
+        match self {
+            RunView::Live(log) => &log.run_id,
+            RunView::Stored(row) => &row.run_id,
+        }
+    }
+
+    /// True once it has its terminal event.
+    pub fn is_finished(&self) -> bool {
+        match self {
+            RunView::Live(log) => log.is_finished(),
+            RunView::Stored(row) => row.finished_at_ms.is_some(),
+        }
+    }
+}
+
+/// The run store.
+pub struct RunStore {
+    backend: Arc<dyn Store>,
+    writer: Writer,
+    /// Logs of live runs (and of runs finished less than [`LINGER`] ago).
+    live: DashMap<String, Arc<RunLog>>,
+    retention: Retention,
+    url: String,
+}
+
+impl RunStore {
+    /// Opens the store `url` names and starts its writer on the current runtime. A store that
+    /// cannot be opened is an error naming it (startup stops with it).
+    pub async fn open(url: &StoreUrl, retention: Retention, metrics: StoreMetrics) -> Result<Arc<Self>, StoreError> {
+        let backend: Arc<dyn Store> = match url {
+            StoreUrl::Memory => Arc::new(MemoryStore::new()),
+            StoreUrl::Sqlite(path) => Arc::new(SqliteStore::open(path).await?),
+        };
+        Ok(Self::with_backend(backend, retention, metrics, url.display()))
+    }
+
+    /// A store over `backend` (tests use it with a probe backend).
+    pub fn with_backend(backend: Arc<dyn Store>, retention: Retention, metrics: StoreMetrics, url: String) -> Arc<Self> {
+        let writer = Writer::start(backend.clone(), metrics);
+        Arc::new(Self { backend, writer, live: DashMap::new(), retention, url })
+    }
+
+    /// `sqlite://…` or `memory:`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The backend's kind.
+    pub fn kind(&self) -> &'static str {
+        self.backend.kind()
+    }
+
+    /// Stores a new run unless its run id or idempotency key is taken.
+    pub async fn insert(&self, mut row: RunRow) -> Result<Insert, StoreError> {
+        match self.writer.apply(Write::Insert(Box::new(row.clone()))).await? {
+            Applied::Inserted { seq } => {
+                row.seq = seq;
+                let log = RunLog::new(row, Vec::new(), self.writer.clone());
+                self.live.insert(log.run_id.clone(), log.clone());
+                Ok(Insert::New(log))
+            }
+            Applied::Existing { run_id } => match self.view(&run_id).await? {
+                Some(v) => Ok(Insert::Existing(v)),
+                // Swept between the two reads: the caller may start it again.
+                None => Err(StoreError(format!("run {run_id:?} vanished from the store; retry"))),
+            },
+            Applied::Conflict => Ok(Insert::Conflict),
+            Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
+            Applied::Done => Err(StoreError("the run store did not say how the admission went".to_owned())),
+        }
+    }
+
+    /// Forgets a run whose admission failed after it was stored, so the caller can retry its id.
+    pub async fn forget(&self, run_id: &str) {
+        self.live.remove(run_id);
+        if let Err(e) = self.writer.apply(Write::Delete { run_id: run_id.to_owned() }).await {
+            tracing::warn!(run_id, error = %e, "cannot forget a run whose admission failed");
+        }
+    }
+
+    /// A live run's log.
+    pub fn live(&self, run_id: &str) -> Option<Arc<RunLog>> {
+        self.live.get(run_id).map(|r| r.clone())
+    }
+
+    /// A run, live or stored.
+    pub async fn view(&self, run_id: &str) -> Result<Option<RunView>, StoreError> {
+        if let Some(log) = self.live(run_id) {
+            return Ok(Some(RunView::Live(log)));
+        }
+        Ok(self.backend.run(run_id).await?.map(|r| RunView::Stored(Box::new(r))))
+    }
+
+    /// A stored run's events after `after`.
+    pub async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
+        self.backend.events(run_id, after).await
+    }
+
+    /// History: documents newest first, and the admission order of the last one (the cursor).
+    pub async fn list(&self, query: &ListQuery) -> Result<(Vec<RunDoc>, Option<i64>), StoreError> {
+        let rows = self.backend.list(query).await?;
+        let last = rows.last().map(|r| r.seq);
+        let docs = rows
+            .iter()
+            .map(|r| match self.live(&r.run_id) {
+                // A live run's usage moves between writes: show it as the proxy counts it now.
+                Some(log) => log.doc(),
+                None => RunDoc::from_row(r, None),
+            })
+            .collect();
+        Ok((docs, last))
+    }
+
+    /// The unfinished runs of the store with their events, as live logs, in admission order: what
+    /// a restarted clawmux continues.
+    pub async fn resume(&self) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let mut out = Vec::new();
+        for row in self.backend.unfinished().await? {
+            let events = self.backend.events(&row.run_id, 0).await?;
+            let log = RunLog::new(row.clone(), events, self.writer.clone());
+            self.live.insert(row.run_id.clone(), log.clone());
+            out.push((log, row));
+        }
+        Ok(out)
+    }
+
+    /// Enforces the retention in the store and forgets the logs of runs finished a while ago.
+    pub async fn sweep(&self) -> Result<u64, StoreError> {
+        self.live.retain(|_, log| log.finished_for().is_none_or(|d| d < LINGER));
+        self.backend.sweep(self.retention, now_ms()).await
+    }
+
+    /// Waits until every write queued so far is stored.
+    pub async fn flush(&self) {
+        self.writer.flush().await;
+    }
+
+    /// Live runs without their terminal event.
+    pub fn unfinished(&self) -> usize {
+        self.live.iter().filter(|l| !l.is_finished()).count()
+    }
+}

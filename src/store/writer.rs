@@ -1,0 +1,162 @@
+//! The group commit: one task applies every write of the run store.
+//!
+//! Writers queue a write with a completion; the task takes whatever has queued up (up to
+//! [`MAX_BATCH`]), applies it in ONE transaction, then runs the completions in order. While a batch
+//! commits the next one fills, so a busy store commits many events per transaction and a quiet one
+//! commits each at once: never one fsync per delta, and no timer adding latency.
+//!
+//! A failed batch is retried write by write, so one bad write (a full disk fails them all anyway)
+//! fails only its own run, never the other runs that happened to share its transaction.
+
+use super::{Applied, Store, StoreError, Write};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+
+/// Writes per transaction at most.
+pub const MAX_BATCH: usize = 2048;
+
+/// What to do once a write is applied (or failed).
+pub type Done = Box<dyn FnOnce(Result<Applied, StoreError>) + Send>;
+
+#[allow(clippy::large_enum_variant)] // see `Write`
+enum Job {
+    Write(Write, Option<Done>),
+    /// Completes once everything queued before it is applied.
+    Flush(oneshot::Sender<()>),
+}
+
+/// The store's metrics.
+#[derive(Clone)]
+pub struct StoreMetrics {
+    /// Transactions committed (or failed).
+    pub commits: IntCounterVec,
+    /// Writes per transaction.
+    pub batch_size: Histogram,
+    /// Time to apply and commit one batch.
+    pub commit_seconds: Histogram,
+    /// Writes that failed (their runs end `internal`, their admissions are refused).
+    pub write_errors: IntCounter,
+}
+
+impl StoreMetrics {
+    /// Creates and registers them.
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            commits: IntCounterVec::new(Opts::new("clawmux_store_commits_total", "Run store transactions by outcome"), &["outcome"])?,
+            batch_size: Histogram::with_opts(
+                HistogramOpts::new("clawmux_store_batch_writes", "Writes per run store transaction (group commit)")
+                    .buckets(vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2048.0]),
+            )?,
+            commit_seconds: Histogram::with_opts(
+                HistogramOpts::new("clawmux_store_commit_seconds", "Time to apply and commit one run store transaction")
+                    .buckets(vec![0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]),
+            )?,
+            write_errors: IntCounter::new("clawmux_store_write_errors_total", "Run store writes that failed")?,
+        };
+        registry.register(Box::new(m.commits.clone()))?;
+        registry.register(Box::new(m.batch_size.clone()))?;
+        registry.register(Box::new(m.commit_seconds.clone()))?;
+        registry.register(Box::new(m.write_errors.clone()))?;
+        Ok(m)
+    }
+}
+
+/// A handle to the writer task (cheap to clone).
+#[derive(Clone)]
+pub struct Writer {
+    tx: mpsc::UnboundedSender<Job>,
+}
+
+impl Writer {
+    /// Starts the writer task on the current runtime.
+    pub fn start(store: Arc<dyn Store>, metrics: StoreMetrics) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(store, metrics, rx));
+        Self { tx }
+    }
+
+    /// Queues a write; `done` runs once it is applied. Never blocks.
+    pub fn submit(&self, write: Write, done: Option<Done>) {
+        if let Err(mpsc::error::SendError(Job::Write(_, Some(done)))) = self.tx.send(Job::Write(write, done)) {
+            done(Err(StoreError("the run store's writer has stopped".to_owned())));
+        }
+    }
+
+    /// Applies one write and waits for it.
+    pub async fn apply(&self, write: Write) -> Result<Applied, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(
+            write,
+            Some(Box::new(move |r| {
+                let _ = tx.send(r);
+            })),
+        );
+        rx.await.unwrap_or_else(|_| Err(StoreError("the run store's writer has stopped".to_owned())))
+    }
+
+    /// Waits until everything queued so far is applied.
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Job::Flush(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::UnboundedReceiver<Job>) {
+    let mut jobs = Vec::new();
+    while rx.recv_many(&mut jobs, MAX_BATCH).await > 0 {
+        let mut writes = Vec::with_capacity(jobs.len());
+        let mut dones = Vec::with_capacity(jobs.len());
+        let mut flushes = Vec::new();
+        for job in jobs.drain(..) {
+            match job {
+                Job::Write(w, d) => {
+                    writes.push(w);
+                    dones.push(d);
+                }
+                Job::Flush(f) => flushes.push(f),
+            }
+        }
+        if !writes.is_empty() {
+            let started = Instant::now();
+            let results = match store.apply(&writes).await {
+                Ok(r) if r.len() == writes.len() => {
+                    metrics.commits.with_label_values(&["ok"]).inc();
+                    r.into_iter().map(Ok).collect()
+                }
+                first if writes.len() == 1 => {
+                    metrics.commits.with_label_values(&["failed"]).inc();
+                    vec![first.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned())))]
+                }
+                _ => {
+                    // Isolate the failing writes: each on its own.
+                    metrics.commits.with_label_values(&["failed"]).inc();
+                    let mut out = Vec::with_capacity(writes.len());
+                    for w in &writes {
+                        let r = store.apply(std::slice::from_ref(w)).await;
+                        metrics.commits.with_label_values(&[if r.is_ok() { "ok" } else { "failed" }]).inc();
+                        out.push(r.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned()))));
+                    }
+                    out
+                }
+            };
+            metrics.batch_size.observe(writes.len() as f64);
+            metrics.commit_seconds.observe(started.elapsed().as_secs_f64());
+            for (result, done) in results.into_iter().zip(dones) {
+                if let Err(e) = &result {
+                    metrics.write_errors.inc();
+                    tracing::error!(error = %e, "run store write failed");
+                }
+                if let Some(done) = done {
+                    done(result);
+                }
+            }
+        }
+        for f in flushes {
+            let _ = f.send(());
+        }
+    }
+}
