@@ -90,13 +90,20 @@ fn open_llm_streams(g: &Gateway) -> Vec<String> {
         .collect()
 }
 
-/// Waits (bounded) until the fake LLM streams nothing, so runs a previous test left on the gateway
-/// (a failed test cannot always cancel them) do not take this test's slots or time.
-async fn wait_llm_idle(g: &Gateway) {
+/// Runs the gateway runs in parallel (`max(8, 4 x CPUs)`; 8 on the 2-core machines the tests run on).
+const GATEWAY_PARALLEL: usize = 8;
+
+/// Waits (bounded) until the gateway has room for this test's runs, so they all start at once.
+/// Runs can outlive a test: a failed test cannot always cancel its runs, and after `kill -9` +
+/// restart the gateway re-runs every interrupted session by itself
+/// (`[main-session-restart-recovery] started interrupted main session`), one after the other, each
+/// a full `SLOW` reply. Open LLM streams count those runs (ours make one LLM call each); one slot
+/// stays spare for a run that is between calls.
+async fn wait_for_free_slots(g: &Gateway) {
     let deadline = Instant::now() + Duration::from_secs(50);
     loop {
         let open = open_llm_streams(g);
-        if open.is_empty() {
+        if open.len() + RUNS < GATEWAY_PARALLEL {
             return;
         }
         assert!(Instant::now() < deadline, "the fake LLM is still streaming {open:?} 50 s on: the gateway is busy with leftovers");
@@ -303,7 +310,9 @@ impl Failures {
         }
     }
 
-    fn assert_none(self, test: &str) {
+    /// Panics with every failure; prints how long the test took either way.
+    fn assert_none(self, test: &str, started: Instant) {
+        eprintln!("{test}: {:.1} s", started.elapsed().as_secs_f64());
         assert!(self.0.is_empty(), "{test}: {} failure(s):\n  - {}", self.0.len(), self.0.join("\n  - "));
     }
 }
@@ -365,7 +374,8 @@ fn tag() -> String {
 #[actix_rt::test]
 async fn live_chaos_drop_cut_mid_run_every_run_recovers_and_ends_final_with_its_own_full_text() {
     let Some(g) = gateway() else { return };
-    wait_llm_idle(&g).await;
+    let started = Instant::now();
+    wait_for_free_slots(&g).await;
     let relay = ChaosRelay::start(g.addr).await.expect("relay");
     let (running, base) = start(&g, &relay.url(), |sup| {
         sup.request_timeout = Duration::from_secs(3);
@@ -394,7 +404,7 @@ async fn live_chaos_drop_cut_mid_run_every_run_recovers_and_ends_final_with_its_
     f.check(connects(&base).await >= 2.0, || "clawmux did not reconnect".to_owned());
     f.check(relay.accepted() >= 2, || format!("the relay carried {} connections", relay.accepted()));
     clawmux::server::shutdown(&running).await;
-    f.assert_none("drop");
+    f.assert_none("drop", started);
 }
 
 /// A 10 s run loses its connection ~3 s in, and the gateway stays unreachable (the relay resets
@@ -405,7 +415,8 @@ async fn live_chaos_drop_cut_mid_run_every_run_recovers_and_ends_final_with_its_
 #[actix_rt::test]
 async fn live_chaos_drop_run_timeout_while_recovering_ends_timeout_and_is_cancelled_on_the_gateway() {
     let Some(g) = gateway() else { return };
-    wait_llm_idle(&g).await;
+    let started = Instant::now();
+    wait_for_free_slots(&g).await;
     let relay = ChaosRelay::start(g.addr).await.expect("relay");
     let (running, base) = start(&g, &relay.url(), |sup| {
         sup.request_timeout = Duration::from_secs(3);
@@ -445,7 +456,7 @@ async fn live_chaos_drop_run_timeout_while_recovering_ends_timeout_and_is_cancel
     let doc: Value = client().get(format!("{base}/v1/runs/{}", r.run_id)).send().await.expect("get").json().await.expect("doc");
     f.check(doc["status"] == "timeout", || format!("run document: {doc}"));
     clawmux::server::shutdown(&running).await;
-    f.assert_none("drop + timeout");
+    f.assert_none("drop + timeout", started);
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -459,7 +470,8 @@ async fn live_chaos_drop_run_timeout_while_recovering_ends_timeout_and_is_cancel
 #[actix_rt::test]
 async fn live_chaos_freeze_stalled_path_for_5s_connection_survives_and_every_run_ends_final() {
     let Some(g) = gateway() else { return };
-    wait_llm_idle(&g).await;
+    let started = Instant::now();
+    wait_for_free_slots(&g).await;
     let relay = ChaosRelay::start(g.addr).await.expect("relay");
     let (running, base) = start(&g, &relay.url(), |_| {}).await;
     let t = tag();
@@ -487,7 +499,7 @@ async fn live_chaos_freeze_stalled_path_for_5s_connection_survives_and_every_run
     f.check(connects(&base).await == 1.0, || "clawmux reconnected: a 5 s stall must not drop the connection".to_owned());
     f.check(relay.accepted() == 1, || format!("the relay carried {} connections", relay.accepted()));
     clawmux::server::shutdown(&running).await;
-    f.assert_none("stall");
+    f.assert_none("stall", started);
 }
 
 /// Four 40 s runs; the gateway process is SIGSTOPped for 3 s, then SIGCONTed (also on any panic).
@@ -495,7 +507,8 @@ async fn live_chaos_freeze_stalled_path_for_5s_connection_survives_and_every_run
 #[actix_rt::test]
 async fn live_chaos_freeze_sigstop_gateway_for_3s_connection_survives_and_every_run_ends_final() {
     let Some(g) = gateway() else { return };
-    wait_llm_idle(&g).await;
+    let started = Instant::now();
+    wait_for_free_slots(&g).await;
     let (running, base) = start(&g, &g.url, |_| {}).await;
     let t = tag();
     let mut runs: Vec<Run> = (0..RUNS).map(|i| Run::post(&base, &t, "chaos sigstop", i, json!({}))).collect();
@@ -519,7 +532,7 @@ async fn live_chaos_freeze_sigstop_gateway_for_3s_connection_survives_and_every_
     }
     f.check(connects(&base).await == 1.0, || "clawmux reconnected: a 3 s freeze must not drop the connection".to_owned());
     clawmux::server::shutdown(&running).await;
-    f.assert_none("sigstop");
+    f.assert_none("sigstop", started);
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -527,14 +540,17 @@ async fn live_chaos_freeze_sigstop_gateway_for_3s_connection_survives_and_every_
 // -------------------------------------------------------------------------------------------------
 
 /// Four 40 s runs; the gateway is killed (-9) and started again on the same port and state
-/// (`gateway.sh restart-gateway`). The new process has a new boot id and knows nothing of the runs,
-/// so every run must end exactly once with `gateway_disconnected`, within a few seconds of the
+/// (`gateway.sh restart-gateway`). The new process has a new boot id and the runs' gateway run ids
+/// died with the old one (it re-runs the interrupted sessions by itself, under new run ids, ~15 s
+/// after it is ready: nothing of that may reach any caller), so every run must end exactly once
+/// with `gateway_disconnected`, within a few seconds of the
 /// gateway being ready again: not when the (here 60 s) recovery window runs out, and not after an
 /// `agent.wait` for a run the new process never had. A new run afterwards succeeds.
 #[actix_rt::test]
 async fn live_chaos_kill_gateway_restart_ends_every_run_once_promptly_and_a_new_run_succeeds() {
     let Some(g) = gateway() else { return };
-    wait_llm_idle(&g).await;
+    let started = Instant::now();
+    wait_for_free_slots(&g).await;
     let (running, base) = start(&g, &g.url, |sup| sup.recovery_window = Duration::from_secs(60)).await;
     let t = tag();
     let mut runs: Vec<Run> = (0..RUNS).map(|i| Run::post(&base, &t, "chaos kill", i, json!({}))).collect();
@@ -577,8 +593,70 @@ async fn live_chaos_kill_gateway_restart_ends_every_run_once_promptly_and_a_new_
     f.check(status == 200 && doc["status"] == "ok", || format!("new run after the restart: {status} {doc}"));
     let content = doc["content"].as_str().unwrap_or_default();
     f.check(content.contains(&format!("Reply to: after the kill {marker} | model=")), || format!("new run: not its own reply: {doc}"));
+    // The new gateway re-runs the killed runs' sessions by itself; none of that may reach this run.
+    for r in &runs {
+        f.check(!doc.to_string().contains(&r.marker), || format!("new run: carries killed run {}'s text: {doc}", r.i));
+    }
     f.check(g2.gateway_pid != g.gateway_pid, || "the gateway PID did not change".to_owned());
     f.check(connects(&base).await >= 2.0, || "clawmux did not reconnect".to_owned());
     clawmux::server::shutdown(&running).await;
-    f.assert_none("kill");
+    f.assert_none("kill", started);
+}
+
+// -------------------------------------------------------------------------------------------------
+// The relay itself (no gateway needed; runs with the ordinary tests)
+// -------------------------------------------------------------------------------------------------
+
+/// Cut, stall and refuse do what the live tests rely on, against an echo server.
+#[actix_rt::test]
+async fn chaos_relay_forwards_stalls_cuts_and_refuses() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    let echo = TcpListener::bind(("127.0.0.1", 0)).await.expect("bind");
+    let echo_addr = echo.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((s, _)) = echo.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.into_split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    let relay = ChaosRelay::start(echo_addr).await.expect("relay");
+    let within = Duration::from_secs(5);
+    async fn read_some(s: &mut TcpStream, within: Duration) -> std::io::Result<Vec<u8>> {
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(within, s.read(&mut buf)).await.map_err(|_| std::io::ErrorKind::TimedOut)??;
+        Ok(buf[..n].to_vec())
+    }
+
+    // Forwarding.
+    let mut c = TcpStream::connect(relay.addr).await.expect("connect");
+    c.write_all(b"ping").await.expect("write");
+    assert_eq!(read_some(&mut c, within).await.expect("echo"), b"ping");
+
+    // Stall: nothing comes back while stalled, everything after resume.
+    relay.stall();
+    c.write_all(b"held").await.expect("write");
+    let r = read_some(&mut c, Duration::from_millis(500)).await;
+    assert_eq!(r.map_err(|e| e.kind()), Err(std::io::ErrorKind::TimedOut), "bytes crossed a stalled relay");
+    relay.resume();
+    assert_eq!(read_some(&mut c, within).await.expect("after resume"), b"held");
+
+    // Cut: the client sees a reset, not an orderly close.
+    assert_eq!(relay.cut_all(), 1);
+    let r = read_some(&mut c, within).await;
+    assert_eq!(r.map_err(|e| e.kind()), Err(std::io::ErrorKind::ConnectionReset), "a cut is a reset");
+
+    // Refuse: accepted, then reset at once; forwarding again afterwards.
+    relay.refuse(true);
+    let mut c = TcpStream::connect(relay.addr).await.expect("connect");
+    let r = read_some(&mut c, within).await;
+    assert_eq!(r.map_err(|e| e.kind()), Err(std::io::ErrorKind::ConnectionReset), "a refused connection is reset");
+    assert_eq!(relay.refused(), 1);
+    relay.refuse(false);
+    let mut c = TcpStream::connect(relay.addr).await.expect("connect");
+    c.write_all(b"again").await.expect("write");
+    assert_eq!(read_some(&mut c, within).await.expect("echo"), b"again");
+    assert_eq!((relay.accepted(), relay.cut_count()), (2, 1));
 }

@@ -201,45 +201,60 @@ async fn wait_unstalled(stall_rx: &mut watch::Receiver<bool>, cut_rx: &mut watch
     }
 }
 
-/// Copies `from` → `to` until EOF (then half-closes `to`, as TCP would), an error, or a cut.
+/// Copies `from` → `to` until EOF (then half-closes `to`, as TCP would), an error, or a cut (then
+/// resets: the socket closes with SO_LINGER 0 once the other direction lets go of it too).
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     counter: &AtomicU64,
+    stall_rx: watch::Receiver<bool>,
+    cut_rx: watch::Receiver<u64>,
+) {
+    if copy(&mut from, &mut to, counter, stall_rx, cut_rx).await {
+        let _ = to.shutdown().await;
+    } else {
+        // Dropping a write half would send FIN first (tokio shuts it down on drop), and the peer
+        // would see an orderly close instead of the reset.
+        to.forget();
+    }
+}
+
+/// The copy loop of `pump`: `true` at EOF, `false` on an error or a cut.
+async fn copy(
+    from: &mut OwnedReadHalf,
+    to: &mut OwnedWriteHalf,
+    counter: &AtomicU64,
     mut stall_rx: watch::Receiver<bool>,
     mut cut_rx: watch::Receiver<u64>,
-) {
+) -> bool {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         // Stalled: read nothing, so the peers see backpressure rather than a sink.
         if !wait_unstalled(&mut stall_rx, &mut cut_rx).await {
-            return;
+            return false;
         }
         let n = tokio::select! {
             r = from.read(&mut buf) => match r {
-                Ok(0) => {
-                    let _ = to.shutdown().await;
-                    return;
-                }
+                Ok(0) => return true,
                 Ok(n) => n,
-                Err(_) => return,
+                Err(_) => return false,
             },
-            _ = cut_rx.changed() => return,
+            _ = cut_rx.changed() => return false,
             // A stall began while waiting for bytes: `read` is cancel-safe, nothing is lost.
             r = stall_rx.changed() => {
                 if r.is_err() {
-                    return;
+                    return false;
                 }
                 continue;
             }
         };
         // A stall that began while these bytes were read holds them until `resume`.
         if !wait_unstalled(&mut stall_rx, &mut cut_rx).await {
-            return;
+            return false;
         }
         tokio::select! {
-            r = to.write_all(&buf[..n]) => if r.is_err() { return },
-            _ = cut_rx.changed() => return,
+            r = to.write_all(&buf[..n]) => if r.is_err() { return false },
+            _ = cut_rx.changed() => return false,
         }
         counter.fetch_add(n as u64, Ordering::SeqCst);
     }
