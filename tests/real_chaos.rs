@@ -93,17 +93,17 @@ fn open_llm_streams(g: &Gateway) -> Vec<String> {
 /// Runs the gateway runs in parallel (`max(8, 4 x CPUs)`; 8 on the 2-core machines the tests run on).
 const GATEWAY_PARALLEL: usize = 8;
 
-/// Waits (bounded) until the gateway has room for this test's runs, so they all start at once.
+/// Waits (bounded) until the gateway has room for `runs` more runs, so they all start at once.
 /// Runs can outlive a test: a failed test cannot always cancel its runs, and after `kill -9` +
 /// restart the gateway re-runs every interrupted session by itself
 /// (`[main-session-restart-recovery] started interrupted main session`), one after the other, each
 /// a full `SLOW` reply. Open LLM streams count those runs (ours make one LLM call each); one slot
 /// stays spare for a run that is between calls.
-async fn wait_for_free_slots(g: &Gateway) {
+async fn wait_for_free_slots(g: &Gateway, runs: usize) {
     let deadline = Instant::now() + Duration::from_secs(50);
     loop {
         let open = open_llm_streams(g);
-        if open.len() + RUNS < GATEWAY_PARALLEL {
+        if open.len() + runs < GATEWAY_PARALLEL {
             return;
         }
         assert!(Instant::now() < deadline, "the fake LLM is still streaming {open:?} 50 s on: the gateway is busy with leftovers");
@@ -375,7 +375,7 @@ fn tag() -> String {
 async fn live_chaos_drop_cut_mid_run_every_run_recovers_and_ends_final_with_its_own_full_text() {
     let Some(g) = gateway() else { return };
     let started = Instant::now();
-    wait_for_free_slots(&g).await;
+    wait_for_free_slots(&g, RUNS).await;
     let relay = ChaosRelay::start(g.addr).await.expect("relay");
     let (running, base) = start(&g, &relay.url(), |sup| {
         sup.request_timeout = Duration::from_secs(3);
@@ -416,7 +416,7 @@ async fn live_chaos_drop_cut_mid_run_every_run_recovers_and_ends_final_with_its_
 async fn live_chaos_drop_run_timeout_while_recovering_ends_timeout_and_is_cancelled_on_the_gateway() {
     let Some(g) = gateway() else { return };
     let started = Instant::now();
-    wait_for_free_slots(&g).await;
+    wait_for_free_slots(&g, 1).await;
     let relay = ChaosRelay::start(g.addr).await.expect("relay");
     let (running, base) = start(&g, &relay.url(), |sup| {
         sup.request_timeout = Duration::from_secs(3);
@@ -471,7 +471,7 @@ async fn live_chaos_drop_run_timeout_while_recovering_ends_timeout_and_is_cancel
 async fn live_chaos_freeze_stalled_path_for_5s_connection_survives_and_every_run_ends_final() {
     let Some(g) = gateway() else { return };
     let started = Instant::now();
-    wait_for_free_slots(&g).await;
+    wait_for_free_slots(&g, RUNS).await;
     let relay = ChaosRelay::start(g.addr).await.expect("relay");
     let (running, base) = start(&g, &relay.url(), |_| {}).await;
     let t = tag();
@@ -508,7 +508,7 @@ async fn live_chaos_freeze_stalled_path_for_5s_connection_survives_and_every_run
 async fn live_chaos_freeze_sigstop_gateway_for_3s_connection_survives_and_every_run_ends_final() {
     let Some(g) = gateway() else { return };
     let started = Instant::now();
-    wait_for_free_slots(&g).await;
+    wait_for_free_slots(&g, RUNS).await;
     let (running, base) = start(&g, &g.url, |_| {}).await;
     let t = tag();
     let mut runs: Vec<Run> = (0..RUNS).map(|i| Run::post(&base, &t, "chaos sigstop", i, json!({}))).collect();
@@ -550,7 +550,7 @@ async fn live_chaos_freeze_sigstop_gateway_for_3s_connection_survives_and_every_
 async fn live_chaos_kill_gateway_restart_ends_every_run_once_promptly_and_a_new_run_succeeds() {
     let Some(g) = gateway() else { return };
     let started = Instant::now();
-    wait_for_free_slots(&g).await;
+    wait_for_free_slots(&g, RUNS).await;
     let (running, base) = start(&g, &g.url, |sup| sup.recovery_window = Duration::from_secs(60)).await;
     let t = tag();
     let mut runs: Vec<Run> = (0..RUNS).map(|i| Run::post(&base, &t, "chaos kill", i, json!({}))).collect();
