@@ -37,21 +37,29 @@ LITELLM_DIR="$(mktemp -d /tmp/clawmux-litellm.XXXXXX)"
 NETNS_DIR="$(mktemp -d /tmp/clawmux-gwns.XXXXXX)"
 NETNS_NAME="cmx$$"
 GWC_DIR="$(mktemp -d /tmp/clawmux-gwc.XXXXXX)"
+CHAOS_DIR="$(mktemp -d /tmp/clawmux-gwchaos.XXXXXX)"
 cleanup() {
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
-  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR"; do
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR" "$CHAOS_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
 CLAWMUX_REAL_GATEWAY_ENV="$RUN_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
   cargo test --locked --test real_gateway -- --test-threads=1 live_
 tests/support/gateway.sh stop "$RUN_DIR"
+
+say "gateway faults (drop, freeze, kill) against the real OpenClaw gateway"
+# A gateway of their own: these tests SIGSTOP it and kill -9 + restart it.
+tests/support/gateway.sh start "$CHAOS_DIR" v4
+CLAWMUX_CHAOS_GATEWAY_ENV="$CHAOS_DIR/env" CLAWMUX_REQUIRE_CHAOS_GATEWAY=1 \
+  cargo test --locked --test real_chaos -- --test-threads=1 live_chaos_
+tests/support/gateway.sh stop "$CHAOS_DIR"
 
 say "billing attribution through clawmux's LLM proxy, real OpenClaw gateway"
 # The gateway's model provider points at the proxy; the fake LLM is the proxy's upstream.

@@ -596,8 +596,13 @@ impl SessionActor {
     }
 
     fn arm_recovery_deadline(&mut self, ctx: &mut Context<Self>) {
-        let wait = self.cfg.recovery_window.min(self.deadline.saturating_duration_since(Instant::now()));
-        ctx.run_later(wait, |act, ctx| {
+        let remaining = self.deadline.saturating_duration_since(Instant::now());
+        if remaining <= self.cfg.recovery_window {
+            // The run's own timeout comes first: it ends the run as `timeout` (and its gateway run
+            // is cancelled once that gateway is back), never as a race between two timers.
+            return;
+        }
+        ctx.run_later(self.cfg.recovery_window, |act, ctx| {
             if matches!(act.stage, Stage::Recovering | Stage::WaitingForGateway) && act.link.is_none() {
                 act.finish(
                     ctx,
