@@ -1396,6 +1396,50 @@ async fn runs_of_one_session_key_run_one_after_the_other() {
     assert!(runs.iter().all(|r| r.session_key == acc1.session_key && r.status == RunStatus::Ok));
 }
 
+/// A run queued behind another run of its session key times out on time (its wait counts toward
+/// its timeout: it must not wait for the run ahead to finish), reports `queued` while it waits, and
+/// a queued run can be aborted (`aborted: true`, terminal `aborted`), never reaching the gateway.
+#[actix_rt::test]
+async fn a_queued_run_reports_queued_times_out_on_time_and_can_be_aborted() {
+    let env = env(fast()).await;
+    env.gw.set_paused(true);
+    let mut ahead = body(&unique("<ahead>"), "acct-queue");
+    ahead["stateKey"] = json!("conv-q");
+    let mut first = env.sse(&ahead).await;
+    first.accepted().await;
+
+    let mut late = body(&unique("<late>"), "acct-queue");
+    late["stateKey"] = json!("conv-q");
+    late["timeoutSec"] = json!(1);
+    let t0 = Instant::now();
+    let r = env.http.post(env.url("/v1/runs?wait=false")).json(&late).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let doc: Value = r.json().await.unwrap();
+    assert_eq!(doc["status"], "queued", "{doc}");
+    let late_id = doc["runId"].as_str().unwrap().to_owned();
+
+    let mut aborted = body(&unique("<aborted>"), "acct-queue");
+    aborted["stateKey"] = json!("conv-q");
+    let r = env.http.post(env.url("/v1/runs?wait=false")).json(&aborted).send().await.unwrap();
+    let aborted_id = r.json::<Value>().await.unwrap()["runId"].as_str().unwrap().to_owned();
+    let a: Value = env.http.post(env.url(&format!("/v1/runs/{aborted_id}/abort"))).send().await.unwrap().json().await.unwrap();
+    assert_eq!(a["aborted"], true, "{a}");
+    let e = &env;
+    let id = &aborted_id;
+    eventually(WAIT, "the queued run ended aborted", || async move { e.doc(id).await["status"] == "aborted" }).await;
+
+    let id = &late_id;
+    eventually(Duration::from_secs(3), "the queued run timed out", || async move { e.doc(id).await["status"] == "timeout" }).await;
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(1800), "timed out after {took:?}, not within 1 s + slack");
+    assert_eq!(env.doc(&late_id).await["error"]["code"], "timeout");
+    // Neither reached the gateway; the run ahead is undisturbed.
+    assert_eq!(env.gw.runs().len(), 1);
+    env.gw.set_paused(false);
+    let fin = first.terminal(WAIT).await.expect("terminal");
+    assert_eq!(fin.event, "final", "{fin:?}");
+}
+
 /// Regression (cross-tenant): under plain concatenation each pair below got ONE gateway session, so
 /// the two tenants shared a transcript and queued behind each other. Each pair must now get two
 /// sessions: both runs are sent to the gateway at once (neither waits behind the other), their keys

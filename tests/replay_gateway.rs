@@ -506,6 +506,28 @@ async fn a_repeated_idempotency_key_gets_the_cached_final_only() {
     assert_eq!(gw.runs().len(), 1);
 }
 
+/// As openclaw 2026.9.6 answers a repeated key of a run it is still running: ONE `res` with
+/// `status: "in_flight"` (the final goes to the first request only). clawmux relies on it after a
+/// restart: it sends the stored key again and, on `in_flight`, waits with `agent.wait`.
+#[tokio::test]
+async fn a_repeated_idempotency_key_of_a_running_run_answers_in_flight() {
+    let gw = start(fast());
+    gw.set_paused(true);
+    let (mut a, _) = connect(&gw, &ALL_SCOPES, &[]).await;
+    let id = a.req("agent", agent_params("hello", "agent:main:a:s", "dup-2")).await;
+    let ack = a.until(|f| f["type"] == "res" && f["id"] == id.as_str()).await;
+    assert_eq!(ack.last().unwrap()["payload"]["status"], "accepted");
+    let id2 = a.req("agent", agent_params("hello", "agent:main:a:s", "dup-2")).await;
+    let frames = a.until(|f| f["type"] == "res" && f["id"] == id2.as_str()).await;
+    let res = frames.last().unwrap();
+    assert_eq!((res["payload"]["status"].as_str(), res["payload"]["runId"].as_str()), (Some("in_flight"), Some("dup-2")), "{res}");
+    gw.set_paused(false);
+    let fin = a.until(is_final_res(&id)).await;
+    assert_eq!(fin.last().unwrap()["payload"]["status"], "ok");
+    assert!(a.quiet_for(Duration::from_millis(300)).await.iter().all(|f| f["id"] != id2.as_str()), "one res for the repeat");
+    assert_eq!(gw.runs().len(), 1);
+}
+
 #[tokio::test]
 async fn runs_of_one_session_are_both_acked_then_serialised() {
     // Recorded timing at 20x: a run lasts ~30 ms; the first ACK comes at ~4 ms.

@@ -229,9 +229,16 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
     let (plan_parts, abort_rx) = {
         let mut st = shared.lock();
         // Dedupe: a repeated idempotency key gets ONE res: the cached final, or while the run is
-        // in flight the cached ACK. No events are replayed again.
+        // in flight the ACK with `status: "in_flight"` (as openclaw 2026.9.6 answers: the final
+        // goes to the first request only). No events are replayed again.
         if let Some(existing) = st.runs.get(&run_id) {
-            let cached = existing.final_payload.clone().unwrap_or_else(|| existing.ack.clone());
+            let cached = existing.final_payload.clone().unwrap_or_else(|| {
+                let mut ack = existing.ack.clone();
+                if let Some(o) = ack.as_object_mut() {
+                    o.insert("status".to_owned(), json!("in_flight"));
+                }
+                ack
+            });
             drop(st);
             return respond(shared, conn, &req.id, Ok(cached));
         }
