@@ -395,6 +395,12 @@ fn run_system_code(fut: impl std::future::Future<Output = i32> + 'static) -> i32
 }
 
 async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
+    // The demo's gateway lives only as long as the demo: its runs are not worth keeping for the
+    // next start (they would end `gateway_disconnected` against a new replay gateway), unless the
+    // user named a store.
+    if std::env::var_os("CLAWMUX_STORE_URL").is_none() {
+        cfg.store_url = crate::store::StoreUrl::Memory;
+    }
     let cassette = crate::replay::Cassette::bundled().map_err(std::io::Error::other)?;
     let token = uuid::Uuid::new_v4().simple().to_string();
     let rc = crate::replay::ReplayConfig::new(cassette).speed(speed).token(token.clone());
@@ -433,6 +439,7 @@ async fn doctor(cfg: Config) -> i32 {
         println!("  {k:<30} {v}");
     }
     println!();
+    let store_ok = doctor_store(&cfg).await;
     let Some(url) = cfg.gateway_url.clone() else {
         println!("gateway: NOT CONFIGURED. Fix: set CLAWMUX_GATEWAY_URL to the gateway's ws:// URL.");
         return exit::CONFIG;
@@ -462,9 +469,30 @@ async fn doctor(cfg: Config) -> i32 {
     };
     supervisor.do_send(clawmux_actors::supervisor::Disconnect);
     print!("{}", doctor_report(&url, &cfg, &snapshot, device.as_ref()));
-    match snapshot.ready() {
-        Ok(()) => exit::OK,
-        Err(_) => exit::FAILURE,
+    match (snapshot.ready(), store_ok) {
+        (Ok(()), true) => exit::OK,
+        _ => exit::FAILURE,
+    }
+}
+
+/// Opens the run store as `serve` would and says what it holds; false when it cannot be used.
+async fn doctor_store(cfg: &Config) -> bool {
+    let metrics = match crate::store::writer::StoreMetrics::new(&prometheus::Registry::new()) {
+        Ok(m) => m,
+        Err(_) => return false,
+    };
+    let retention = crate::store::Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+    match crate::store::RunStore::open(&cfg.store_url, retention, metrics).await {
+        Ok(store) => {
+            let query = crate::store::ListQuery { statuses: vec!["queued".into(), "running".into()], limit: 500, ..Default::default() };
+            let unfinished = store.list(&query).await.map(|(r, _)| r.len()).unwrap_or(0);
+            println!("store ({}): OK, {} kind, {unfinished} unfinished run(s) the next start continues\n", store.url(), store.kind());
+            true
+        }
+        Err(e) => {
+            println!("store: FAILED: {e}\n  Fix: point CLAWMUX_STORE_URL at a writable file (sqlite://PATH) or use memory:\n");
+            false
+        }
     }
 }
 
