@@ -482,7 +482,7 @@ async fn doctor_store(cfg: &Config) -> bool {
         Err(_) => return false,
     };
     let retention = crate::store::Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-    match crate::store::RunStore::open(&cfg.store_url, retention, metrics).await {
+    match crate::store::RunStore::open(&cfg.store_url, retention, metrics, None).await {
         Ok(store) => {
             let query = crate::store::ListQuery { statuses: vec!["queued".into(), "running".into()], limit: 500, ..Default::default() };
             let unfinished = store.list(&query).await.map(|(r, _)| r.len()).unwrap_or(0);

@@ -85,7 +85,9 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         max_count: cfg.run_retention_max,
     };
     // First: a store that cannot be opened stops startup with one line naming it.
-    let store = RunStore::open(&cfg.store_url, retention, store_metrics).await.map_err(|e| std::io::Error::other(e.0))?;
+    let store = RunStore::open(&cfg.store_url, retention, store_metrics, Some(metrics.frame_to_client.clone()))
+        .await
+        .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), "run store open");
     let status: StatusHandle = StatusHandle::default();
     if let Ok(mut st) = status.write() {

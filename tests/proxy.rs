@@ -195,6 +195,7 @@ async fn the_audit_log_survives_killing_clawmux_mid_stream() {
         .env("CLAWMUX_LLM_UPSTREAM_URL", llm.url())
         .env("CLAWMUX_LLM_UPSTREAM_KEY", &key)
         .env("CLAWMUX_AUDIT_DIR", &audit_dir)
+        .env("CLAWMUX_STORE_URL", format!("sqlite://{}", dir.join("runs.db").display()))
         .env("CLAWMUX_LOG", "debug")
         .env("CLAWMUX_DEVICE_IDENTITY", "off")
         .stdout(std::process::Stdio::null())

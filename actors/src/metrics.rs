@@ -33,7 +33,8 @@ pub struct Metrics {
     /// Run duration from admission to terminal event.
     pub run_duration: Histogram,
     /// clawmux's added latency: from a chat frame's bytes arriving on the gateway socket to its
-    /// text delta being handed to the run's SSE clients (decode, route, diff, serialize, fan-out).
+    /// text delta being visible to the run's SSE clients (decode, route, diff, serialize, store,
+    /// fan-out). Observed by the run store when the delta is stored.
     pub frame_to_client: Histogram,
     /// Gateway runs clawmux gave up on and cancelled on the gateway (`chat.abort`), by when:
     /// `at_end` (the connection was up) or `after_reconnect` (sent once the same gateway process
@@ -73,7 +74,7 @@ impl Metrics {
             frame_to_client: Histogram::with_opts(
                 HistogramOpts::new(
                     "clawmux_frame_to_client_seconds",
-                    "From a chat frame arriving on the gateway socket to its text delta handed to the run's SSE clients",
+                    "From a chat frame arriving on the gateway socket to its text delta stored and handed to the run's SSE clients",
                 )
                 .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]),
             )?,

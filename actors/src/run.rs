@@ -294,4 +294,10 @@ pub trait RunSink: Send + Sync + 'static {
     fn emit(&self, event: RunEvent);
     /// Records a checkpoint of the run's life (see [`Checkpoint`]).
     fn checkpoint(&self, checkpoint: Checkpoint);
+    /// Delivers a text delta whose frame arrived at `received` (the sink measures clawmux's added
+    /// latency up to the moment the delta is visible to the run's clients).
+    fn text_delta(&self, text: String, received: Instant) {
+        let _ = received;
+        self.emit(RunEvent::TextDelta(text));
+    }
 }

@@ -433,8 +433,7 @@ impl SessionActor {
 
     fn push_text(&mut self, cumulative: &str, received: Instant) {
         if let Some(delta) = self.tracker.push(cumulative) {
-            self.sink.emit(RunEvent::TextDelta(delta));
-            self.metrics.frame_to_client.observe(received.elapsed().as_secs_f64());
+            self.sink.text_delta(delta, received);
         }
     }
 

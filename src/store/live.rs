@@ -167,11 +167,13 @@ pub struct RunLog {
     billing: OnceLock<(Arc<RunBilling>, Arc<Attributions>)>,
     /// Cancels the run's session actor when the store fails it.
     on_failure: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// `clawmux_frame_to_client_seconds`, observed when a delta becomes visible.
+    latency: Option<prometheus::Histogram>,
 }
 
 impl RunLog {
     /// The log of a stored run, with its stored events (none for a new run).
-    pub fn new(row: RunRow, events: Vec<StoredEvent>, writer: Writer) -> Arc<Self> {
+    pub fn new(row: RunRow, events: Vec<StoredEvent>, writer: Writer, latency: Option<prometheus::Histogram>) -> Arc<Self> {
         let next_id = events.last().map_or(row.last_event_id, |e| e.id.max(row.last_event_id));
         let finished = row.finished_at_ms.is_some();
         Arc::new_cyclic(|me| RunLog {
@@ -192,6 +194,7 @@ impl RunLog {
             done: tokio::sync::watch::channel(finished).0,
             billing: OnceLock::new(),
             on_failure: OnceLock::new(),
+            latency,
         })
     }
 
@@ -276,8 +279,13 @@ impl RunLog {
         self.lock().events.iter().any(|e| e.name == EventName::Accepted)
     }
 
-    /// Queues an event and/or row changes for the store.
+    /// Queues an event and/or row changes for the store; `received` is when the gateway frame
+    /// behind it arrived (measured once it is visible).
     fn submit(&self, event: Option<(EventName, String)>, patch: RunPatch) {
+        self.submit_received(event, patch, None);
+    }
+
+    fn submit_received(&self, event: Option<(EventName, String)>, patch: RunPatch, received: Option<Instant>) {
         let write;
         let stored_event;
         {
@@ -302,7 +310,12 @@ impl RunLog {
             Some(Box::new(move |result: Result<Applied, StoreError>| {
                 if let Some(log) = me.upgrade() {
                     match result {
-                        Ok(_) => log.stored(stored_event, patch),
+                        Ok(_) => {
+                            log.stored(stored_event, patch);
+                            if let (Some(h), Some(t)) = (&log.latency, received) {
+                                h.observe(t.elapsed().as_secs_f64());
+                            }
+                        }
                         Err(e) => log.fail(&e),
                     }
                 }
@@ -432,6 +445,11 @@ impl RunSink for RunLog {
                 self.submit(Some(event), patch);
             }
         }
+    }
+
+    fn text_delta(&self, text: String, received: Instant) {
+        let data = serde_json::json!({ "text": text }).to_string();
+        self.submit_received(Some((EventName::TextDelta, data)), RunPatch::default(), Some(received));
     }
 
     fn checkpoint(&self, checkpoint: Checkpoint) {

@@ -70,23 +70,36 @@ pub struct RunStore {
     live: DashMap<String, Arc<RunLog>>,
     retention: Retention,
     url: String,
+    /// `clawmux_frame_to_client_seconds` (observed by the logs when deltas become visible).
+    latency: Option<prometheus::Histogram>,
 }
 
 impl RunStore {
     /// Opens the store `url` names and starts its writer on the current runtime. A store that
     /// cannot be opened is an error naming it (startup stops with it).
-    pub async fn open(url: &StoreUrl, retention: Retention, metrics: StoreMetrics) -> Result<Arc<Self>, StoreError> {
+    pub async fn open(
+        url: &StoreUrl,
+        retention: Retention,
+        metrics: StoreMetrics,
+        latency: Option<prometheus::Histogram>,
+    ) -> Result<Arc<Self>, StoreError> {
         let backend: Arc<dyn Store> = match url {
             StoreUrl::Memory => Arc::new(MemoryStore::new()),
             StoreUrl::Sqlite(path) => Arc::new(SqliteStore::open(path).await?),
         };
-        Ok(Self::with_backend(backend, retention, metrics, url.display()))
+        Ok(Self::with_backend(backend, retention, metrics, url.display(), latency))
     }
 
     /// A store over `backend` (tests use it with a probe backend).
-    pub fn with_backend(backend: Arc<dyn Store>, retention: Retention, metrics: StoreMetrics, url: String) -> Arc<Self> {
+    pub fn with_backend(
+        backend: Arc<dyn Store>,
+        retention: Retention,
+        metrics: StoreMetrics,
+        url: String,
+        latency: Option<prometheus::Histogram>,
+    ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, writer, live: DashMap::new(), retention, url })
+        Arc::new(Self { backend, writer, live: DashMap::new(), retention, url, latency })
     }
 
     /// `sqlite://…` or `memory:`.
@@ -104,7 +117,7 @@ impl RunStore {
         match self.writer.apply(Write::Insert(Box::new(row.clone()))).await? {
             Applied::Inserted { seq } => {
                 row.seq = seq;
-                let log = RunLog::new(row, Vec::new(), self.writer.clone());
+                let log = RunLog::new(row, Vec::new(), self.writer.clone(), self.latency.clone());
                 self.live.insert(log.run_id.clone(), log.clone());
                 Ok(Insert::New(log))
             }
@@ -166,7 +179,7 @@ impl RunStore {
         let mut out = Vec::new();
         for row in self.backend.unfinished().await? {
             let events = self.backend.events(&row.run_id, 0).await?;
-            let log = RunLog::new(row.clone(), events, self.writer.clone());
+            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone());
             self.live.insert(row.run_id.clone(), log.clone());
             out.push((log, row));
         }
