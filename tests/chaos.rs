@@ -56,12 +56,12 @@ async fn send_frame_before_a_sentinel(cfg: ReplayConfig, frame: &str, what: &str
     env.gw.broadcast_raw(&chat_frame(&acc.session_key, &acc.gateway_run_id, "delta", &format!("{echo}Hel")));
     let sentinel = sse.until(Duration::from_secs(5), |e| e.event == "text_delta").await;
     let after = env.disconnects().await;
-    let (ready, why) = env.readyz().await;
     assert!(
         sentinel.is_some() && after == before,
-        "{what}: the delta sent after the {}-byte frame never reached the run (disconnects {before} -> {after}, \
-         gateway handshakes {}, /readyz {ready} {why})",
+        "{what}: the delta sent after the {}-byte frame never reached the run (disconnects {before} -> {after}: {:?}; \
+         gateway handshakes {}; clawmux's log has the close reason)",
         frame.len(),
+        env.metric_lines("clawmux_gateway_disconnects_total").await,
         env.gw.stats().handshakes_ok
     );
     assert_eq!(env.gw.stats().handshakes_ok, 1, "{what}: clawmux reconnected");
@@ -78,6 +78,7 @@ async fn a_frame_within_the_advertised_max_payload_is_accepted_without_a_disconn
     assert_final_with(&fin, &sse, &answer(&m), "after a large frame");
     assert_eq!(env.disconnects().await, before);
     assert_eq!(env.metric("clawmux_gateway_frames_malformed_total").await, 0.0, "a valid frame is not malformed");
+    assert_no_panics("a frame within the advertised max payload is accepted without a disconnect");
 }
 
 #[actix_rt::test]
@@ -91,6 +92,7 @@ async fn a_frame_above_the_advertised_max_payload_is_dropped_and_counted_without
     let fin = finish(&mut sse, WAIT, "after an oversized frame").await;
     assert_final_with(&fin, &sse, &answer(&m), "after an oversized frame");
     assert_eq!(env.disconnects().await, before);
+    assert_no_panics("a frame above the advertised max payload is dropped and counted without a disconnect");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -134,6 +136,7 @@ async fn a_shutdown_with_an_absurd_restart_delay_reconnects_within_the_backoff_m
         .await;
     reconnected(&env, 2, t0, "shutdown with restartExpectedMs 18446744073709551615").await;
     a_run_works(&env, "after the shutdown").await;
+    assert_no_panics("a shutdown with an absurd restart delay reconnects within the backoff maximum");
 }
 
 #[actix_rt::test]
@@ -152,6 +155,7 @@ async fn an_unavailable_refusal_with_an_absurd_retry_after_is_retried_within_the
     reconnected(&env, 2, t0, "UNAVAILABLE retryAfterMs 18446744073709551615 on reconnect").await;
     assert_eq!(env.gw.stats().handshakes_failed, 2);
     a_run_works(&env, "after the refusals").await;
+    assert_no_panics("an unavailable refusal with an absurd retry after is retried within the backoff maximum");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -182,6 +186,7 @@ async fn a_long_run_outlasting_the_request_timeout_after_a_reconnect_ends_final_
     assert_final_with(&fin, &sse, &answer_on("long", &m, &recorded), "long run across a reconnect");
     assert_eq!(env.gw_run(&acc.gateway_run_id).status, RunStatus::Ok);
     assert!(!env.gw_run(&acc.gateway_run_id).aborted);
+    assert_no_panics("a long run outlasting the request timeout after a reconnect ends final with its full text");
 }
 
 #[actix_rt::test]
@@ -214,6 +219,7 @@ async fn a_recovering_run_past_its_own_timeout_ends_timeout_and_is_cancelled_on_
     })
     .await;
     env.gw.set_paused(false);
+    assert_no_panics("a recovering run past its own timeout ends timeout and is cancelled on the gateway");
 }
 
 #[actix_rt::test]
@@ -246,6 +252,7 @@ async fn a_run_whose_timeout_expires_while_the_gateway_is_unreachable_is_cancell
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     env.gw.set_paused(false);
+    assert_no_panics("a run whose timeout expires while the gateway is unreachable is cancelled when it returns");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -253,10 +260,10 @@ async fn a_run_whose_timeout_expires_while_the_gateway_is_unreachable_is_cancell
 // ------------------------------------------------------------------------------------------------
 
 /// Under an absurd hello-ok `policy`, clawmux becomes ready, a held run gets a frame of
-/// `big_frame` bytes (if any) and a delta, and ends `final` with its text; the connection stays.
-async fn bounded_policy(what: &str, cfg: ReplayConfig, big_frame: Option<usize>) {
-    // Real ticks every 50 ms: fine for any interval clawmux may clamp to (>= 100 ms).
-    let env = env(cfg.tick_interval_ms(50)).await;
+/// `big_frame` bytes (if any) and a delta, and ends `final` with its text; the connection stays
+/// (at most `spurious_disconnects` of them: see the zero tick interval).
+async fn bounded_policy(what: &str, cfg: ReplayConfig, big_frame: Option<usize>, spurious_disconnects: f64) {
+    let env = env(cfg).await;
     env.gw.set_paused(true);
     let m = unique("<policy>");
     let mut sse = env.sse(&body(&m, "acct-policy")).await;
@@ -282,8 +289,10 @@ async fn bounded_policy(what: &str, cfg: ReplayConfig, big_frame: Option<usize>)
     let fin = finish(&mut sse, WAIT, what).await;
     assert_final_with(&fin, &sse, &answer(&m), what);
     assert_eq!(env.readyz().await.0, 200, "{what}: not ready");
-    assert_eq!(env.disconnects().await, 0.0, "{what}: the connection dropped");
+    let disconnects = env.disconnects().await;
+    assert!(disconnects <= spurious_disconnects, "{what}: the connection dropped {disconnects} times");
     a_run_works(&env, what).await;
+    assert_no_panics(what);
 }
 
 /// What the (already read) `accepted` event says.
@@ -295,22 +304,25 @@ fn accepted_of(sse: &Sse) -> Accepted {
 
 #[actix_rt::test]
 async fn a_zero_tick_interval_in_hello_ok_is_clamped() {
-    bounded_policy("tickIntervalMs 0", fast().advertise_tick_interval_ms(0), None).await;
+    // Clamped to 100 ms, a gateway ticking every 20 ms is alive. Unclamped, every liveness check
+    // (every 250 ms) would find it dead. One spurious timeout is tolerated: 200 ms of silence is
+    // within reach of a starved test thread on a busy machine.
+    bounded_policy("tickIntervalMs 0", fast().tick_interval_ms(20).advertise_tick_interval_ms(0), None, 1.0).await;
 }
 
 #[actix_rt::test]
 async fn a_u64_max_tick_interval_in_hello_ok_is_clamped() {
-    bounded_policy("tickIntervalMs u64::MAX", fast().advertise_tick_interval_ms(u64::MAX), None).await;
+    bounded_policy("tickIntervalMs u64::MAX", fast().tick_interval_ms(20).advertise_tick_interval_ms(u64::MAX), None, 0.0).await;
 }
 
 #[actix_rt::test]
 async fn a_zero_max_payload_in_hello_ok_is_floored() {
-    bounded_policy("maxPayload 0", fast().advertise_max_payload(0), None).await;
+    bounded_policy("maxPayload 0", fast().advertise_max_payload(0), None, 0.0).await;
 }
 
 #[actix_rt::test]
 async fn a_u64_max_max_payload_in_hello_ok_is_capped_and_a_5_mb_frame_passes() {
-    bounded_policy("maxPayload u64::MAX", fast().advertise_max_payload(u64::MAX), Some(5_000_000)).await;
+    bounded_policy("maxPayload u64::MAX", fast().advertise_max_payload(u64::MAX), Some(5_000_000), 0.0).await;
 }
 
 #[actix_rt::test]
@@ -358,6 +370,7 @@ async fn absurd_seq_and_usage_numbers_leave_runs_intact() {
     assert_eq!(r.status(), 200);
     assert_eq!(env.readyz().await.0, 200);
     assert_eq!(env.disconnects().await, 0.0);
+    assert_no_panics("absurd seq and usage numbers leave runs intact");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -400,6 +413,11 @@ async fn contradicting_finals_end_each_run_once_with_the_agent_final_res_content
             Box::new(|e: &str| format!("{e}{}", recorded_answer(&fast(), "short"))),
         ),
         (
+            "chat-error-then-ok-res",
+            Box::new(|_e: &str| RunScript { before_final: vec![ScriptFrame::chat("error", "WRONG early failure")], ..RunScript::default() }),
+            Box::new(|e: &str| format!("{e}{}", recorded_answer(&fast(), "short"))),
+        ),
+        (
             "aborted-then-ok",
             Box::new(|e: &str| RunScript { before_final: vec![ScriptFrame::chat("aborted", format!("{e}Hello from"))], ..RunScript::default() }),
             Box::new(|e: &str| format!("{e}{}", recorded_answer(&fast(), "short"))),
@@ -432,7 +450,11 @@ async fn contradicting_finals_end_each_run_once_with_the_agent_final_res_content
     .await;
     let missing_run_id = "clawmux_gateway_frames_dropped_total{reason=\"missing_run_id\"}";
     let sentinel_before = env.metric(missing_run_id).await;
-    env.gw.broadcast_raw(&json!({"type": "event", "event": "chat", "payload": {"sessionKey": "agent:main:sentinel", "state": "delta", "message": {"role": "assistant", "content": [{"type": "text", "text": "sentinel"}]}}}).to_string());
+    let sentinel = json!({"type": "event", "event": "chat", "payload": {
+        "sessionKey": "agent:main:sentinel", "state": "delta",
+        "message": {"role": "assistant", "content": [{"type": "text", "text": "sentinel"}]},
+    }});
+    env.gw.broadcast_raw(&sentinel.to_string());
     eventually(WAIT, "the sentinel after the late frames is handled", || async move {
         e.metric(missing_run_id).await == sentinel_before + 1.0
     })
@@ -446,6 +468,7 @@ async fn contradicting_finals_end_each_run_once_with_the_agent_final_res_content
         assert_eq!(again.events.len(), *n_events, "{name}: events after the terminal event: {:?}", again.events);
         assert_stream_shape(&again, name);
     }
+    assert_no_panics("contradicting finals end each run once with the agent final res content");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -495,6 +518,7 @@ async fn thousands_of_randomly_addressed_frames_reach_only_their_run_and_drops_a
     const RUNS: usize = 16;
     const FRAMES: usize = 4000;
     let seed: u64 = std::env::var("CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_c1a0_2026);
+    eprintln!("routing chaos: seed {seed} (CHAOS_SEED={seed} replays this run)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let env = env(fast()).await;
     env.gw.set_paused(true);
@@ -514,7 +538,7 @@ async fn thousands_of_randomly_addressed_frames_reach_only_their_run_and_drops_a
 
     let mut expected_drops: HashMap<&str, f64> = HashMap::new();
     let mut cumulative: Vec<String> = vec![String::new(); RUNS];
-    let mut delivered = vec![0usize; RUNS];
+    let mut delivered = [0usize; RUNS];
     for n in 0..FRAMES {
         let a = rng.gen_range(0..RUNS);
         let sk = match rng.gen_range(0..10) {
@@ -619,6 +643,7 @@ async fn thousands_of_randomly_addressed_frames_reach_only_their_run_and_drops_a
         assert_eq!(seen, delivered[i], "{what}: every frame addressed to the run reached it once");
         assert!(!env.doc(&acc.run_id).await.to_string().contains("[to:"), "{what}: foreign text in the document");
     }
+    assert_no_panics("thousands of randomly addressed frames reach only their run and drops are counted");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -685,7 +710,8 @@ impl LongRuns {
 
 #[actix_rt::test]
 async fn a_frozen_gateway_that_resumes_keeps_every_long_run() {
-    let env = env_with(long(), |s| s.handshake_timeout = Duration::from_secs(1)).await;
+    // 200 ms ticks: the silence is noticed within half a second; reconnects hang for at most 1 s.
+    let env = env_with(long().tick_interval_ms(200), |s| s.handshake_timeout = Duration::from_secs(1)).await;
     let mut runs = long_runs(&env, 4, "freeze").await;
     env.gw.set_frozen(true);
     let e = &env;
@@ -701,6 +727,7 @@ async fn a_frozen_gateway_that_resumes_keeps_every_long_run() {
     env.gw.set_frozen(false);
     runs.end(&env, Expect::Final, "freeze").await;
     assert!(env.gw.stats().handshakes_ok >= 2);
+    assert_no_panics("a frozen gateway that resumes keeps every long run");
 }
 
 #[actix_rt::test]
@@ -717,6 +744,7 @@ async fn a_killed_gateway_that_comes_back_with_its_runs_keeps_every_long_run() {
     assert_eq!(env.readyz().await.0, 503);
     env.gw.set_listening(true);
     runs.end(&env, Expect::Final, "kill, same process").await;
+    assert_no_panics("a killed gateway that comes back with its runs keeps every long run");
 }
 
 #[actix_rt::test]
@@ -737,6 +765,7 @@ async fn a_killed_gateway_that_restarts_ends_every_long_run_gateway_disconnected
     let mut sse = env.sse(&body_on("long", &m, "acct-after-restart")).await;
     let fin = finish(&mut sse, WAIT, "after the restart").await;
     assert_final_with(&fin, &sse, &answer_on("long", &m, &runs.recorded), "after the restart");
+    assert_no_panics("a killed gateway that restarts ends every long run gateway disconnected");
 }
 
 #[actix_rt::test]
@@ -745,5 +774,6 @@ async fn one_abrupt_drop_keeps_every_long_run() {
     let mut runs = long_runs(&env, 4, "drop").await;
     env.gw.drop_connections(false);
     runs.end(&env, Expect::Final, "drop").await;
-    assert_eq!(env.gw.stats().handshakes_ok, 2);
+    assert!(env.gw.stats().handshakes_ok >= 2);
+    assert_no_panics("one abrupt drop keeps every long run");
 }

@@ -29,11 +29,10 @@ pub fn fast() -> ReplayConfig {
     ReplayConfig::default().speed(0.0)
 }
 
-/// The `long` track (42 chat deltas, final at ~3.5 s) at recorded speed, with 100 ms ticks so that
-/// a silent gateway is noticed within a fraction of a second.
+/// The `long` track (42 chat deltas, final at ~3.5 s) at recorded speed.
 pub fn long() -> ReplayConfig {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl");
-    ReplayConfig::new(Cassette::from_path(path).expect("the long cassette")).speed(1.0).tick_interval_ms(100)
+    ReplayConfig::new(Cassette::from_path(path).expect("the long cassette")).speed(1.0)
 }
 
 /// The recorded answer of a track (its final `result.payloads[0].text`).
@@ -108,6 +107,7 @@ pub async fn env(cfg: ReplayConfig) -> Env {
 
 /// A clawmux in front of an already started gateway; does NOT wait for readiness.
 pub async fn env_on(gw: ReplayHandle, tweak_sup: impl FnOnce(&mut clawmux_actors::SupervisorConfig)) -> Env {
+    record_panics();
     let app = start_clawmux_with(&gw.url(), Some(GW_TOKEN), |_| {}, tweak_sup).await;
     let base = base(&app);
     Env { gw, app, base, http: http() }
@@ -122,6 +122,12 @@ impl Env {
     pub async fn metric(&self, name: &str) -> f64 {
         // `+ 0.0`: an empty sum is -0.0, which prints as "-0".
         metric(&self.http, &self.base, name).await + 0.0
+    }
+
+    /// The `/metrics` lines starting with `prefix`.
+    pub async fn metric_lines(&self, prefix: &str) -> Vec<String> {
+        let text = self.http.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("metrics body");
+        text.lines().filter(|l| l.starts_with(prefix)).map(str::to_owned).collect()
     }
 
     /// Every disconnect, whatever its reason.
@@ -191,6 +197,42 @@ where
         assert!(Instant::now() < deadline, "{what}: not within {within:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Panics inside clawmux
+// ------------------------------------------------------------------------------------------------
+
+/// Panics seen so far: (thread name, message). A panic inside an actor or a task does not fail a
+/// test by itself (the runtime catches it), so the hook records them.
+static PANICS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Installs the recording hook (once; it chains to the previous hook, so messages still print).
+pub fn record_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let thread = std::thread::current().name().unwrap_or("?").to_owned();
+            if let Ok(mut p) = PANICS.lock() {
+                p.push((thread, info.to_string()));
+            }
+            previous(info);
+        }));
+    });
+}
+
+/// Asserts that nothing of this test's clawmux panicked: neither on the test's own thread (where
+/// the actors run; an assertion there would already have ended the test) nor on the I/O threads
+/// of its actix system.
+pub fn assert_no_panics(what: &str) {
+    let me = std::thread::current().name().unwrap_or("?").to_owned();
+    let system = format!("system:{}|", actix::System::current().id());
+    let ours: Vec<(String, String)> = PANICS
+        .lock()
+        .map(|p| p.iter().filter(|(t, _)| *t == me || t.contains(&system)).cloned().collect())
+        .unwrap_or_default();
+    assert!(ours.is_empty(), "{what}: clawmux panicked: {ours:?}");
 }
 
 // ------------------------------------------------------------------------------------------------
