@@ -40,6 +40,13 @@ pub struct ReplayConfig {
     /// methods are not in `hello-ok.features.methods` (calling them is `unknown method`) and the
     /// cap is ignored, so every reader receives every run's events (broadcast delivery).
     pub session_scoped_events: bool,
+    /// `policy.maxPayload` advertised in `hello-ok` when set, whatever the gateway really accepts
+    /// ([`Self::max_payload`]): a hostile or buggy gateway can advertise anything (0, `u64::MAX`),
+    /// and clients must bound what they believe. `None` advertises `max_payload`.
+    pub advertised_max_payload: Option<u64>,
+    /// `policy.tickIntervalMs` advertised in `hello-ok` when set, independent of the real tick
+    /// cadence ([`Self::tick_interval_ms`]). `None` advertises the real interval.
+    pub advertised_tick_interval_ms: Option<u64>,
 }
 
 impl Default for ReplayConfig {
@@ -71,6 +78,8 @@ impl ReplayConfig {
             cassette,
             deltas_override: None,
             session_scoped_events: true,
+            advertised_max_payload: None,
+            advertised_tick_interval_ms: None,
         }
     }
 
@@ -131,6 +140,18 @@ impl ReplayConfig {
     /// Sets [`Self::session_scoped_events`].
     pub fn session_scoped_events(mut self, offered: bool) -> Self {
         self.session_scoped_events = offered;
+        self
+    }
+
+    /// Sets [`Self::advertised_max_payload`].
+    pub fn advertise_max_payload(mut self, bytes: u64) -> Self {
+        self.advertised_max_payload = Some(bytes);
+        self
+    }
+
+    /// Sets [`Self::advertised_tick_interval_ms`].
+    pub fn advertise_tick_interval_ms(mut self, ms: u64) -> Self {
+        self.advertised_tick_interval_ms = Some(ms);
         self
     }
 

@@ -92,6 +92,7 @@ fn params<T: DeserializeOwned>(method: &str, raw: &Value, fields: &[Field], prot
 /// Handles one request of a handshaken connection.
 pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, raw_params: Value) {
     let protocol = shared.protocol();
+    shared.lock().count_request(&req.method);
     if !offers(&shared.cfg, &req.method) {
         return respond(shared, conn, &req.id, Err(invalid(format!("unknown method: {}", req.method))));
     }
@@ -256,6 +257,7 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
         };
         let default_model = shared.cfg.models.first().cloned().unwrap_or_default();
         let conn_id = st.conns.get(&conn).map(|c| c.conn_id.clone()).unwrap_or_default();
+        let script = st.script_for(&p.message);
         let session = st.session_mut(&session_key);
         let model_override = session.model_override.clone();
         let model = model_override.clone().unwrap_or(default_model);
@@ -322,9 +324,9 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
         );
         let mut rendered = rendered;
         rendered.ack = ack;
-        ((rendered, session_id, prev, done_tx, recorded_request_epoch_ms(track)), abort_rx)
+        ((rendered, session_id, prev, done_tx, recorded_request_epoch_ms(track), script), abort_rx)
     };
-    let (rendered, session_id, prev, done, recorded_epoch_ms) = plan_parts;
+    let (rendered, session_id, prev, done, recorded_epoch_ms, script) = plan_parts;
     let plan = RunPlan {
         run_id: run_id.clone(),
         session_key,
@@ -338,6 +340,7 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
         prev,
         done,
         aborts: abort_rx,
+        script: script.unwrap_or_default(),
     };
     let task = tokio::spawn(run::play(Arc::clone(shared), plan));
     if let Some(run) = shared.lock().runs.get_mut(&run_id) {

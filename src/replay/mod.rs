@@ -18,7 +18,9 @@
 //!   across an await).
 //! - `methods`: the request handlers.
 //! - `run`: one task per run: ACK, recorded timeline, final, or the abort sequence.
-//! - `server`: accept loop, per-socket task and handshake, tick task.
+//! - `server`: accept loop (which can close and reopen the listener), per-socket task and
+//!   handshake (both can be frozen), tick task.
+//! - [`script`]: scripted run endings (contradicting finals and the like) for chaos tests.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -31,21 +33,25 @@
 
 pub mod cassette;
 pub mod config;
+#[cfg(test)]
+mod knob_tests;
 mod methods;
 mod run;
 mod schema;
+pub mod script;
 mod server;
 mod state;
 
 pub use cassette::{Cassette, CassetteError, RenderedRun, RunContext, Step, StepKind, Track};
 pub use config::ReplayConfig;
+pub use script::{RunScript, ScriptFrame};
 pub use state::{ConnStats, ReplayStats, RunRecord, RunStatus};
 
 use serde_json::json;
 use state::{Outbound, Shared, State};
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -85,11 +91,14 @@ impl ReplayGateway {
             state: Mutex::new(State { boot_id: uuid::Uuid::new_v4().to_string(), ..State::default() }),
             ticks_enabled: AtomicBool::new(true),
             unavailable_connects: AtomicUsize::new(0),
+            unavailable_retry_after_ms: AtomicU64::new(server::DEFAULT_RETRY_AFTER_MS),
+            frozen: watch::channel(false).0,
+            listening: watch::channel(true).0,
             paused: watch::channel(false).0,
             runs_changed: watch::channel(0).0,
             stopping: watch::channel(false).0,
         });
-        let accept = runtime.spawn(server::accept_loop(Arc::clone(&shared), listener));
+        let accept = runtime.spawn(server::accept_loop(Arc::clone(&shared), listener, local_addr));
         let ticks = runtime.spawn(server::tick_loop(Arc::clone(&shared)));
         tracing::info!(addr = %local_addr, protocol = shared.cfg.protocol, cassette = %shared.cfg.cassette.source, "replay gateway listening");
         Ok(ReplayHandle { inner: Arc::new(HandleInner { shared, local_addr, tasks: Mutex::new(vec![accept, ticks]) }) })
@@ -199,7 +208,37 @@ impl ReplayHandle {
     /// Refuses the next `n` connects with `UNAVAILABLE` "gateway starting; retry shortly"
     /// (close 1013), as a gateway still starting its sidecars does.
     pub fn set_unavailable_connects(&self, n: usize) {
-        self.inner.shared.unavailable_connects.store(n, Ordering::SeqCst);
+        self.set_unavailable_connects_retry_after(n, server::DEFAULT_RETRY_AFTER_MS);
+    }
+
+    /// Like [`Self::set_unavailable_connects`], with this `retryAfterMs` in the refusals (a faulty
+    /// gateway may ask for anything, `u64::MAX` included). Later refusals keep it until changed.
+    pub fn set_unavailable_connects_retry_after(&self, n: usize, retry_after_ms: u64) {
+        let shared = &self.inner.shared;
+        shared.unavailable_retry_after_ms.store(retry_after_ms, Ordering::SeqCst);
+        shared.unavailable_connects.store(n, Ordering::SeqCst);
+    }
+
+    /// Freezes (`true`) or thaws the whole gateway, as `SIGSTOP`/`SIGCONT` would: no socket is read
+    /// or written (TCP connections stay open, queued frames wait), no tick is sent, run clocks
+    /// stand still, and sockets accepted meanwhile get their WebSocket upgrade only after the thaw.
+    /// Clients see a silent connection and connect attempts that hang.
+    pub fn set_frozen(&self, frozen: bool) {
+        self.inner.shared.frozen.send_replace(frozen);
+    }
+
+    /// Closes (`false`) or reopens the listener on the same address. While closed, connects are
+    /// refused (a socket accepted in the race is dropped at once); open connections are not
+    /// touched: with [`Self::drop_connections`] this is a killed gateway, kept (`forget_runs`
+    /// false) or restarted (`true`) when it comes back. Reopening rebinds the same port.
+    pub fn set_listening(&self, listening: bool) {
+        self.inner.shared.listening.send_replace(listening);
+    }
+
+    /// Runs whose message contains `marker` (the first registered marker that matches) end the way
+    /// `script` says: see [`RunScript`]. Applies to runs started after the call.
+    pub fn script_runs(&self, marker: &str, script: RunScript) {
+        self.inner.shared.lock().scripts.push((marker.to_owned(), script));
     }
 
     /// Holds every run before its next event (ACKs still go out); `false` lets them go on. A
@@ -280,6 +319,7 @@ pub fn stats_json(stats: &ReplayStats) -> serde_json::Value {
         "framesSent": stats.frames_sent,
         "bytesSent": stats.bytes_sent,
         "eventsSent": stats.events_sent,
+        "requestsReceived": stats.requests_received,
         "connections": conns,
     })
 }

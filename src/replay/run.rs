@@ -5,6 +5,7 @@
 //! while a per-session completion chain (`tail`) serialises runs of one session.
 
 use super::cassette::{shift_timestamps, RenderedRun, StepKind};
+use super::script::{self, RunScript, ScriptFrame};
 use super::state::{now_ms, wait_true, AbortRequest, ConnKey, RunStatus, Shared};
 use clawmux_protocol::frame::encode_response;
 use serde_json::{json, Value};
@@ -39,6 +40,8 @@ pub(crate) struct RunPlan {
     pub done: watch::Sender<bool>,
     /// Abort requests; `None` on protocol 3, where `agent` runs cannot be aborted.
     pub aborts: Option<mpsc::UnboundedReceiver<AbortRequest>>,
+    /// How the run ends (the default: as recorded).
+    pub script: RunScript,
 }
 
 /// Scales a recorded delay by the configured speed (0 = no delay).
@@ -71,6 +74,8 @@ struct Player {
     shared: Arc<Shared>,
     plan: RunPlan,
     paused: watch::Receiver<bool>,
+    /// The gateway's freeze: holds the run like a pause (a stopped process has no clock).
+    frozen: watch::Receiver<bool>,
     /// Time spent paused: pushes every later deadline back (a paused run's clock stands still).
     pause_shift: Duration,
     /// Cumulative text of the last chat event sent (the partial text of an abort).
@@ -82,18 +87,17 @@ struct Player {
 }
 
 impl Player {
-    /// Waits until `deadline` (plus time spent paused), or until an abort arrives.
+    /// Waits until `deadline` (plus time spent paused or frozen), or until an abort arrives.
     async fn wait_due(&mut self, deadline: Instant) -> Wake {
         loop {
-            if *self.paused.borrow_and_update() {
+            // Both flags are read (and marked seen) every round, so a change of either wakes us.
+            let paused = *self.paused.borrow_and_update();
+            let frozen = *self.frozen.borrow_and_update();
+            if paused || frozen {
                 let since = Instant::now();
                 tokio::select! {
-                    changed = self.paused.changed() => {
-                        if changed.is_err() {
-                            // The gateway is gone; nothing more will be replayed.
-                            std::future::pending::<()>().await;
-                        }
-                    }
+                    () = flag_changed(&mut self.paused) => {}
+                    () = flag_changed(&mut self.frozen) => {}
                     a = next_abort(&mut self.plan.aborts) => return Wake::Abort(a),
                 }
                 self.pause_shift += since.elapsed();
@@ -101,12 +105,42 @@ impl Player {
             }
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline + self.pause_shift) => return Wake::Due,
-                changed = self.paused.changed() => {
-                    if changed.is_err() {
-                        std::future::pending::<()>().await;
-                    }
-                }
+                () = flag_changed(&mut self.paused) => {}
+                () = flag_changed(&mut self.frozen) => {}
                 a = next_abort(&mut self.plan.aborts) => return Wake::Abort(a),
+            }
+        }
+    }
+
+    /// Sends one scripted frame of this run (timestamps are now's: nothing to shift).
+    fn emit_scripted(&mut self, frame: ScriptFrame) {
+        let protocol = self.shared.protocol();
+        let p = &self.plan;
+        match frame {
+            ScriptFrame::Chat { state, text } => {
+                let seq = self.last_seq + 1;
+                let mut payload = json!({
+                    "runId": p.run_id, "sessionKey": p.session_key, "agentId": p.agent_id, "seq": seq,
+                    "state": state,
+                    "message": {"role": "assistant", "content": [{"type": "text", "text": text}], "timestamp": now_ms()},
+                });
+                if state == "error" {
+                    payload["errorMessage"] = json!(text);
+                }
+                self.shared.lock().broadcast(protocol, "chat", &payload, Some(&p.session_key));
+                self.last_seq = seq;
+                self.partial = text;
+            }
+            ScriptFrame::Event { name, mut payload } => {
+                script::fill(&mut payload, "runId", &p.run_id);
+                script::fill(&mut payload, "sessionKey", &p.session_key);
+                self.shared.lock().broadcast(protocol, &name, &payload, Some(&p.session_key));
+            }
+            ScriptFrame::Res(mut payload) => {
+                script::fill(&mut payload, "runId", &p.run_id);
+                if let Ok(text) = encode_response(&p.request_id, Ok(&payload)) {
+                    self.shared.lock().send_to(p.requester, text);
+                }
             }
         }
     }
@@ -253,6 +287,14 @@ impl Player {
     }
 }
 
+/// Resolves when a watch flag changes; never once its sender is gone (the gateway is being dropped
+/// and nothing more will be replayed).
+async fn flag_changed(rx: &mut watch::Receiver<bool>) {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Answers an abort method call (from a run task, to keep the gateway's frame order).
 pub(crate) fn answer_abort(shared: &Shared, request: &AbortRequest, payload: Value) {
     if let Ok(text) = encode_response(&request.request_id, Ok(&payload)) {
@@ -264,8 +306,17 @@ pub(crate) fn answer_abort(shared: &Shared, request: &AbortRequest, payload: Val
 pub(crate) async fn play(shared: Arc<Shared>, plan: RunPlan) {
     let speed = shared.cfg.speed;
     let paused = shared.paused.subscribe();
-    let mut player =
-        Player { shared, plan, paused, pause_shift: Duration::ZERO, partial: String::new(), last_seq: 0, started_at: now_ms() };
+    let frozen = shared.frozen.subscribe();
+    let mut player = Player {
+        shared,
+        plan,
+        paused,
+        frozen,
+        pause_shift: Duration::ZERO,
+        partial: String::new(),
+        last_seq: 0,
+        started_at: now_ms(),
+    };
 
     // 1. The ACK: immediate on the gateway apart from its own latency, never held by a pause.
     tokio::time::sleep_until(player.plan.requested_at + scaled(speed, player.plan.rendered.ack_t_ms)).await;
@@ -324,9 +375,18 @@ pub(crate) async fn play(shared: Arc<Shared>, plan: RunPlan) {
             StepKind::Event { name, payload } => player.emit_event(&name, payload, step.t_ms),
             StepKind::Final { mut payload } => {
                 player.shift(&mut payload, step.t_ms);
+                for frame in std::mem::take(&mut player.plan.script.before_final) {
+                    player.emit_scripted(frame);
+                }
+                if let Some(patch) = player.plan.script.final_patch.take() {
+                    script::merge(&mut payload, &patch);
+                }
                 let text = payload.pointer("/result/payloads/0/text").and_then(Value::as_str).map(str::to_owned);
                 player.finish(payload, false, text);
                 finished = true;
+                for frame in std::mem::take(&mut player.plan.script.after_final) {
+                    player.emit_scripted(frame);
+                }
             }
         }
     }

@@ -27,25 +27,88 @@ const MAX_PREAUTH_PAYLOAD: usize = 64 * 1024;
 const CLOSE_LINGER: Duration = Duration::from_secs(1);
 /// WebSocket close reasons are at most 123 bytes.
 const MAX_CLOSE_REASON: usize = 123;
+/// `retryAfterMs` of an `UNAVAILABLE` connect refusal, as the real gateway sends it.
+pub(crate) const DEFAULT_RETRY_AFTER_MS: u64 = 500;
+/// Pause between attempts to rebind the listener's port after [`ReplayHandle::set_listening`].
+///
+/// [`ReplayHandle::set_listening`]: super::ReplayHandle::set_listening
+const REBIND_RETRY: Duration = Duration::from_millis(20);
 
-/// Accepts sockets until the gateway stops.
-pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+/// Accepts sockets until the gateway stops. While `listening` is off the listener is dropped (the
+/// port refuses connects) and rebound on the same address when it is switched on again.
+pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, addr: std::net::SocketAddr) {
     let mut stopping = shared.stopping.subscribe();
+    let mut listening = shared.listening.subscribe();
+    let mut listener = Some(listener);
     loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    tokio::spawn(serve_conn(Arc::clone(&shared), stream));
+        let wanted = *listening.borrow_and_update();
+        match (&listener, wanted) {
+            (Some(l), true) => tokio::select! {
+                accepted = l.accept() => match accepted {
+                    // Accepted in the race with `set_listening(false)`: a closed listener would
+                    // have refused it, so drop it unserved.
+                    Ok((stream, _peer)) if !*shared.listening.borrow() => drop(stream),
+                    Ok((stream, _peer)) => {
+                        let _ = stream.set_nodelay(true);
+                        tokio::spawn(serve_conn(Arc::clone(&shared), stream));
+                    }
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "replay gateway accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                _ = listening.changed() => {}
+                _ = wait_true(&mut stopping) => return,
+            },
+            (Some(_), false) => {
+                // Dropping the listener closes the port: connects are refused from now on (and
+                // ones still in the backlog are reset).
+                listener = None;
+                tracing::info!(%addr, "replay gateway listener closed");
+            }
+            (None, true) => match bind(addr) {
+                Ok(l) => {
+                    tracing::info!(%addr, "replay gateway listening again");
+                    listener = Some(l);
                 }
                 Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "replay gateway accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // The port is briefly held by something else: retry until it is free (or the
+                    // gateway stops); connects are refused meanwhile, as while closed.
+                    tracing::warn!(%addr, error = %e, "replay gateway cannot rebind its port yet");
+                    tokio::select! {
+                        _ = tokio::time::sleep(REBIND_RETRY) => {}
+                        _ = wait_true(&mut stopping) => return,
+                    }
                 }
             },
-            _ = wait_true(&mut stopping) => return,
+            (None, false) => tokio::select! {
+                _ = listening.changed() => {}
+                _ = wait_true(&mut stopping) => return,
+            },
         }
+    }
+}
+
+/// Binds a listener (std's bind sets `SO_REUSEADDR`, so sockets of earlier connections still in
+/// `TIME_WAIT` on the port do not prevent it).
+fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let l = std::net::TcpListener::bind(addr)?;
+    l.set_nonblocking(true)?;
+    TcpListener::from_std(l)
+}
+
+/// Resolves once the gateway is not frozen. A gone sender (the gateway is being dropped) counts
+/// as thawed: nothing will freeze it again.
+pub(crate) async fn thawed(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|frozen| !*frozen).await.map(|_| ());
+}
+
+/// Resolves when the freeze flag changes; never when its sender is gone (so a `select!` on it
+/// does not spin).
+async fn freeze_changed(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -58,7 +121,7 @@ pub(crate) async fn tick_loop(shared: Arc<Shared>) {
     loop {
         tokio::select! {
             _ = interval.tick() => {
-                if shared.ticks_enabled.load(Ordering::Relaxed) {
+                if shared.ticks_enabled.load(Ordering::Relaxed) && !*shared.frozen.borrow() {
                     let protocol = shared.protocol();
                     shared.lock().broadcast(protocol, "tick", &json!({"ts": now_ms()}), None);
                 }
@@ -87,7 +150,12 @@ enum Next {
 
 /// One socket from accept to close.
 async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
+    // A frozen gateway completes no upgrade: the client's connect hangs until the thaw.
+    let mut frozen = shared.frozen.subscribe();
+    thawed(&mut frozen).await;
     // Leave room above maxPayload so that our own check (and its 1009) decides, not tungstenite.
+    // These limits bound what we READ; what we send is not limited (tungstenite's write buffer is
+    // unbounded by default), so tests can push frames of many MB (`broadcast_raw`) at a client.
     let limit = shared.cfg.max_payload.saturating_mul(2).max(1 << 20);
     let ws_cfg = WebSocketConfig::default().max_message_size(Some(limit)).max_frame_size(Some(limit));
     let Ok(mut ws) = tokio_tungstenite::accept_async_with_config(stream, Some(ws_cfg)).await else { return };
@@ -110,7 +178,13 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
     let mut handshaken = false;
     let mut close: Option<(u16, String)> = None;
     loop {
+        if *frozen.borrow_and_update() {
+            // Neither read nor write: the peer's frames stay in the kernel buffers, ours in `rx`.
+            thawed(&mut frozen).await;
+            continue;
+        }
         tokio::select! {
+            () = freeze_changed(&mut frozen) => {}
             out = rx.recv() => match out {
                 Some(Outbound::Text { text, event }) => {
                     let len = text.len();
@@ -256,7 +330,7 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
     if shared.unavailable_connects.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
         let mut e = ErrorShape::new("UNAVAILABLE", "gateway starting; retry shortly");
         e.retryable = Some(true);
-        e.retry_after_ms = Some(500);
+        e.retry_after_ms = Some(shared.unavailable_retry_after_ms.load(Ordering::SeqCst));
         e.details = Some(json!({"reason": "startup-sidecars"}));
         let _ = fail(e, 1013);
         return Err((1013, "gateway starting".to_owned()));
@@ -335,7 +409,11 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         "server": {"version": format!("replay-{}", shared.cfg.cassette.source), "connId": conn_id},
         "features": {"methods": methods::offered_methods(&shared.cfg), "events": events},
         "snapshot": {},
-        "policy": {"maxPayload": shared.cfg.max_payload, "maxBufferedBytes": MAX_BUFFERED_BYTES, "tickIntervalMs": shared.cfg.tick_interval_ms},
+        "policy": {
+            "maxPayload": shared.cfg.advertised_max_payload.unwrap_or(shared.cfg.max_payload as u64),
+            "maxBufferedBytes": MAX_BUFFERED_BYTES,
+            "tickIntervalMs": shared.cfg.advertised_tick_interval_ms.unwrap_or(shared.cfg.tick_interval_ms),
+        },
     });
     if protocol >= 4 {
         hello["auth"] = json!({"role": "operator", "scopes": granted});

@@ -7,11 +7,12 @@
 //! for every connection, as it is on the real gateway's single event loop.
 
 use super::config::ReplayConfig;
+use super::script::RunScript;
 use super::Track;
 use clawmux_protocol::frame::encode_event;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Mutex, MutexGuard};
 use tokio::sync::{mpsc, watch};
 
@@ -137,6 +138,9 @@ pub struct ReplayStats {
     pub bytes_sent: u64,
     /// Events written since start by event name, all connections.
     pub events_sent: BTreeMap<String, u64>,
+    /// Requests received from handshaken connections since start, by method (`connect` is not
+    /// counted): lets a test wait until clawmux has asked something (e.g. `agent.wait`).
+    pub requests_received: BTreeMap<String, u64>,
 }
 
 impl ReplayStats {
@@ -293,6 +297,8 @@ pub(crate) struct Totals {
     pub bytes_sent: u64,
     /// Events written, by name, all sockets.
     pub events_sent: BTreeMap<String, u64>,
+    /// Requests received, by method.
+    pub requests: BTreeMap<String, u64>,
 }
 
 /// Everything mutable.
@@ -321,6 +327,8 @@ pub(crate) struct State {
     /// `hello-ok.server.bootId` (protocol 4): a new one after a simulated restart, so clients can
     /// tell a reconnect to the same process from one to a restarted gateway, as with the real one.
     pub boot_id: String,
+    /// Scripted run endings: a run whose message contains the marker follows the first match.
+    pub scripts: Vec<(String, RunScript)>,
 }
 
 /// State plus the immutable configuration and the lock-free knobs.
@@ -339,6 +347,13 @@ pub(crate) struct Shared {
     pub ticks_enabled: AtomicBool,
     /// Connects still to be refused with `UNAVAILABLE` "gateway starting".
     pub unavailable_connects: AtomicUsize,
+    /// The `retryAfterMs` those refusals carry (500, as the real gateway; tests set absurd ones).
+    pub unavailable_retry_after_ms: AtomicU64,
+    /// While `true` the gateway is frozen like a stopped process: sockets are neither read nor
+    /// written (TCP stays open), no ticks, run clocks stand still, new sockets get no upgrade.
+    pub frozen: watch::Sender<bool>,
+    /// While `false` the listener is closed (connects are refused), as with a dead gateway.
+    pub listening: watch::Sender<bool>,
     /// Runs stop before their next event while `true`.
     pub paused: watch::Sender<bool>,
     /// Bumped whenever a run ends (wakes `agent.wait`).
@@ -492,6 +507,21 @@ impl State {
         delivered
     }
 
+    /// Counts a request of a handshaken connection.
+    pub fn count_request(&mut self, method: &str) {
+        match self.totals.requests.get_mut(method) {
+            Some(n) => *n += 1,
+            None => {
+                self.totals.requests.insert(method.to_owned(), 1);
+            }
+        }
+    }
+
+    /// The script of a run whose message contains its marker (the first registered match).
+    pub fn script_for(&self, message: &str) -> Option<RunScript> {
+        self.scripts.iter().find(|(marker, _)| message.contains(marker.as_str())).map(|(_, s)| s.clone())
+    }
+
     /// Queues a raw frame for every handshaken connection (test fault injection).
     pub fn broadcast_raw(&self, frame: &str) -> usize {
         let event = serde_json::from_str::<Value>(frame).ok().and_then(|v| {
@@ -517,6 +547,7 @@ impl State {
             frames_sent: self.totals.frames_sent,
             bytes_sent: self.totals.bytes_sent,
             events_sent: self.totals.events_sent.clone(),
+            requests_received: self.totals.requests.clone(),
         }
     }
 
