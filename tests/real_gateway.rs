@@ -71,16 +71,36 @@ fn gateway() -> Option<Gateway> {
     })
 }
 
-/// Lines of the fake LLM's request log.
+/// Lines of the fake LLM's request log: only complete ones (a line the fake LLM is still writing
+/// is left for the next read), each parsed on its own, so a read racing a write loses nothing else.
 fn llm_log(g: &Gateway) -> Vec<Value> {
-    std::fs::read_to_string(&g.llm_log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+    let bytes = std::fs::read(&g.llm_log).unwrap_or_default();
+    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    bytes[..complete].split(|&b| b == b'\n').filter_map(|l| serde_json::from_slice(l).ok()).collect()
 }
 
-/// LLM requests whose echoed user line contains `marker`.
+/// The fake LLM's log entries of the calls billed to `run_id` (by clawmux's `x-cogni-run-id`
+/// header), one per line, for failure messages.
+fn calls_billed_to(g: &Gateway, run_id: &str) -> String {
+    let lines: Vec<String> = llm_log(g)
+        .iter()
+        .filter(|e| e["headers"]["x-cogni-run-id"] == run_id)
+        .map(|e| {
+            format!(
+                "  id={} reply={} n_messages={} last_user={} user_text={}",
+                e["id"], e["reply"], e["n_messages"], e["last_user"], e["user_text"]
+            )
+        })
+        .collect();
+    if lines.is_empty() {
+        format!("no LLM call was billed to {run_id}")
+    } else {
+        format!("LLM calls billed to {run_id}:\n{}", lines.join("\n"))
+    }
+}
+
+/// LLM requests whose echoed user line contains `marker` (the fake LLM echoes the run's own message
+/// also when the gateway retries a failed call with its continuation prompt: see fake_llm.py).
 fn llm_requests_for(g: &Gateway, marker: &str) -> Vec<Value> {
     llm_log(g).into_iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains(marker))).collect()
 }
@@ -361,15 +381,20 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
     let mut all_events = String::new();
     for r in runs {
         let (marker, account, run_id, t, events) = r.await.expect("run");
-        assert_eq!(t.event, "final", "{marker}: {t:?}");
+        assert_eq!(t.event, "final", "{marker}: {t:?}\n{}", calls_billed_to(&b, &run_id));
         let content = t.data["content"].as_str().unwrap_or_default();
-        assert!(content.contains("after-tool"), "{marker}: the tool round trip did not happen: {content}");
+        assert!(content.contains("after-tool"), "{marker}: the tool round trip did not happen: {content}\n{}", calls_billed_to(&b, &run_id));
         let reqs = llm_requests_for(&b, &marker);
-        assert!(reqs.len() >= 2, "{marker}: expected a tool call and a follow-up, saw {} LLM calls", reqs.len());
+        assert!(
+            reqs.len() >= 2,
+            "{marker}: expected a tool call and a follow-up, saw {} LLM calls echoing the marker; final content: {content}\n{}",
+            reqs.len(),
+            calls_billed_to(&b, &run_id)
+        );
         for r in &reqs {
             let h = &r["headers"];
-            assert_eq!(h["x-litellm-end-user-id"], account.as_str(), "{marker}: billed to the wrong account");
-            assert_eq!(h["x-cogni-run-id"], run_id.as_str(), "{marker}: attributed to the wrong run");
+            assert_eq!(h["x-litellm-end-user-id"], account.as_str(), "{marker}: billed to the wrong account (call {})", r["id"]);
+            assert_eq!(h["x-cogni-run-id"], run_id.as_str(), "{marker}: attributed to the wrong run (call {})", r["id"]);
             let meta: Value = serde_json::from_str(h["x-litellm-spend-logs-metadata"].as_str().expect("metadata")).expect("json");
             assert_eq!(meta["run_id"], run_id.as_str());
             assert_eq!(h["authorization"], format!("Bearer {key}"));
@@ -391,9 +416,9 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
         }
         let doc = &t.data;
         assert_eq!(doc["usage"]["source"], "proxy", "{doc}");
-        assert_eq!(doc["usage"]["llmCalls"].as_u64(), Some(reqs.len() as u64), "{doc}");
-        assert_eq!(doc["usage"]["inputTokens"].as_u64(), Some(input), "{doc}");
-        assert_eq!(doc["usage"]["outputTokens"].as_u64(), Some(output), "{doc}");
+        assert_eq!(doc["usage"]["llmCalls"].as_u64(), Some(reqs.len() as u64), "{doc}\n{}", calls_billed_to(&b, &run_id));
+        assert_eq!(doc["usage"]["inputTokens"].as_u64(), Some(input), "{doc}\n{}", calls_billed_to(&b, &run_id));
+        assert_eq!(doc["usage"]["outputTokens"].as_u64(), Some(output), "{doc}\n{}", calls_billed_to(&b, &run_id));
         for e in &events {
             all_events.push_str(&e.data.to_string());
         }

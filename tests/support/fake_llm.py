@@ -15,7 +15,26 @@ Reply (deterministic, echoes the caller):
   <<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> are skipped, a leading "[<timestamp>] " and a leading
   "Sender (untrusted metadata): ```json ...```" block are stripped, the text is cut at the first
   blank line (OpenClaw appends "\n\nRuntime: agent=... | session=..." there).
-  Keywords, looked for (case-sensitive, as whole words) in the last real user message:
+  The gateway's own retry prompts are not real user messages (openclaw 2026.9.6): when an LLM call
+  of a run fails with a transient error (seen on a stalled gateway: `request timed out, HTTP 408`,
+  the 408 clawmux's proxy listener sends when a request head is not complete 5 s after connecting,
+  or `Connection error.`; gateway log: "transient same-model retry 1/8 ... reason=timeout"),
+  the gateway retries the run with an internal prompt, CONTINUATION_PROMPT below, in one of two shapes:
+   a) the run's user message already has an answer in the transcript: a separate user message
+        "[Mon 2026-11-23 23:24 UTC] Continue the current task from the existing transcript, ..."
+      -> skipped like the internal context (the run's own message stays the last real one, so a
+         TOOL run still gets its "after-tool" answer);
+   b) the run's user message has no answer yet ("orphaned"): the gateway merges it into the retry
+      prompt under QUEUED_USER_MARKER, e.g. (real text; "\n" = newline):
+        "[Mon 2026-11-23 23:28 UTC] [Queued user message from a previous active turn; preserved as
+         context only. Continue with the active prompt below.]\nTOOL:BILL6f858143R1X billing check
+         BILL6f858143R1X\n\nContinue the current task from the existing transcript, preserving
+         completed work. ...\n\nRuntime: agent=main | session=..."
+      -> the queued message is the one being continued: it is echoed and searched for keywords
+         (when the prompt below the queued message is not CONTINUATION_PROMPT, that prompt is a new
+         real message and is used instead).
+  Keywords, looked for (case-sensitive, as whole words) in the last real user message (for shape b
+  in the queued message, as for the echo):
     SLOW  -> 40 chunks at 1.0 s each (lets abort tests see the stream stop)
     TOOL  -> if no `tool` message follows the last real user message: a streamed tool call to the
              function `exec` with {"command":"echo tool-ran-<marker>"} (marker from "TOOL:<marker>",
@@ -31,9 +50,13 @@ Reply (deterministic, echoes the caller):
              answered with the text "COMMIT refused: ..." and no tool call (the values end up in a
              shell command, so nothing outside those characters ever gets there).
 
-Log: one JSON line per request to FAKE_LLM_LOG (default ./llm-requests.jsonl), flushed at once:
-  {"ts","id","method","path","headers"{lower-cased},"model","stream","last_user","n_messages",
-   "has_tool_result","reply"}            reply = text | slow | tool_call | after_tool | commit_call |
+Log: one JSON line per request to FAKE_LLM_LOG (default ./llm-requests.jsonl), flushed at once,
+ASCII only (json.dumps ensure_ascii: a reader racing a write never sees half a UTF-8 character):
+  {"ts","id","method","path","headers"{lower-cased},"model","stream","last_user","user_text",
+   "n_messages","has_tool_result","reply"}
+                                         last_user = <echo>; user_text = the last real user
+                                         message as sent (max 1000 chars), for diagnosis
+                                         reply = text | slow | tool_call | after_tool | commit_call |
                                          committed | commit_refused | error | models | not_found
 plus, per completion, the usage it reports:
   {"event":"usage","id","prompt_tokens","completion_tokens","ts"}
@@ -76,6 +99,14 @@ LOG_BODY = os.environ.get("FAKE_LLM_LOG_BODY") == "1"
 SLOW_CHUNKS = 40
 SLOW_DELAY = 1.0
 INTERNAL_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
+# openclaw 2026.9.6: CONTINUATION_PROMPT (src/agents/embedded-agent-runner/run/session-prompt-state.ts)
+# and QUEUED_USER_MESSAGE_MARKER (mergeOrphanedTrailingUserPrompt); see the module docstring.
+CONTINUATION_PROMPT = ("Continue the current task from the existing transcript, preserving completed work. "
+                       "If an action was interrupted, inspect its state before deciding whether to retry it. "
+                       "Do not restart the task or repeat completed actions.")
+QUEUED_USER_MARKER = ("[Queued user message from a previous active turn; preserved as context only. "
+                      "Continue with the active prompt below.]")
+USER_TEXT_LOG_MAX = 1000
 
 _log_lock = threading.Lock()
 _log_file = None
@@ -83,7 +114,7 @@ _log_file = None
 
 def log(entry):
     entry.setdefault("ts", time.time())
-    line = json.dumps(entry, ensure_ascii=False) + "\n"
+    line = json.dumps(entry, ensure_ascii=True) + "\n"
     with _log_lock:
         _log_file.write(line)
         _log_file.flush()
@@ -106,23 +137,46 @@ def content_text(content):
     return ""
 
 
-def last_real_user_index(messages):
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if isinstance(m, dict) and m.get("role") == "user":
-            if INTERNAL_MARKER not in content_text(m.get("content")):
-                return i
-    return -1
-
-
 _TS_RE = re.compile(r"^\[[^\]\n]*\]\s*")
 _SENDER_RE = re.compile(r"^Sender \(untrusted metadata\):\s*```.*?```\s*", re.S)
 
 
-def echo_line(text):
+def strip_envelope(text):
+    """Drops what the gateway puts before the user's words: a Sender block, a [timestamp]."""
     t = text.lstrip()
     t = _SENDER_RE.sub("", t, count=1)
-    t = _TS_RE.sub("", t, count=1)
+    return _TS_RE.sub("", t, count=1)
+
+
+def is_gateway_prompt(text):
+    """A user message the gateway wrote itself: internal context, or a bare retry prompt (shape a)."""
+    return INTERNAL_MARKER in text or strip_envelope(text).startswith(CONTINUATION_PROMPT)
+
+
+def last_real_user_index(messages):
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, dict) and m.get("role") == "user":
+            if not is_gateway_prompt(content_text(m.get("content"))):
+                return i
+    return -1
+
+
+def effective_user_text(text):
+    """The user's own words in the last real user message: the envelope stripped, and for a retry
+    that merged an unanswered message (shape b) the queued message being continued."""
+    t = strip_envelope(text)
+    if not t.startswith(QUEUED_USER_MARKER):
+        return t
+    rest = t[len(QUEUED_USER_MARKER):].lstrip("\n")
+    cut = rest.find("\n\n" + CONTINUATION_PROMPT)
+    if cut >= 0:
+        return strip_envelope(rest[:cut])
+    return strip_envelope(rest.partition("\n\n")[2])
+
+
+def echo_line(text):
+    t = effective_user_text(text)
     t = t.split("\n\n", 1)[0]
     t = t.split("\n", 1)[0].strip()
     return t[:200]
@@ -208,7 +262,7 @@ class Handler(BaseHTTPRequestHandler):
     def _base_entry(self, call_id):
         return {"ts": time.time(), "id": call_id, "method": self.command, "path": self.path,
                 "headers": self._headers_dict(), "model": None, "stream": None, "last_user": None,
-                "n_messages": 0, "has_tool_result": False}
+                "user_text": None, "n_messages": 0, "has_tool_result": False}
 
     def _client_gone(self):
         """True when the peer has closed its side (EOF readable) without us writing."""
@@ -264,8 +318,9 @@ class Handler(BaseHTTPRequestHandler):
         model = body.get("model")
         stream = bool(body.get("stream"))
         ui = last_real_user_index(messages)
-        user_text = content_text(messages[ui].get("content")) if ui >= 0 else ""
-        echo = echo_line(user_text)
+        raw_user_text = content_text(messages[ui].get("content")) if ui >= 0 else ""
+        echo = echo_line(raw_user_text)
+        user_text = effective_user_text(raw_user_text)
         tool_msgs = [m for m in messages[ui + 1:] if isinstance(m, dict) and m.get("role") == "tool"] if ui >= 0 else []
         has_tool_result = bool(tool_msgs)
         slow = re.search(r"\bSLOW\b", user_text) is not None
@@ -287,7 +342,8 @@ class Handler(BaseHTTPRequestHandler):
         else:
             kind = "slow" if slow else "text"
 
-        entry.update({"model": model, "stream": stream, "last_user": echo, "n_messages": len(messages),
+        entry.update({"model": model, "stream": stream, "last_user": echo,
+                      "user_text": raw_user_text[:USER_TEXT_LOG_MAX], "n_messages": len(messages),
                       "has_tool_result": has_tool_result, "reply": kind})
         if LOG_BODY:
             entry["body"] = body
