@@ -41,7 +41,7 @@ pub struct RunBilling {
 }
 
 /// The run store's hook for usage totals.
-struct UsageHook(Box<dyn Fn(Usage) + Send + Sync>);
+struct UsageHook(Box<dyn Fn(Usage, u64) + Send + Sync>);
 
 impl std::fmt::Debug for UsageHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -90,8 +90,8 @@ impl RunBilling {
         self
     }
 
-    /// Sets the hook told the totals after every change (once).
-    pub fn on_usage(&self, hook: Box<dyn Fn(Usage) + Send + Sync>) {
+    /// Sets the hook told the totals (and the tokens just added) after every change (once).
+    pub fn on_usage(&self, hook: Box<dyn Fn(Usage, u64) + Send + Sync>) {
         let _ = self.on_usage.set(UsageHook(hook));
     }
 
@@ -101,16 +101,16 @@ impl RunBilling {
         Usage { input_tokens, output_tokens, llm_calls }
     }
 
-    fn changed(&self) {
+    fn changed(&self, tokens: u64) {
         if let Some(hook) = self.on_usage.get() {
-            (hook.0)(self.totals());
+            (hook.0)(self.totals(), tokens);
         }
     }
 
     /// Counts one proxied LLM call (at its start: a call cut short still counts).
     pub fn count_call(&self) {
         self.llm_calls.fetch_add(1, Ordering::Relaxed);
-        self.changed();
+        self.changed(0);
     }
 
     /// With a protocol-3 attribution token.
@@ -143,7 +143,7 @@ impl RunBilling {
         };
         add(&self.input_tokens, input);
         add(&self.output_tokens, output);
-        self.changed();
+        self.changed(input.saturating_add(output));
     }
 }
 

@@ -132,6 +132,12 @@ pub struct Config {
     pub store_url: crate::store::StoreUrl,
     /// What SIGTERM does with live runs (`CLAWMUX_SHUTDOWN`).
     pub shutdown: clawmux_actors::ShutdownMode,
+    /// Hosts webhooks may go to (`CLAWMUX_WEBHOOK_ALLOW`, comma-separated patterns).
+    pub webhook_allow: String,
+    /// Signs the admin token's webhooks (env only).
+    pub webhook_secret: Option<Secret>,
+    /// How long a webhook delivery is retried.
+    pub webhook_max_age_sec: u64,
 }
 
 /// `$XDG_STATE_HOME/clawmux`, else `$HOME/.local/state/clawmux`, else `./clawmux-state`.
@@ -182,6 +188,9 @@ impl Default for Config {
             max_runs: 5000,
             store_url: crate::store::StoreUrl::Sqlite(state_dir().join("runs.db")),
             shutdown: clawmux_actors::ShutdownMode::Handoff,
+            webhook_allow: String::new(),
+            webhook_secret: None,
+            webhook_max_age_sec: 86_400,
         }
     }
 }
@@ -217,6 +226,8 @@ struct FileConfig {
     max_runs: Option<usize>,
     store_url: Option<String>,
     shutdown: Option<String>,
+    webhook_allow: Option<String>,
+    webhook_max_age_sec: Option<u64>,
 }
 
 /// A configuration problem, naming the setting.
@@ -337,6 +348,12 @@ impl Config {
         if let Some(v) = f.shutdown {
             self.shutdown = parse_shutdown("shutdown", &v)?;
         }
+        if let Some(v) = f.webhook_allow {
+            self.webhook_allow = v;
+        }
+        if let Some(v) = f.webhook_max_age_sec {
+            self.webhook_max_age_sec = v;
+        }
         Ok(())
     }
 
@@ -443,6 +460,15 @@ impl Config {
         if let Some(v) = get("CLAWMUX_SHUTDOWN") {
             self.shutdown = parse_shutdown("CLAWMUX_SHUTDOWN", &v)?;
         }
+        if let Some(v) = get("CLAWMUX_WEBHOOK_ALLOW") {
+            self.webhook_allow = v;
+        }
+        if let Some(v) = get("CLAWMUX_WEBHOOK_SECRET") {
+            self.webhook_secret = Some(Secret::new(v));
+        }
+        if let Some(v) = get("CLAWMUX_WEBHOOK_MAX_AGE_SEC") {
+            self.webhook_max_age_sec = parse_num("CLAWMUX_WEBHOOK_MAX_AGE_SEC", &v)?;
+        }
         Ok(())
     }
 
@@ -511,6 +537,9 @@ impl Config {
             ("CLAWMUX_MAX_RUNS", self.max_runs.to_string()),
             ("CLAWMUX_STORE_URL", self.store_url.display()),
             ("CLAWMUX_SHUTDOWN", format!("{:?}", self.shutdown).to_lowercase()),
+            ("CLAWMUX_WEBHOOK_ALLOW", if self.webhook_allow.is_empty() { "(none: webhooks refused)".to_owned() } else { self.webhook_allow.clone() }),
+            ("CLAWMUX_WEBHOOK_SECRET", secret(&self.webhook_secret)),
+            ("CLAWMUX_WEBHOOK_MAX_AGE_SEC", self.webhook_max_age_sec.to_string()),
         ]
     }
 }

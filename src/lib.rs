@@ -17,6 +17,8 @@
 //!     cancel).
 //!   - [`relay`]: the host-side git relay (container worktrees, format-patch → am → push → PR),
 //!     the `Workspace` the session actors use for branch runs.
+//!   - [`tenants`]: API keys scoped to billing accounts, budgets and rate limits, completion
+//!     webhooks.
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
 //!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
@@ -37,3 +39,4 @@ pub mod replay;
 pub mod request;
 pub mod server;
 pub mod store;
+pub mod tenants;

@@ -3,9 +3,14 @@
 //! For every call it reads the W3C `traceparent`, finds the live run that owns its trace id, and
 //! only then forwards it upstream (LiteLLM) with the upstream key injected and the billing headers
 //! OVERWRITTEN from the run: `x-litellm-end-user-id`, `x-litellm-spend-logs-metadata`,
-//! `x-cogni-run-id`. A call with no trace id, or one that belongs to no live run, is refused (403)
-//! and counted: an agent with a shell cannot bill another account. Answers stream back as they
+//! `x-cogni-run-id`. A call with no trace id, or one that belongs to no live run, is refused and
+//! counted: an agent with a shell cannot bill another account. Answers stream back as they
 //! arrive; the usage the upstream reports is summed into the run and every call is audited.
+//!
+//! Refusals answer `409` with a neutral message, on purpose: OpenClaw takes a `401`/`403` (and a
+//! `402`) from a provider as an auth or billing failure of its API key and disables that key for
+//! about a minute, for EVERY run of every tenant (observed on 2026.9.6: a late call of an ended run
+//! locked all accounts out). A `409` fails only the call that made it.
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::audit::{AuditLog, AuditRecord};
@@ -186,6 +191,9 @@ pub struct ProxyState {
     pub audit: AuditSink,
     /// Metrics.
     pub metrics: ProxyMetrics,
+    /// Per-account budgets: a call that would start after its account's budget is spent is
+    /// refused, and its run ends `budget_exceeded`.
+    pub budgets: Option<Arc<crate::tenants::budget::Budgets>>,
 }
 
 /// Hands audit records to a writer thread (appends block on `fsync`, never the event loop).
@@ -250,7 +258,7 @@ pub fn upstream_url(base: &str, path_and_query: &str) -> String {
 fn refuse(state: &ProxyState, reason: &'static str, message: String) -> HttpResponse {
     state.metrics.refusals.with_label_values(&[reason]).inc();
     tracing::warn!(reason, %message, "LLM call refused");
-    HttpResponse::build(StatusCode::FORBIDDEN)
+    HttpResponse::build(StatusCode::CONFLICT)
         .json(serde_json::json!({"error": {"code": "attribution_refused", "type": "attribution_refused", "message": message}}))
 }
 
@@ -412,6 +420,16 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         }
     }
 
+    if let Some(budgets) = &state.budgets {
+        if !budgets.allow_call(&billing.billing_account_id).await {
+            budgets.exceeded(&billing.run_id);
+            return refuse(
+                &state,
+                "budget_exceeded",
+                format!("refused by clawmux: run {} was stopped by its operator's policy for its account", billing.run_id),
+            );
+        }
+    }
     let mut parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
     // Usage is billing truth only if the upstream reports it: ask for it on streams that do not
     // (protocol-3 gateways omit `stream_options`). The extra usage chunk is standard OpenAI.

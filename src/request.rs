@@ -34,6 +34,32 @@ pub struct RunRequest {
     /// Git relay settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub branch: Option<BranchRequest>,
+    /// What to do when another run of the session key is live.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub if_busy: Option<IfBusy>,
+    /// The completion webhook.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookRequest>,
+}
+
+/// `ifBusy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IfBusy {
+    /// Wait in line (default).
+    Enqueue,
+    /// `409 session_busy` at once.
+    Reject,
+    /// Abort the running run of the session key, then run.
+    Interrupt,
+}
+
+/// `webhook`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookRequest {
+    /// Where the final run document is `POST`ed.
+    pub url: String,
 }
 
 /// `onDisconnect`.

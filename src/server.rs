@@ -89,6 +89,13 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), "run store open");
+    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer()).await.map_err(|e| std::io::Error::other(e.0))?;
+    let tenants = Arc::new(crate::tenants::Tenants {
+        store: store.tenants(),
+        budgets: budgets.clone(),
+        allow: crate::tenants::webhook::Allow::parse(&cfg.webhook_allow),
+        admin_webhook_secret: cfg.webhook_secret.clone(),
+    });
     let status: StatusHandle = StatusHandle::default();
     if let Ok(mut st) = status.write() {
         st.device_id = sup.device.as_ref().map(|d| d.device_id().to_owned());
@@ -102,7 +109,7 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     let (proxy, attributions) = match &cfg.llm_upstream_url {
         Some(upstream) => {
             let attributions = Arc::new(crate::attribution::Attributions::new());
-            let (addr, handle) = start_proxy(&cfg, upstream, attributions.clone(), &registry)?;
+            let (addr, handle) = start_proxy(&cfg, upstream, attributions.clone(), budgets.clone(), &registry)?;
             tracing::info!(%addr, upstream = %upstream, "LLM attribution proxy listening");
             (Some((addr, handle)), Some(attributions))
         }
@@ -121,6 +128,22 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
     let run_registry =
         Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace).start();
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
+    {
+        // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
+        let r = run_registry.clone();
+        budgets.on_exceeded(Box::new(move |run_id| {
+            r.do_send(clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded })
+        }));
+    }
+    actix::spawn(crate::tenants::webhook::run_deliveries(
+        tenants.store.clone(),
+        Arc::new(crate::tenants::StoreSecrets { store: tenants.store.clone(), admin: cfg.webhook_secret.clone() }),
+        crate::tenants::webhook::DeliveryConfig {
+            poll: Duration::from_millis(250),
+            max_age: Duration::from_secs(cfg.webhook_max_age_sec),
+            attempt_timeout: Duration::from_secs(10),
+        },
+    ));
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let state = web::Data::new(AppState {
         cfg,
@@ -131,6 +154,7 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         agents: AgentRegistry::builtin(),
         attributions,
         relay,
+        tenants,
         stopping,
     });
     let resumed = resume(&state).await;
@@ -209,7 +233,7 @@ async fn resume(state: &web::Data<AppState>) -> usize {
     for (log, row) in stored {
         let resume = resume_of(&row, &log);
         let outcome = match spec_of(&row) {
-            Ok(spec) => api::admit(state, &log, spec, Some(resume)).await.map_err(|e| e.to_string()),
+            Ok(spec) => api::admit(state, &log, spec, Some(resume), clawmux_actors::IfBusy::Enqueue).await.map_err(|e| e.to_string()),
             Err(e) => Err(e),
         };
         match outcome {
@@ -233,6 +257,7 @@ fn start_proxy(
     cfg: &Config,
     upstream: &str,
     attributions: Arc<crate::attribution::Attributions>,
+    budgets: Arc<crate::tenants::budget::Budgets>,
     registry: &prometheus::Registry,
 ) -> std::io::Result<(SocketAddr, actix_web::dev::ServerHandle)> {
     let audit = crate::audit::AuditLog::open(&cfg.audit_dir, cfg.audit_max_bytes)
@@ -251,12 +276,16 @@ fn start_proxy(
         client,
         audit: crate::proxy::AuditSink::start(Arc::new(audit)),
         metrics,
+        budgets: Some(budgets),
     });
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))
         .on_connect(no_delay)
         .disable_signals()
         // A handoff lets the LLM streams of the runs in flight finish before the process exits.
         .shutdown_timeout(PROXY_DRAIN.as_secs())
+        // A gateway stalled between connecting and sending its request (a busy Node event loop)
+        // must not get actix's 5 s `408`: OpenClaw retries it with a rewritten prompt.
+        .client_request_timeout(Duration::from_secs(60))
         .bind(cfg.proxy_listen)?;
     let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound proxy address"))?;
     let server = server.run();

@@ -274,7 +274,7 @@ async fn litellm_refused_calls_never_reach_litellm() {
             req = req.header("traceparent", tp);
         }
         let r = req.header("x-litellm-end-user-id", account.as_str()).header("x-cogni-run-id", run_id.as_str()).send().await.expect("call");
-        assert_eq!(r.status(), 403, "{marker}");
+        assert_eq!(r.status(), 409, "{marker}");
         let e: Value = r.json().await.expect("json");
         assert_eq!(e["error"]["code"], "attribution_refused");
     }

@@ -103,7 +103,7 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
             req = req.header("traceparent", tp);
         }
         let r = req.header("x-litellm-end-user-id", "acct-payer").send().await.expect("call");
-        assert_eq!(r.status(), 403, "{marker}");
+        assert_eq!(r.status(), 409, "{marker}");
         let e: Value = r.json().await.expect("json");
         assert_eq!(e["error"]["code"], "attribution_refused");
     }
@@ -137,7 +137,7 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
         // A call that races the run's end is cut by the proxy (the run's streams end with it): that
         // is a broken response here, not a forwarded one.
         let sent = c.post(format!("{proxy}/v1/chat/completions")).header("traceparent", &call_tp).json(&chat_body("hello LATE", true)).send().await;
-        if sent.as_ref().is_ok_and(|r| r.status() == 403) {
+        if sent.as_ref().is_ok_and(|r| r.status() == 409) {
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "calls for an ended run are still forwarded");

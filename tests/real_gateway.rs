@@ -465,7 +465,7 @@ async fn proxied_calls_that_no_running_run_owns_are_refused() {
         if let Some(tp) = tp {
             r = r.header("traceparent", tp);
         }
-        assert_eq!(r.send().await.expect("call").status(), 403);
+        assert_eq!(r.send().await.expect("call").status(), 409);
     }
     assert!(llm_requests_for(&b, &marker).is_empty(), "a refused call reached the upstream");
     clawmux::server::shutdown(&running).await;

@@ -38,7 +38,7 @@ pub mod run;
 pub mod session;
 pub mod supervisor;
 
-pub use messages::{AdmitError, Admitted, ShutdownMode};
+pub use messages::{AdmitError, Admitted, IfBusy, ShutdownMode};
 pub use registry::{Registry, RegistryConfig};
 pub use run::{CancelReason, Checkpoint, ErrorCode, Phase, Resume, ResumeStage, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
 pub use session::{OutboundHeadersMode, SessionConfig};

@@ -182,6 +182,21 @@ pub enum AdmitError {
     /// clawmux is shutting down (it admits nothing new; clients retry against the next process).
     #[error("clawmux is shutting down")]
     ShuttingDown,
+    /// Another run of the session key is live and the run asked `ifBusy: reject`.
+    #[error("another run of this session is in flight (ifBusy: reject)")]
+    SessionBusy,
+}
+
+/// What a run does when its session key is busy (`ifBusy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IfBusy {
+    /// Wait in line (FIFO).
+    #[default]
+    Enqueue,
+    /// Refuse at once.
+    Reject,
+    /// Cancel the running run (`aborted`) and run next.
+    Interrupt,
 }
 
 /// Admit a run (HTTP, or the restart path with `resume`). Answers once the run is admitted: its
@@ -195,6 +210,8 @@ pub struct Submit {
     pub sink: Arc<dyn RunSink>,
     /// Set when a restarted clawmux continues the run.
     pub resume: Option<Resume>,
+    /// What to do when the session key is busy.
+    pub if_busy: IfBusy,
 }
 
 /// How an admitted run stands.

@@ -38,6 +38,21 @@ impl<K: Eq + Hash + Clone, V> KeyQueue<K, V> {
         }
     }
 
+    /// Offers an item that goes first: like [`KeyQueue::admit`], but it waits at the FRONT of the
+    /// queue (`ifBusy: interrupt`: it runs right after the item it interrupts).
+    pub fn admit_front(&mut self, key: &K, item: V) -> Option<V> {
+        match self.waiting.get_mut(key) {
+            Some(q) => {
+                q.push_front(item);
+                None
+            }
+            None => {
+                self.waiting.insert(key.clone(), VecDeque::new());
+                Some(item)
+            }
+        }
+    }
+
     /// The running item of `key` finished: returns the next one to start (still holding the key),
     /// or frees the key.
     pub fn finish(&mut self, key: &K) -> Option<V> {
@@ -91,6 +106,17 @@ mod tests {
         assert_eq!(q.finish(&"k"), None);
         assert!(!q.is_busy(&"k"));
         assert_eq!(q.admit(&"k", 4), Some(4));
+    }
+
+    #[test]
+    fn a_front_admission_runs_next() {
+        let mut q = KeyQueue::new();
+        q.admit(&"k", 1);
+        q.admit(&"k", 2);
+        assert_eq!(q.admit_front(&"k", 9), None);
+        assert_eq!(q.finish(&"k"), Some(9));
+        assert_eq!(q.finish(&"k"), Some(2));
+        assert_eq!(q.admit_front(&"idle", 5), Some(5));
     }
 
     #[test]

@@ -10,7 +10,7 @@
 
 use crate::branch::Workspace;
 use crate::messages::{
-    AdmitError, Admitted, Cancel, CancelRun, Drain, GatewayPort, GatewayUp, InFlight, Link, Lock, RegistryPort, Release, RunEnded,
+    AdmitError, Admitted, IfBusy, Cancel, CancelRun, Drain, GatewayPort, GatewayUp, InFlight, Link, Lock, RegistryPort, Release, RunEnded,
     ShutdownMode, Submit, Suspend, Turn,
 };
 use crate::metrics::Metrics;
@@ -210,10 +210,14 @@ impl Handler<Submit> for Registry {
                 return Err(AdmitError::GatewayDown(reason));
             }
         }
+        if msg.if_busy == IfBusy::Reject && self.sessions.is_busy(&msg.spec.session_key) {
+            return Err(AdmitError::SessionBusy);
+        }
         let run_id = msg.spec.run_id.clone();
         let session_key = msg.spec.session_key.clone();
         let branch_key = msg.spec.branch.as_ref().map(|b| b.key.clone());
         let publishing = matches!(msg.resume.as_ref().map(|r| &r.stage), Some(ResumeStage::Publishing { .. }));
+        let interrupt_key = session_key.clone();
         let actor = SessionActor::new(
             msg.spec,
             msg.sink,
@@ -236,6 +240,24 @@ impl Handler<Submit> for Registry {
                 run.session = Hold::None;
             }
             self.after_session(&run_id);
+        } else if msg.if_busy == IfBusy::Interrupt && self.sessions.is_busy(&interrupt_key) {
+            let session_key = interrupt_key;
+            // The run holding the key ends `aborted`; this one goes right after it.
+            let holder = self.live.iter().find(|(_, r)| r.session_key == session_key && r.session == Hold::Held).map(|(id, r)| (id.clone(), r.addr.clone()));
+            if let Some((id, addr)) = holder {
+                tracing::info!(run_id = %run_id, interrupted = %id, "interrupting the running run of the session (ifBusy: interrupt)");
+                addr.do_send(CancelRun(crate::run::CancelReason::Interrupted));
+            }
+            if let Some(run) = self.live.get_mut(&run_id) {
+                run.session = Hold::Waiting;
+            }
+            if self.sessions.admit_front(&session_key, run_id.clone()).is_some() {
+                // The holder ended meanwhile: the key was free after all.
+                if let Some(run) = self.live.get_mut(&run_id) {
+                    run.session = Hold::Held;
+                }
+                self.after_session(&run_id);
+            }
         } else {
             self.acquire_session(&run_id);
         }

@@ -211,6 +211,8 @@ pub enum ErrorCode {
     /// The gateway answered the run's own request with something clawmux cannot understand
     /// (a malformed or contradictory frame); the gateway run was cancelled.
     GatewayProtocolError,
+    /// The billing account's budget is spent.
+    BudgetExceeded,
     /// A bug in clawmux.
     Internal,
 }
@@ -225,6 +227,7 @@ impl ErrorCode {
             ErrorCode::GatewayRejected => "gateway_rejected",
             ErrorCode::GatewayDisconnected => "gateway_disconnected",
             ErrorCode::GatewayProtocolError => "gateway_protocol_error",
+            ErrorCode::BudgetExceeded => "budget_exceeded",
             ErrorCode::Internal => "internal",
         }
     }
@@ -271,6 +274,10 @@ pub enum CancelReason {
     Timeout,
     /// clawmux is shutting down (`CLAWMUX_SHUTDOWN=cancel`).
     Shutdown,
+    /// A newer run of the same session key asked for it (`ifBusy: interrupt`).
+    Interrupted,
+    /// The billing account's token budget for the period is spent.
+    BudgetExceeded,
 }
 
 impl CancelReason {
@@ -283,6 +290,16 @@ impl CancelReason {
             }
             CancelReason::Timeout => RunOutcome::failed(ErrorCode::Timeout, "the run exceeded its timeout and was cancelled", content),
             CancelReason::Shutdown => RunOutcome::failed(ErrorCode::Aborted, "clawmux is shutting down; the run was cancelled", content),
+            CancelReason::Interrupted => RunOutcome::failed(
+                ErrorCode::Aborted,
+                "a newer run of the same session interrupted this one (ifBusy: interrupt)",
+                content,
+            ),
+            CancelReason::BudgetExceeded => RunOutcome::failed(
+                ErrorCode::BudgetExceeded,
+                "the billing account's token budget for this period is spent; the run was stopped before its next LLM call",
+                content,
+            ),
         }
     }
 }

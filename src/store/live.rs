@@ -11,7 +11,7 @@
 //! has everything up to the failure, and a restart continues the run from there.
 
 use super::writer::Writer;
-use super::{now_ms, Applied, CheckpointRecord, EventName, RunPatch, RunRow, StoreError, StoredEvent, Write};
+use super::{now_ms, Applied, CheckpointRecord, EventName, NewDelivery, RunPatch, RunRow, StoreError, StoredEvent, Write};
 use crate::attribution::{Attributions, RunBilling, Usage};
 use clawmux_actors::{Checkpoint, RunEvent, RunSink, RunStatus};
 use serde::Serialize;
@@ -167,6 +167,8 @@ pub struct RunLog {
     billing: OnceLock<(Arc<RunBilling>, Arc<Attributions>)>,
     /// Cancels the run's session actor when the store fails it.
     on_failure: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Told once when the run ends (its account's live-run count).
+    on_end: OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// `clawmux_frame_to_client_seconds`, observed when a delta becomes visible.
     latency: Option<prometheus::Histogram>,
 }
@@ -194,6 +196,7 @@ impl RunLog {
             done: tokio::sync::watch::channel(finished).0,
             billing: OnceLock::new(),
             on_failure: OnceLock::new(),
+            on_end: OnceLock::new(),
             latency,
         })
     }
@@ -203,15 +206,29 @@ impl RunLog {
     }
 
     /// Ties the run to its billing identity: its LLM calls are attributed until it ends, and the
-    /// proxy's totals are stored as they change.
-    pub fn set_billing(&self, billing: Arc<RunBilling>, registry: Arc<Attributions>) {
+    /// proxy's totals are stored as they change; `on_tokens` hears of every token the proxy adds
+    /// (the account's budget).
+    pub fn set_billing(&self, billing: Arc<RunBilling>, registry: Arc<Attributions>, on_tokens: Option<Box<dyn Fn(u64) + Send + Sync>>) {
         let writer = self.writer.clone();
         let run_id = self.run_id.clone();
-        billing.on_usage(Box::new(move |usage| {
+        billing.on_usage(Box::new(move |usage, tokens| {
             let patch = RunPatch { usage: Some(usage), ..RunPatch::default() };
-            writer.submit(Write::Append { run_id: run_id.clone(), event: None, patch }, None);
+            writer.submit(Write::Append { run_id: run_id.clone(), event: None, patch, webhook: None }, None);
+            if let Some(f) = &on_tokens {
+                f(tokens);
+            }
         }));
         let _ = self.billing.set((billing, registry));
+    }
+
+    /// What to do once when the run ends.
+    pub fn on_end(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_end.set(hook);
+    }
+
+    /// The billing account.
+    pub fn billing_account_id(&self) -> String {
+        self.lock().stored.billing_account_id.clone()
     }
 
     /// What cancels the run when the store cannot take its writes.
@@ -282,10 +299,10 @@ impl RunLog {
     /// Queues an event and/or row changes for the store; `received` is when the gateway frame
     /// behind it arrived (measured once it is visible).
     fn submit(&self, event: Option<(EventName, String)>, patch: RunPatch) {
-        self.submit_received(event, patch, None);
+        self.submit_received(event, patch, None, None);
     }
 
-    fn submit_received(&self, event: Option<(EventName, String)>, patch: RunPatch, received: Option<Instant>) {
+    fn submit_received(&self, event: Option<(EventName, String)>, patch: RunPatch, received: Option<Instant>, webhook: Option<NewDelivery>) {
         let write;
         let stored_event;
         {
@@ -302,7 +319,7 @@ impl RunLog {
             }
             patch.apply(&mut st.latest);
             stored_event = event.clone().map(Arc::new);
-            write = Write::Append { run_id: self.run_id.clone(), event, patch: patch.clone() };
+            write = Write::Append { run_id: self.run_id.clone(), event, patch: patch.clone(), webhook };
         }
         let me = self.me.clone();
         self.writer.submit(
@@ -377,6 +394,9 @@ impl RunLog {
     }
 
     fn end(&self) {
+        if let Some(hook) = self.on_end.get() {
+            hook();
+        }
         if let Some((billing, registry)) = self.billing.get() {
             // LLM calls after the end belong to no run and are refused (fail-closed).
             registry.unregister(&billing.trace_id, &billing.run_id);
@@ -430,26 +450,26 @@ impl RunSink for RunLog {
                     finished_at_ms: Some(now_ms()),
                     ..RunPatch::default()
                 };
+                let mut row = self.lock().latest.clone();
+                patch.apply(&mut row);
+                let doc = serde_json::to_string(&RunDoc::from_row(&row, usage)).unwrap_or_default();
+                // Stored with the terminal event, in one transaction: delivered at least once.
+                let webhook = row.webhook_url.clone().map(|url| NewDelivery { url, key_id: row.key_id.clone(), body: doc.clone() });
                 let event = match (&outcome.error, outcome.status) {
                     (Some(e), s) if s != RunStatus::Ok => {
                         let data = serde_json::json!({"runId": self.run_id, "code": e.code.as_str(), "message": e.message});
                         (EventName::Error, data.to_string())
                     }
-                    _ => {
-                        let mut row = self.lock().latest.clone();
-                        patch.apply(&mut row);
-                        let data = serde_json::to_string(&RunDoc::from_row(&row, usage)).unwrap_or_default();
-                        (EventName::Final, data)
-                    }
+                    _ => (EventName::Final, doc),
                 };
-                self.submit(Some(event), patch);
+                self.submit_received(Some(event), patch, None, webhook);
             }
         }
     }
 
     fn text_delta(&self, text: String, received: Instant) {
         let data = serde_json::json!({ "text": text }).to_string();
-        self.submit_received(Some((EventName::TextDelta, data)), RunPatch::default(), Some(received));
+        self.submit_received(Some((EventName::TextDelta, data)), RunPatch::default(), Some(received), None);
     }
 
     fn checkpoint(&self, checkpoint: Checkpoint) {

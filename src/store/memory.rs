@@ -1,6 +1,7 @@
 //! `memory:`: the run store in this process's memory (tests, throwaway use). Same semantics as the
 //! durable backends; nothing survives a restart.
 
+use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::{Applied, ListQuery, Retention, RunRow, Store, StoreError, StoredEvent, Write};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
@@ -12,6 +13,11 @@ struct Inner {
     by_seq: BTreeMap<i64, String>,
     idempotency: HashMap<String, String>,
     events: HashMap<String, Vec<StoredEvent>>,
+    keys: BTreeMap<String, KeyRecord>,
+    limits: BTreeMap<String, Limits>,
+    spend: HashMap<(String, i64), u64>,
+    /// Deliveries: the item, when it is due, delivered, given up, the last error.
+    outbox: Vec<(OutboxItem, i64, bool, bool, Option<String>)>,
 }
 
 /// The in-memory store.
@@ -85,7 +91,20 @@ impl Store for MemoryStore {
         for w in batch {
             out.push(match w {
                 Write::Insert(row) => st.insert(row),
-                Write::Append { run_id, event, patch } => {
+                Write::Append { run_id, event, patch, webhook } => {
+                    if let Some(w) = webhook {
+                        let now = super::now_ms();
+                        let item = OutboxItem {
+                            id: st.outbox.len() as i64 + 1,
+                            run_id: run_id.clone(),
+                            url: w.url.clone(),
+                            key_id: w.key_id.clone(),
+                            body: w.body.clone(),
+                            attempts: 0,
+                            created_at_ms: now,
+                        };
+                        st.outbox.push((item, now, false, false, None));
+                    }
                     if let Some(row) = st.runs.get_mut(run_id) {
                         patch.apply(row);
                         if let Some(e) = event {
@@ -99,6 +118,11 @@ impl Store for MemoryStore {
                 }
                 Write::Delete { run_id } => {
                     st.delete(run_id);
+                    Applied::Done
+                }
+                Write::Spend { account, window_start_ms, tokens } => {
+                    let t = st.spend.entry((account.clone(), *window_start_ms)).or_default();
+                    *t = t.saturating_add(*tokens);
                     Applied::Done
                 }
             });
@@ -124,6 +148,7 @@ impl Store for MemoryStore {
             .filter_map(|(_, id)| st.runs.get(id))
             .filter(|r| q.statuses.is_empty() || q.statuses.contains(&r.status))
             .filter(|r| q.billing_account_id.as_ref().is_none_or(|a| *a == r.billing_account_id))
+            .filter(|r| q.accounts.as_ref().is_none_or(|acc| acc.contains(&r.billing_account_id)))
             .filter(|r| q.state_key.is_none() || q.state_key == r.state_key)
             .filter(|r| q.since_ms.is_none_or(|s| r.created_at_ms >= s))
             .take(q.limit)
@@ -150,5 +175,79 @@ impl Store for MemoryStore {
             }
         }
         Ok(removed)
+    }
+}
+
+#[async_trait::async_trait]
+impl TenantStore for MemoryStore {
+    async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError> {
+        let mut st = self.lock();
+        if st.keys.contains_key(&key.id) {
+            return Err(StoreError(format!("a key with id {:?} exists", key.id)));
+        }
+        st.keys.insert(key.id.clone(), key.clone());
+        Ok(())
+    }
+
+    async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(self.lock().keys.get(id).cloned())
+    }
+
+    async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
+        Ok(self.lock().keys.values().cloned().collect())
+    }
+
+    async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
+        Ok(match self.lock().keys.get_mut(id) {
+            Some(k) => {
+                k.revoked_at_ms.get_or_insert(at_ms);
+                true
+            }
+            None => false,
+        })
+    }
+
+    async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {
+        Ok(self.lock().limits.get(account).copied())
+    }
+
+    async fn all_limits(&self) -> Result<Vec<(String, Limits)>, StoreError> {
+        Ok(self.lock().limits.iter().map(|(a, l)| (a.clone(), *l)).collect())
+    }
+
+    async fn set_limits(&self, account: &str, limits: &Limits, _at_ms: i64) -> Result<(), StoreError> {
+        self.lock().limits.insert(account.to_owned(), *limits);
+        Ok(())
+    }
+
+    async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError> {
+        Ok(self.lock().spend.get(&(account.to_owned(), window_start_ms)).copied().unwrap_or(0))
+    }
+
+    async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
+        Ok(self.lock().outbox.iter().filter(|o| !o.2 && !o.3 && o.1 <= now_ms).take(limit).map(|o| o.0.clone()).collect())
+    }
+
+    async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, _at_ms: i64) -> Result<(), StoreError> {
+        let mut st = self.lock();
+        if let Some(o) = st.outbox.iter_mut().find(|o| o.0.id == id) {
+            o.0.attempts += 1;
+            match outcome {
+                DeliveryOutcome::Delivered => o.2 = true,
+                DeliveryOutcome::Retry { next_at_ms, error } => {
+                    o.1 = *next_at_ms;
+                    o.4 = Some(error.clone());
+                }
+                DeliveryOutcome::GaveUp { error } => {
+                    o.3 = true;
+                    o.4 = Some(error.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError> {
+        Ok(self.lock().outbox.iter().filter(|o| o.0.run_id == run_id).map(|o| (o.0.attempts, o.2, o.3, o.4.clone())).collect())
     }
 }

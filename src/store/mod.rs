@@ -23,6 +23,7 @@ pub mod memory;
 pub mod query;
 pub mod runs;
 pub mod sqlite;
+pub mod tenants;
 pub mod writer;
 
 pub use live::{RunDoc, RunLog};
@@ -190,6 +191,10 @@ pub struct RunRow {
     pub finished_at_ms: Option<i64>,
     /// Id of the last stored event.
     pub last_event_id: u64,
+    /// The API key that started the run (`None`: the admin token).
+    pub key_id: Option<String>,
+    /// Where the run's completion webhook goes.
+    pub webhook_url: Option<String>,
 }
 
 /// Changes to a run's row; `None` leaves a column as it is.
@@ -257,12 +262,34 @@ pub enum Write {
         event: Option<StoredEvent>,
         /// Row changes.
         patch: RunPatch,
+        /// A webhook delivery to queue with it (the terminal event: both or neither are stored).
+        webhook: Option<NewDelivery>,
+    },
+    /// Tokens an account spent in a budget window (added to what is stored).
+    Spend {
+        /// Billing account.
+        account: String,
+        /// Window start (ms).
+        window_start_ms: i64,
+        /// Tokens to add.
+        tokens: u64,
     },
     /// A run whose admission failed after it was stored (so the caller can retry its id).
     Delete {
         /// The run.
         run_id: String,
     },
+}
+
+/// A webhook delivery queued with a run's terminal event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewDelivery {
+    /// Where to.
+    pub url: String,
+    /// Whose secret signs it.
+    pub key_id: Option<String>,
+    /// The final run document.
+    pub body: String,
 }
 
 /// What a write did.
@@ -306,6 +333,8 @@ pub struct ListQuery {
     pub limit: usize,
     /// Only runs admitted before this admission order (the cursor).
     pub before_seq: Option<i64>,
+    /// Only runs of these billing accounts (an API key's scope; `None`: all).
+    pub accounts: Option<Vec<String>>,
 }
 
 /// How long finished runs are kept.

@@ -6,6 +6,7 @@ use super::live::RunLog;
 use super::memory::MemoryStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
+use super::tenants::TenantStore;
 use super::{now_ms, Applied, ListQuery, Retention, RunDoc, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
 use dashmap::DashMap;
 use std::sync::Arc;
@@ -53,6 +54,14 @@ impl RunView {
         }
     }
 
+    /// Its billing account.
+    pub fn billing_account_id(&self) -> String {
+        match self {
+            RunView::Live(log) => log.billing_account_id(),
+            RunView::Stored(row) => row.billing_account_id.clone(),
+        }
+    }
+
     /// True once it has its terminal event.
     pub fn is_finished(&self) -> bool {
         match self {
@@ -65,6 +74,7 @@ impl RunView {
 /// The run store.
 pub struct RunStore {
     backend: Arc<dyn Store>,
+    tenants: Arc<dyn TenantStore>,
     writer: Writer,
     /// Logs of live runs (and of runs finished less than [`LINGER`] ago).
     live: DashMap<String, Arc<RunLog>>,
@@ -83,23 +93,40 @@ impl RunStore {
         metrics: StoreMetrics,
         latency: Option<prometheus::Histogram>,
     ) -> Result<Arc<Self>, StoreError> {
-        let backend: Arc<dyn Store> = match url {
-            StoreUrl::Memory => Arc::new(MemoryStore::new()),
-            StoreUrl::Sqlite(path) => Arc::new(SqliteStore::open(path).await?),
+        let (backend, tenants): (Arc<dyn Store>, Arc<dyn TenantStore>) = match url {
+            StoreUrl::Memory => {
+                let m = Arc::new(MemoryStore::new());
+                (m.clone(), m)
+            }
+            StoreUrl::Sqlite(path) => {
+                let s = Arc::new(SqliteStore::open(path).await?);
+                (s.clone(), s)
+            }
         };
-        Ok(Self::with_backend(backend, retention, metrics, url.display(), latency))
+        Ok(Self::with_backend(backend, tenants, retention, metrics, url.display(), latency))
     }
 
     /// A store over `backend` (tests use it with a probe backend).
     pub fn with_backend(
         backend: Arc<dyn Store>,
+        tenants: Arc<dyn TenantStore>,
         retention: Retention,
         metrics: StoreMetrics,
         url: String,
         latency: Option<prometheus::Histogram>,
     ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, writer, live: DashMap::new(), retention, url, latency })
+        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency })
+    }
+
+    /// Keys, limits, spend and the webhook outbox of the same store.
+    pub fn tenants(&self) -> Arc<dyn TenantStore> {
+        self.tenants.clone()
+    }
+
+    /// The group-commit writer.
+    pub fn writer(&self) -> Writer {
+        self.writer.clone()
     }
 
     /// `sqlite://…` or `memory:`.

@@ -3,6 +3,7 @@
 //! loss may not), one write connection fed by the group-commit writer, a small read pool.
 //! The schema is created and migrated at start (`migrations/sqlite/`).
 
+use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SpecRecord, Store, StoreError, StoredEvent, Write};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{QueryBuilder, Row, Sqlite, SqlitePool};
@@ -103,6 +104,8 @@ fn decode_row(r: &SqliteRow) -> Result<RunRow, String> {
         created_at_ms: int("created_at")?,
         finished_at_ms: r.try_get::<Option<i64>, _>("finished_at").map_err(|e| format!("column finished_at: {e}"))?,
         last_event_id: u64::try_from(int("last_event_id")?).unwrap_or(0),
+        key_id: opt("key_id")?,
+        webhook_url: opt("webhook_url")?,
     })
 }
 
@@ -148,7 +151,7 @@ impl SqliteStore {
         }
         let seq: i64 = sqlx::query_scalar(
             "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-             checkpoint, content, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+             checkpoint, content, created_at, key_id, webhook_url) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
         )
         .bind(&row.run_id)
         .bind(&row.idempotency_key)
@@ -161,6 +164,8 @@ impl SqliteStore {
         .bind(row.checkpoint.as_ref().map(json))
         .bind(&row.content)
         .bind(row.created_at_ms)
+        .bind(&row.key_id)
+        .bind(&row.webhook_url)
         .fetch_one(&mut *tx)
         .await?;
         Ok(Applied::Inserted { seq })
@@ -178,7 +183,19 @@ impl SqliteStore {
         for w in batch {
             out.push(match w {
                 Write::Insert(row) => self.insert(&mut tx, row).await?,
-                Write::Append { run_id, event, patch } => {
+                Write::Append { run_id, event, patch, webhook } => {
+                    if let Some(w) = webhook {
+                        let now = super::now_ms();
+                        sqlx::query("INSERT INTO webhook_outbox (run_id, url, key_id, body, next_at, created_at) VALUES (?, ?, ?, ?, ?, ?)")
+                            .bind(run_id)
+                            .bind(&w.url)
+                            .bind(&w.key_id)
+                            .bind(&w.body)
+                            .bind(now)
+                            .bind(now)
+                            .execute(&mut *tx)
+                            .await?;
+                    }
                     let i = *index.entry(run_id.as_str()).or_insert_with(|| {
                         patches.push((run_id.as_str(), RunPatch::default(), 0));
                         patches.len() - 1
@@ -188,6 +205,18 @@ impl SqliteStore {
                         patches[i].2 = patches[i].2.max(e.id);
                         events.push((run_id.as_str(), e));
                     }
+                    Applied::Done
+                }
+                Write::Spend { account, window_start_ms, tokens } => {
+                    sqlx::query(
+                        "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES (?, ?, ?) \
+                         ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = tokens + excluded.tokens",
+                    )
+                    .bind(account)
+                    .bind(window_start_ms)
+                    .bind(i64::try_from(*tokens).unwrap_or(i64::MAX))
+                    .execute(&mut *tx)
+                    .await?;
                     Applied::Done
                 }
                 Write::Delete { run_id } => {
@@ -298,6 +327,17 @@ impl Store for SqliteStore {
         if let Some(s) = &q.state_key {
             qb.push(" AND state_key = ").push_bind(s.clone());
         }
+        if let Some(accounts) = &q.accounts {
+            if accounts.is_empty() {
+                return Ok(Vec::new());
+            }
+            qb.push(" AND billing_account_id IN (");
+            let mut sep = qb.separated(", ");
+            for a in accounts {
+                sep.push_bind(a.clone());
+            }
+            qb.push(")");
+        }
         if let Some(t) = q.since_ms {
             qb.push(" AND created_at >= ").push_bind(t);
         }
@@ -326,5 +366,187 @@ impl Store for SqliteStore {
             Ok::<u64, sqlx::Error>(n.rows_affected())
         };
         run.await.map_err(|e| self.err(e))
+    }
+}
+
+fn decode_key(r: &SqliteRow) -> Result<KeyRecord, String> {
+    let text = |c: &str| r.try_get::<String, _>(c).map_err(|e| format!("column {c}: {e}"));
+    let list = |c: &str| -> Result<Vec<String>, String> { serde_json::from_str(&text(c)?).map_err(|e| format!("column {c}: {e}")) };
+    Ok(KeyRecord {
+        id: text("id")?,
+        name: text("name")?,
+        secret_sha256: text("secret_sha256")?,
+        accounts: list("accounts")?,
+        actions: list("actions")?,
+        webhook_secret: text("webhook_secret")?,
+        webhook_url: r.try_get("webhook_url").map_err(|e| format!("column webhook_url: {e}"))?,
+        created_at_ms: r.try_get("created_at").map_err(|e| format!("column created_at: {e}"))?,
+        revoked_at_ms: r.try_get("revoked_at").map_err(|e| format!("column revoked_at: {e}"))?,
+    })
+}
+
+fn decode_limits(r: &SqliteRow) -> Result<Limits, sqlx::Error> {
+    let n = |c: &str| -> Result<Option<u64>, sqlx::Error> { Ok(r.try_get::<Option<i64>, _>(c)?.map(|v| u64::try_from(v).unwrap_or(0))) };
+    Ok(Limits {
+        max_tokens: n("max_tokens")?,
+        period_sec: n("period_sec")?,
+        max_concurrent: n("max_concurrent")?,
+        max_runs_per_minute: n("max_runs_per_minute")?,
+    })
+}
+
+fn opt_i64(v: Option<u64>) -> Option<i64> {
+    v.map(|v| i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+#[async_trait::async_trait]
+impl TenantStore for SqliteStore {
+    async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO api_keys (id, name, secret_sha256, accounts, actions, webhook_secret, webhook_url, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&key.id)
+        .bind(&key.name)
+        .bind(&key.secret_sha256)
+        .bind(json(&key.accounts))
+        .bind(json(&key.actions))
+        .bind(&key.webhook_secret)
+        .bind(&key.webhook_url)
+        .bind(key.created_at_ms)
+        .execute(&self.write)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM api_keys WHERE id = ?").bind(id).fetch_optional(&self.read).await.map_err(|e| self.err(e))?;
+        row.map(|r| decode_key(&r).map_err(|e| StoreError(format!("the run store {} holds an unreadable key: {e}", self.path.display()))))
+            .transpose()
+    }
+
+    async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM api_keys ORDER BY created_at").fetch_all(&self.read).await.map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| decode_key(r).map_err(|e| StoreError(format!("the run store {} holds an unreadable key: {e}", self.path.display()))))
+            .collect()
+    }
+
+    async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
+        let n = sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?")
+            .bind(at_ms)
+            .bind(id)
+            .execute(&self.write)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(n.rows_affected() > 0)
+    }
+
+    async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {
+        let row = sqlx::query("SELECT * FROM account_limits WHERE billing_account_id = ?")
+            .bind(account)
+            .fetch_optional(&self.read)
+            .await
+            .map_err(|e| self.err(e))?;
+        row.map(|r| decode_limits(&r).map_err(|e| self.err(e))).transpose()
+    }
+
+    async fn all_limits(&self) -> Result<Vec<(String, Limits)>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM account_limits ORDER BY billing_account_id").fetch_all(&self.read).await.map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| Ok((r.try_get::<String, _>("billing_account_id").map_err(|e| self.err(e))?, decode_limits(r).map_err(|e| self.err(e))?)))
+            .collect()
+    }
+
+    async fn set_limits(&self, account: &str, l: &Limits, at_ms: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO account_limits (billing_account_id, max_tokens, period_sec, max_concurrent, max_runs_per_minute, updated_at) \
+             VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (billing_account_id) DO UPDATE SET max_tokens = excluded.max_tokens, \
+             period_sec = excluded.period_sec, max_concurrent = excluded.max_concurrent, \
+             max_runs_per_minute = excluded.max_runs_per_minute, updated_at = excluded.updated_at",
+        )
+        .bind(account)
+        .bind(opt_i64(l.max_tokens))
+        .bind(opt_i64(l.period_sec))
+        .bind(opt_i64(l.max_concurrent))
+        .bind(opt_i64(l.max_runs_per_minute))
+        .bind(at_ms)
+        .execute(&self.write)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError> {
+        let v: Option<i64> = sqlx::query_scalar("SELECT tokens FROM spend WHERE billing_account_id = ? AND window_start = ?")
+            .bind(account)
+            .bind(window_start_ms)
+            .fetch_optional(&self.read)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(v.map_or(0, |v| u64::try_from(v).unwrap_or(0)))
+    }
+
+    async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, run_id, url, key_id, body, attempts, created_at FROM webhook_outbox \
+             WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= ? ORDER BY id LIMIT ?",
+        )
+        .bind(now_ms)
+        .bind(limit as i64)
+        .fetch_all(&self.read)
+        .await
+        .map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(OutboxItem {
+                    id: r.try_get("id").map_err(|e| self.err(e))?,
+                    run_id: r.try_get("run_id").map_err(|e| self.err(e))?,
+                    url: r.try_get("url").map_err(|e| self.err(e))?,
+                    key_id: r.try_get("key_id").map_err(|e| self.err(e))?,
+                    body: r.try_get("body").map_err(|e| self.err(e))?,
+                    attempts: u32::try_from(r.try_get::<i64, _>("attempts").map_err(|e| self.err(e))?).unwrap_or(u32::MAX),
+                    created_at_ms: r.try_get("created_at").map_err(|e| self.err(e))?,
+                })
+            })
+            .collect()
+    }
+
+    async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError> {
+        let q = match outcome {
+            DeliveryOutcome::Delivered => sqlx::query("UPDATE webhook_outbox SET attempts = attempts + 1, delivered_at = ? WHERE id = ?").bind(at_ms).bind(id),
+            DeliveryOutcome::Retry { next_at_ms, error } => sqlx::query(
+                "UPDATE webhook_outbox SET attempts = attempts + 1, next_at = ?, last_error = ? WHERE id = ?",
+            )
+            .bind(*next_at_ms)
+            .bind(error.clone())
+            .bind(id),
+            DeliveryOutcome::GaveUp { error } => sqlx::query(
+                "UPDATE webhook_outbox SET attempts = attempts + 1, gave_up_at = ?, last_error = ? WHERE id = ?",
+            )
+            .bind(at_ms)
+            .bind(error.clone())
+            .bind(id),
+        };
+        q.execute(&self.write).await.map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError> {
+        let rows = sqlx::query("SELECT attempts, delivered_at, gave_up_at, last_error FROM webhook_outbox WHERE run_id = ? ORDER BY id")
+            .bind(run_id)
+            .fetch_all(&self.read)
+            .await
+            .map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| {
+                let attempts: i64 = r.try_get("attempts").map_err(|e| self.err(e))?;
+                let delivered: Option<i64> = r.try_get("delivered_at").map_err(|e| self.err(e))?;
+                let gave_up: Option<i64> = r.try_get("gave_up_at").map_err(|e| self.err(e))?;
+                let err: Option<String> = r.try_get("last_error").map_err(|e| self.err(e))?;
+                Ok((u32::try_from(attempts).unwrap_or(u32::MAX), delivered.is_some(), gave_up.is_some(), err))
+            })
+            .collect()
     }
 }

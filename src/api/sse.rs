@@ -1,0 +1,113 @@
+//! A run's event stream: what the store has after `Last-Event-ID`, then live events, until the
+//! terminal event (or the client goes, or clawmux stops); and the guard that cancels a run whose
+//! caller asked for `onDisconnect: abort` and went away.
+
+use super::{store_unavailable, ApiError, AppState};
+use crate::store::{RunView, StoredEvent};
+use actix::Addr;
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::{web, HttpRequest, HttpResponse, Responder};
+use actix_web_lab::sse;
+use clawmux_actors::messages::Cancel;
+use clawmux_actors::{CancelReason, Registry};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::broadcast::error::RecvError;
+
+/// Comment lines keep quiet streams alive through proxies.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// Cancels the run when a caller that asked for `onDisconnect: abort` goes away before the end.
+pub(crate) struct DisconnectGuard {
+    pub(crate) run_id: String,
+    pub(crate) view: RunView,
+    pub(crate) registry: Addr<Registry>,
+    pub(crate) armed: bool,
+}
+
+impl DisconnectGuard {
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for DisconnectGuard {
+    fn drop(&mut self) {
+        if self.armed && !self.view.is_finished() {
+            tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
+            self.registry.do_send(Cancel { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
+        }
+    }
+}
+
+struct SseState {
+    backlog: std::vec::IntoIter<Arc<StoredEvent>>,
+    rx: Option<tokio::sync::broadcast::Receiver<Arc<StoredEvent>>>,
+    last_id: u64,
+    done: bool,
+    guard: DisconnectGuard,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+fn to_sse(ev: &StoredEvent) -> sse::Event {
+    sse::Event::Data(sse::Data::new(ev.data.clone()).event(ev.name.as_str()).id(ev.id.to_string()))
+}
+
+pub(crate) async fn sse_response(
+    req: &HttpRequest,
+    state: &web::Data<AppState>,
+    view: RunView,
+    after: u64,
+    guard: DisconnectGuard,
+) -> Result<HttpResponse, ApiError> {
+    let (backlog, rx) = match &view {
+        RunView::Live(log) => log.attach(after),
+        // Not live here: what the store has, then the stream closes.
+        RunView::Stored(row) => {
+            let events = state.store.events(&row.run_id, after).await.map_err(store_unavailable)?;
+            (events.into_iter().map(Arc::new).collect(), None)
+        }
+    };
+    let st = SseState { backlog: backlog.into_iter(), rx, last_id: after, done: false, guard, stopping: state.stopping.clone() };
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let ev = match st.backlog.next() {
+            Some(ev) => ev,
+            None => loop {
+                let rx = st.rx.as_mut()?;
+                let next = tokio::select! {
+                    r = rx.recv() => r,
+                    _ = st.stopping.wait_for(|s| *s) => {
+                        // Shutdown: end the stream cleanly, without a terminal event; the client
+                        // re-attaches with Last-Event-ID to the next process. The run goes on.
+                        st.guard.disarm();
+                        return None;
+                    }
+                };
+                match next {
+                    Ok(ev) if ev.id <= st.last_id => continue,
+                    Ok(ev) => break ev,
+                    Err(RecvError::Lagged(n)) => {
+                        // Too slow: drop this client (it can re-attach with Last-Event-ID); the
+                        // run itself goes on.
+                        tracing::warn!(run_id = %st.guard.run_id, skipped = n, "SSE client too slow; disconnecting it");
+                        st.guard.disarm();
+                        return None;
+                    }
+                    Err(RecvError::Closed) => return None,
+                }
+            },
+        };
+        st.last_id = ev.id;
+        if ev.is_terminal() {
+            st.done = true;
+            st.guard.disarm();
+        }
+        Some((to_sse(&ev), st))
+    });
+    let mut resp = sse::Sse::from_infallible_stream(stream).with_keep_alive(KEEP_ALIVE).respond_to(req);
+    resp.headers_mut().insert(header::HeaderName::from_static("x-accel-buffering"), HeaderValue::from_static("no"));
+    Ok(resp.map_into_boxed_body())
+}

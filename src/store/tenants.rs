@@ -1,0 +1,110 @@
+//! What the store keeps about tenants: API keys, per-account limits and spend, and the webhook
+//! outbox. The rules that use them live in `crate::tenants`.
+
+use super::StoreError;
+use serde::{Deserialize, Serialize};
+
+/// An API key as stored (the secret only as its SHA-256).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyRecord {
+    /// Public id (the middle of `cmx_<id>_<secret>`).
+    pub id: String,
+    /// A name for people.
+    pub name: String,
+    /// SHA-256 of the secret, hex.
+    #[serde(skip_serializing)]
+    pub secret_sha256: String,
+    /// Billing accounts the key may use and see; `["*"]` for all.
+    pub accounts: Vec<String>,
+    /// `run`, `read`, `abort`, `admin`.
+    pub actions: Vec<String>,
+    /// Signs the key's webhook deliveries.
+    #[serde(skip_serializing)]
+    pub webhook_secret: String,
+    /// Default webhook URL of the key's runs.
+    pub webhook_url: Option<String>,
+    /// Creation time (ms).
+    pub created_at_ms: i64,
+    /// Revocation time (ms); a revoked key is refused.
+    pub revoked_at_ms: Option<i64>,
+}
+
+/// Limits of one billing account (`None`: unlimited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Limits {
+    /// Tokens (input + output, as the LLM proxy records them) per period.
+    pub max_tokens: Option<u64>,
+    /// The budget period in seconds (windows aligned to the Unix epoch: 86400 = UTC days).
+    pub period_sec: Option<u64>,
+    /// Live runs at once.
+    pub max_concurrent: Option<u64>,
+    /// Admissions per minute (sliding).
+    pub max_runs_per_minute: Option<u64>,
+}
+
+/// A webhook delivery to make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxItem {
+    /// Delivery id (sent as `X-Clawmux-Delivery`).
+    pub id: i64,
+    /// The run it reports.
+    pub run_id: String,
+    /// Where to.
+    pub url: String,
+    /// Whose secret signs it (`None`: the admin secret, `CLAWMUX_WEBHOOK_SECRET`).
+    pub key_id: Option<String>,
+    /// The final run document.
+    pub body: String,
+    /// Attempts so far.
+    pub attempts: u32,
+    /// When it was queued (ms).
+    pub created_at_ms: i64,
+}
+
+/// How a delivery attempt went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeliveryOutcome {
+    /// Accepted (2xx).
+    Delivered,
+    /// Failed; try again at this time (ms).
+    Retry {
+        /// Next attempt.
+        next_at_ms: i64,
+        /// Why it failed.
+        error: String,
+    },
+    /// Failed for the last time.
+    GaveUp {
+        /// Why.
+        error: String,
+    },
+}
+
+/// The tenant half of a store backend.
+#[async_trait::async_trait]
+pub trait TenantStore: Send + Sync + 'static {
+    /// Stores a new key.
+    async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError>;
+    /// One key (revoked ones too).
+    async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError>;
+    /// Every key.
+    async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError>;
+    /// Revokes a key; false when there is none.
+    async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError>;
+    /// An account's limits.
+    async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError>;
+    /// Every account's limits.
+    async fn all_limits(&self) -> Result<Vec<(String, Limits)>, StoreError>;
+    /// Sets an account's limits.
+    async fn set_limits(&self, account: &str, limits: &Limits, at_ms: i64) -> Result<(), StoreError>;
+    /// Tokens spent by an account in the window starting at `window_start_ms`.
+    async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError>;
+    /// Deliveries due at `now_ms`, oldest first.
+    async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError>;
+    /// Records an attempt.
+    async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError>;
+    /// Deliveries of a run: (attempts, delivered, gave up, last error).
+    async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError>;
+}

@@ -1,0 +1,81 @@
+//! Tenants: who may do what, how much they may spend, and how they hear of a run's end.
+//!
+//! # Layout
+//! - [`keys`]: API keys (`cmx_<id>_<secret>`, stored hashed), scoped to billing accounts and
+//!   actions; the caller as a [`keys::Principal`] (pure).
+//! - [`budget`]: per-account token budgets, concurrency and rate limits, enforced at admission and
+//!   by the LLM proxy before every call.
+//! - [`webhook`]: completion webhooks: the allow-list, signing, and the delivery worker over the
+//!   store's outbox.
+//!
+//! [`Tenants`] bundles them for the HTTP layer and the proxy.
+
+pub mod budget;
+pub mod keys;
+pub mod webhook;
+
+use crate::config::Secret;
+use crate::store::tenants::TenantStore;
+use keys::Principal;
+use std::sync::Arc;
+
+/// Why a caller is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthError {
+    /// No credentials where they are needed.
+    Missing,
+    /// Credentials that are not (or no longer) valid.
+    Invalid,
+    /// The store could not be asked.
+    Unavailable(String),
+}
+
+/// Keys, budgets and webhooks.
+pub struct Tenants {
+    /// Keys, limits, spend, outbox.
+    pub store: Arc<dyn TenantStore>,
+    /// Budgets and rate limits.
+    pub budgets: Arc<budget::Budgets>,
+    /// Where webhooks may go.
+    pub allow: webhook::Allow,
+    /// Signs the admin token's webhooks (`CLAWMUX_WEBHOOK_SECRET`).
+    pub admin_webhook_secret: Option<Secret>,
+}
+
+impl Tenants {
+    /// The principal behind a bearer token: the admin token, or a live API key.
+    pub async fn principal(&self, token: &str, admin: Option<&Secret>) -> Result<Principal, AuthError> {
+        if let Some(admin) = admin {
+            if keys::constant_time_eq(token.as_bytes(), admin.expose().as_bytes()) {
+                return Ok(Principal::Admin);
+            }
+        }
+        let Some(given) = keys::parse(token) else { return Err(AuthError::Invalid) };
+        // Looked up on every request: a revoked key (by the CLI, another process) is refused at once.
+        match self.store.key(given.id).await {
+            Ok(Some(record)) if keys::matches(&record, &given) => Ok(Principal::Key(record)),
+            Ok(_) => Err(AuthError::Invalid),
+            Err(e) => Err(AuthError::Unavailable(e.to_string())),
+        }
+    }
+}
+
+/// The signing secrets of webhook deliveries, from the store and the configuration.
+pub struct StoreSecrets {
+    /// Keys.
+    pub store: Arc<dyn TenantStore>,
+    /// `CLAWMUX_WEBHOOK_SECRET`.
+    pub admin: Option<Secret>,
+}
+
+impl webhook::Secrets for StoreSecrets {
+    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Option<String>> {
+        let key_id = key_id.map(str::to_owned);
+        Box::pin(async move {
+            match key_id {
+                None => self.admin.as_ref().map(|s| s.expose().to_owned()),
+                Some(id) => self.store.key(&id).await.ok().flatten().map(|k| k.webhook_secret),
+            }
+        })
+    }
+}
