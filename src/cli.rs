@@ -144,6 +144,24 @@ pub enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// API keys (in the run store, `CLAWMUX_STORE_URL`): scoped to billing accounts and actions.
+    Keys {
+        /// TOML configuration file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// What to do.
+        #[command(subcommand)]
+        command: crate::admin_cli::KeysCommand,
+    },
+    /// Per-account limits (in the run store): token budget per period, concurrency, rate.
+    Limits {
+        /// TOML configuration file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// What to do.
+        #[command(subcommand)]
+        command: crate::admin_cli::LimitsCommand,
+    },
 }
 
 /// Designs `clawmux load --direct` can drive.
@@ -320,6 +338,14 @@ pub fn main() -> i32 {
             };
             run_system_code(doctor(cfg))
         }
+        Command::Keys { config, command } => match load_config(config.as_ref()) {
+            Ok(cfg) => run_system_code(crate::admin_cli::keys(cfg, command)),
+            Err(code) => code,
+        },
+        Command::Limits { config, command } => match load_config(config.as_ref()) {
+            Ok(cfg) => run_system_code(crate::admin_cli::limits(cfg, command)),
+            Err(code) => code,
+        },
     }
 }
 

@@ -22,8 +22,10 @@
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
 //!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
-//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`).
+//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`);
+//!     [`admin_cli`]: `keys` and `limits`, on the store directly.
 
+pub mod admin_cli;
 pub mod agents;
 pub mod api;
 pub mod attribution;

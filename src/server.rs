@@ -166,6 +166,10 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
             if let Err(e) = sweeper.store.sweep().await {
                 tracing::warn!(error = %e, "run store retention sweep failed");
             }
+            // Limits set with `clawmux limits set` (another process) apply within one sweep.
+            if let Err(e) = sweeper.tenants.budgets.reload().await {
+                tracing::warn!(error = %e, "cannot re-read account limits");
+            }
         }
     });
     let app_state = state.clone();

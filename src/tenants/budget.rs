@@ -71,6 +71,15 @@ impl Budgets {
         Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), cancel: OnceLock::new() }))
     }
 
+    /// Re-reads every account's limits (the CLI changes them in the store of a running clawmux).
+    pub async fn reload(&self) -> Result<(), StoreError> {
+        let all = self.store.all_limits().await?;
+        for (a, l) in all {
+            self.limits.insert(a, l);
+        }
+        Ok(())
+    }
+
     /// Sets what ends a run past its budget.
     pub fn on_exceeded(&self, cancel: Box<dyn Fn(&str) + Send + Sync>) {
         let _ = self.cancel.set(cancel);
