@@ -58,19 +58,18 @@ start_clawmux() { # STORE_URL LOG
   CM_PID=$!
 }
 
-metric_quantiles() { # -> JSON {p50,p99,count,batchP50,batchMean}
+metric_snapshot() { # -> JSON {name: [[le, count], ...], ...} of the histograms we read
   curl -fsS "http://127.0.0.1:$CM_PORT/metrics" | python3 -c '
 import sys, json
-b, batch, bsum, bcount = [], [], 0.0, 0.0
+out = {}
 for line in sys.stdin:
-    if line.startswith("clawmux_frame_to_client_seconds_bucket"):
-        le = line.split("le=\"")[1].split("\"")[0]
-        b.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    elif line.startswith("clawmux_store_batch_writes_sum"): bsum = float(line.rsplit(" ", 1)[1])
-    elif line.startswith("clawmux_store_batch_writes_count"): bcount = float(line.rsplit(" ", 1)[1])
-total = b[-1][1] if b else 0
-q = lambda p: next((le for le, c in b if c >= p * total), None) if total else None
-print(json.dumps({"p50": q(0.5), "p99": q(0.99), "count": total, "batchMean": (bsum / bcount) if bcount else None}))'
+    for name in ("clawmux_frame_to_client_seconds", "clawmux_store_commit_seconds", "clawmux_store_batch_writes"):
+        if line.startswith(name + "_bucket"):
+            le = line.split("le=\"")[1].split("\"")[0]
+            out.setdefault(name, []).append([float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])])
+        elif line.startswith(name + "_sum") or line.startswith(name + "_count"):
+            out[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
+print(json.dumps(out))'
 }
 
 say "store cost: C=$C, $RUNS runs, $REPS reps per store"
@@ -83,23 +82,34 @@ for rep in $(seq 1 "$REPS"); do
     wait_http "http://127.0.0.1:$CM_PORT/readyz" 30 || die "clawmux did not start"
     # Warm-up, not measured; then a fresh counter for the measured load.
     timeout 120 "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$C" --concurrency "$C" --timeout-sec 60 --deadline-sec 60 --json --no-progress >/dev/null 2>&1 || true
-    before="$(metric_quantiles)"; cpu0="$(cpu_ticks "$CM_PID")"
+    before="$(metric_snapshot)"; cpu0="$(cpu_ticks "$CM_PID")"
     timeout 300 "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 --deadline-sec 240 \
       --json --no-progress >"$WORK/load-$store-$rep.json" 2>/dev/null || true
-    cpu1="$(cpu_ticks "$CM_PID")"; after="$(metric_quantiles)"
+    cpu1="$(cpu_ticks "$CM_PID")"; after="$(metric_snapshot)"
     python3 - "$store" "$rep" "$WORK/load-$store-$rep.json" "$before" "$after" "$cpu0" "$cpu1" "$CLK_TCK" >>"$RESULTS" <<'PY'
 import json, sys
 store, rep, path, before, after, c0, c1, tck = sys.argv[1:]
 load = json.load(open(path))
+b, a = json.loads(before), json.loads(after)
+def quantiles(name):
+    # The measured load only: the histogram after minus before (the warm-up is excluded).
+    pb = dict((le, c) for le, c in b.get(name, []))
+    d = [(le, c - pb.get(le, 0.0)) for le, c in a.get(name, [])]
+    total = d[-1][1] if d else 0
+    q = lambda p: next((le for le, c in d if c >= p * total), None) if total else None
+    return {"p50": q(0.5), "p99": q(0.99), "count": total}
+def mean(name):
+    n = a.get(name + "_count", 0) - b.get(name + "_count", 0)
+    return (a.get(name + "_sum", 0) - b.get(name + "_sum", 0)) / n if n else None
 print(json.dumps({"case": "cost", "store": store, "rep": int(rep), "runsPerSec": load.get("runsPerSec"), "finals": load.get("finals"),
-                  "errors": load.get("errors"), "violations": load.get("isolationViolations"), "metricsAfter": json.loads(after),
-                  "cpuSec": (int(c1) - int(c0)) / int(tck)}))
+                  "errors": load.get("errors"), "violations": load.get("isolationViolations"),
+                  "latency": quantiles("clawmux_frame_to_client_seconds"), "commit": quantiles("clawmux_store_commit_seconds"),
+                  "batchMean": mean("clawmux_store_batch_writes"), "cpuSec": (int(c1) - int(c0)) / int(tck)}))
 PY
     tail -1 "$RESULTS" >&2
     stop_pid "$CM_PID"; CM_PID=""
   done
 done
-# The cumulative histogram includes the warm-up; the p99 reported is of warm-up + load (both C=1000).
 
 say "restart: $RESTART_RUNS runs in flight, kill -9, start again"
 start_gateway 0.02
@@ -135,7 +145,7 @@ for _ in $(seq 1 1200); do
 done
 t_done="$(date +%s.%N)"
 finals="$(curl -fsS "http://127.0.0.1:$CM_PORT/v1/runs?status=ok&limit=500" | python3 -c 'import json,sys; d=json.load(sys.stdin); print(len(d["runs"]), bool(d["nextCursor"]))')"
-resume_line="$(grep -o 'runs=[0-9]* elapsed_ms=[0-9]*' "$WORK/clawmux-restart-2.log" | tail -1 || true)"
+resume_line="$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/clawmux-restart-2.log" | grep -o 'runs=[0-9]* elapsed_ms=[0-9]*' | tail -1 || true)"
 python3 - "$t0" "$t_ready" "$t_done" "$RESTART_RUNS" "$resume_line" "$finals" >>"$RESULTS" <<'PY'
 import json, sys
 t0, tr, td, n, line, finals = sys.argv[1:]
@@ -157,9 +167,9 @@ cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-").strip()
 med = lambda xs: statistics.median([x for x in xs if x is not None]) if [x for x in xs if x is not None] else None
 cost = {s: [r for r in rows if r["case"] == "cost" and r["store"] == s] for s in ("memory", "sqlite")}
 def summ(rs):
-    return {"rps": med([r["runsPerSec"] for r in rs]), "p50": med([r["metricsAfter"]["p50"] for r in rs]),
-            "p99": med([r["metricsAfter"]["p99"] for r in rs]), "cpu": med([r["cpuSec"] for r in rs]),
-            "batch": med([r["metricsAfter"]["batchMean"] for r in rs]),
+    return {"rps": med([r["runsPerSec"] for r in rs]), "p50": med([r["latency"]["p50"] for r in rs]),
+            "p99": med([r["latency"]["p99"] for r in rs]), "cpu": med([r["cpuSec"] for r in rs]),
+            "batch": med([r["batchMean"] for r in rs]), "c50": med([r["commit"]["p50"] for r in rs]), "c99": med([r["commit"]["p99"] for r in rs]),
             "finals": sum(r["finals"] or 0 for r in rs), "errors": sum(r["errors"] or 0 for r in rs),
             "violations": sum(r["violations"] or 0 for r in rs)}
 m, q = summ(cost["memory"]), summ(cost["sqlite"])
@@ -169,10 +179,10 @@ L = ["<!-- store:begin -->", "## Run store (bench/store.sh)", "",
      "and the load driver share them. Added latency = `clawmux_frame_to_client_seconds`: a chat frame's",
      "arrival on the gateway socket to its delta **stored** and handed to the SSE clients (histogram bucket",
      "upper bounds: the true value is at most that).", "",
-     f"| store | runs/s (C={c}, {runs} runs, median of {reps}) | added latency p50 / p99 | clawmux CPU s | writes per commit (mean) | finals / errors / violations |",
-     "|---|---|---|---|---|---|"]
+     f"| store | runs/s (C={c}, {runs} runs, median of {reps}) | added latency p50 / p99 | commit p50 / p99 | clawmux CPU s | writes per commit (mean) | finals / errors / violations |",
+     "|---|---|---|---|---|---|---|"]
 for name, s in (("memory:", m), ("sqlite://", q)):
-    L.append(f"| `{name}` | {s['rps'] and round(s['rps'], 1)} | {ms(s['p50'])} / {ms(s['p99'])} | {s['cpu'] and round(s['cpu'], 2)} | "
+    L.append(f"| `{name}` | {s['rps'] and round(s['rps'], 1)} | {ms(s['p50'])} / {ms(s['p99'])} | {ms(s['c50'])} / {ms(s['c99'])} | {s['cpu'] and round(s['cpu'], 2)} | "
              f"{s['batch'] and round(s['batch'], 1)} | {s['finals']} / {s['errors']} / {s['violations']} |")
 if m["rps"] and q["rps"]:
     ratio = q["rps"] / m["rps"]

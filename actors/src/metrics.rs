@@ -76,7 +76,7 @@ impl Metrics {
                     "clawmux_frame_to_client_seconds",
                     "From a chat frame arriving on the gateway socket to its text delta stored and handed to the run's SSE clients",
                 )
-                .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]),
+                .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
             )?,
             runs_abandoned: IntCounterVec::new(
                 Opts::new(

@@ -70,10 +70,14 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts the writer task on the current runtime.
+    /// Starts the writer task on a thread of its own: commits and the completions that publish
+    /// stored events never wait behind the actors' work, nor the actors behind a commit.
     pub fn start(store: Arc<dyn Store>, metrics: StoreMetrics) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, metrics, rx));
+        let arbiter = actix::Arbiter::new();
+        if !arbiter.spawn(run(store, metrics, rx)) {
+            tracing::error!("the run store's writer thread did not start");
+        }
         Self { tx }
     }
 
