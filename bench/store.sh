@@ -190,7 +190,13 @@ if m["rps"] and q["rps"]:
     L.append(f"- SQLite runs/s = {ratio:.0%} of `memory:` (target >= 90%): **{'MET' if ratio >= 0.9 else 'MISSED'}**.")
 if m["p99"] is not None and q["p99"] is not None:
     d = (q["p99"] - m["p99"]) * 1000
-    L.append(f"- p99 added latency grows by {d:g} ms with SQLite (target < 2 ms; bucket bounds): **{'MET' if d < 2 else 'MISSED'}**.")
+    if max(m["p99"], q["p99"]) > 0.01:
+        # The histogram's buckets there are wider than the 2 ms to resolve: say so, claim nothing.
+        L.append(f"- p99 added latency: `memory:` <= {ms(m['p99'])}, `sqlite://` <= {ms(q['p99'])}: both are far above the 2 ms the target "
+                 "compares, in buckets hundreds of ms wide: at C=1000 the three processes saturate both cores, and that queueing, not the "
+                 "store, sets p99 here. The target **cannot be judged** from this run; the commit latency column is the store's own share.")
+    else:
+        L.append(f"- p99 added latency grows by {d:g} ms with SQLite (target < 2 ms; bucket bounds): **{'MET' if d < 2 else 'MISSED'}**.")
 r = next((r for r in rows if r["case"] == "restart"), None)
 if r:
     L += ["", f"Restart: {r['runs']} runs in flight on a slow replay gateway (`--speed 0.02`), `kill -9`, start on the same",
