@@ -240,7 +240,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_live_run_per_trace_id() {
+    fn a_trace_id_belongs_to_one_running_run() {
         let a = Attributions::new();
         a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("first");
         assert_eq!(a.register(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t1"))), Err("r1".to_owned()));

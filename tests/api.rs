@@ -862,7 +862,23 @@ async fn a_dropped_connection_is_recovered_with_agent_wait() {
 
 #[actix_rt::test]
 async fn a_restarted_gateway_ends_runs_in_flight_with_gateway_disconnected_promptly() {
-    let env = env(fast()).await;
+    restarted_gateway_ends_runs_promptly(fast()).await;
+}
+
+/// Protocol 3 reports no boot id: clawmux tells the restart by `snapshot.uptimeMs`. Before that,
+/// the runs waited in `agent.wait` for their whole timeout on a process that never knew them (the
+/// real 2026.4.12 gateway's "run hangs after the restart").
+#[actix_rt::test]
+async fn a_restarted_protocol_3_gateway_ends_runs_in_flight_with_gateway_disconnected_promptly() {
+    restarted_gateway_ends_runs_promptly(fast().protocol(3)).await;
+}
+
+async fn restarted_gateway_ends_runs_promptly(cfg: ReplayConfig) {
+    let env = env(cfg).await;
+    // A real gateway takes seconds to start again; its uptime must have moved past the tolerance
+    // of the start-time estimate before the simulated restart resets it.
+    let up = clawmux_actors::instance::START_TOLERANCE_MS + 500;
+    tokio::time::sleep(Duration::from_millis(up)).await;
     env.gw.set_paused(true);
     let mut runs = Vec::new();
     for i in 0..3 {

@@ -195,7 +195,9 @@ impl DeviceIdentity {
             private_key: URL_SAFE_NO_PAD.encode(self.key.to_bytes()),
         };
         let text = serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?;
-        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        // Unique per attempt, not per process: two starts in one process (tests, a restart in
+        // place) must not collide on the temporary file and mistake that for the key existing.
+        let tmp = path.with_extension(format!("tmp-{}-{:016x}", std::process::id(), rand::random::<u64>()));
         let mut opts = std::fs::OpenOptions::new();
         opts.write(true).create_new(true);
         #[cfg(unix)]
@@ -313,6 +315,19 @@ mod tests {
         let vk = VerifyingKey::from_bytes(&raw).expect("key");
         let sig: [u8; 64] = URL_SAFE_NO_PAD.decode(&proof.signature).expect("b64").try_into().expect("64 bytes");
         vk.verify(payload(&proof.id, &p).as_bytes(), &Signature::from_bytes(&sig)).expect("verifies");
+        let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
+    }
+
+    /// Found as a flaky test: two starts in one process wrote the same temporary file, and the
+    /// loser took the collision for an existing key that it then could not read.
+    #[test]
+    fn concurrent_creation_in_one_process_yields_one_identity() {
+        let path = tmp();
+        let ids: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8).map(|_| s.spawn(|| DeviceIdentity::load_or_create(&path))).collect();
+            handles.into_iter().map(|h| h.join().expect("thread").expect("identity").device_id().to_owned()).collect()
+        });
+        assert!(ids.iter().all(|id| id == &ids[0]), "{ids:?}");
         let _ = std::fs::remove_dir_all(path.parent().expect("dir"));
     }
 

@@ -28,6 +28,7 @@ pub mod branch;
 pub mod connection;
 pub mod delta;
 pub mod device;
+pub mod instance;
 pub mod limits;
 pub mod messages;
 pub mod metrics;

@@ -115,7 +115,7 @@ pub struct Abandon {
     pub session_key: SessionKey,
     /// The gateway run id.
     pub gateway_run_id: String,
-    /// Boot id of the gateway process that runs it (`None`: the gateway reports none).
+    /// The identity of the gateway process that runs it ([`crate::instance`]; `None`: unknown).
     pub boot_id: Option<String>,
 }
 
@@ -144,7 +144,8 @@ pub struct Routed(pub GatewayEvent, pub Instant);
 pub struct GatewayUp {
     /// Negotiated protocol.
     pub protocol: u32,
-    /// Boot id of the gateway process, when it reports one.
+    /// The gateway process's identity ([`crate::instance`]: its boot id, or on protocol 3 its
+    /// start time), when it can be told.
     pub boot_id: Option<String>,
     /// Events arrive only for subscribed sessions.
     pub session_scoped: bool,

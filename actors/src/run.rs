@@ -112,10 +112,10 @@ pub enum Checkpoint {
     Running,
     /// Its workspace is being prepared.
     Preparing,
-    /// `agent` is about to be sent to the gateway process with this boot id (the gateway run id is
-    /// the spec's; a restart sends it again with the same idempotency key, and the gateway dedupes).
+    /// `agent` is about to be sent to this gateway process (the gateway run id is the spec's; a
+    /// restart sends it again with the same idempotency key, and the gateway dedupes).
     Sending {
-        /// Boot id of the gateway process (`None`: it reports none).
+        /// The gateway process's identity ([`crate::instance`]; `None`: unknown).
         boot_id: Option<String>,
     },
     /// The gateway run ended ok; the relay publishes (a restart publishes again: idempotent).
@@ -143,9 +143,9 @@ pub struct Resume {
 pub enum ResumeStage {
     /// Nothing was sent to the gateway: start from the queue, in admission order.
     Start,
-    /// `agent` was sent to the gateway process with this boot id.
+    /// `agent` was sent to this gateway process.
     Sent {
-        /// That process's boot id.
+        /// That process's identity ([`crate::instance`]).
         boot_id: Option<String>,
     },
     /// The gateway run ended ok and the relay was publishing.

@@ -854,20 +854,19 @@ impl SessionActor {
         match self.stage {
             Stage::WaitingForGateway => self.begin(ctx),
             Stage::Recovering => {
-                if let (Some(before), Some(now)) = (&self.agent_boot_id, &link.boot_id) {
-                    if before != now {
-                        // The run died with the old gateway process: nothing to cancel.
-                        self.gateway_ended = true;
-                        self.finish(
-                            ctx,
-                            RunOutcome::failed(
-                                ErrorCode::GatewayDisconnected,
-                                "the gateway restarted mid-run and the run was lost with it",
-                                String::new(),
-                            ),
-                        );
-                        return;
-                    }
+                if !crate::instance::still_there(self.agent_boot_id.as_deref(), link.boot_id.as_deref()) {
+                    // The run died with the old gateway process: nothing to cancel, and nothing
+                    // the new process could answer an `agent.wait` for.
+                    self.gateway_ended = true;
+                    self.finish(
+                        ctx,
+                        RunOutcome::failed(
+                            ErrorCode::GatewayDisconnected,
+                            "the gateway restarted mid-run and the run was lost with it",
+                            String::new(),
+                        ),
+                    );
+                    return;
                 }
                 if !self.accepted {
                     // Resumed after a restart of clawmux before the ACK was stored: send `agent`

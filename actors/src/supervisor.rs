@@ -228,6 +228,7 @@ struct Connected {
     task: futures_util::future::AbortHandle,
     tx: mpsc::UnboundedSender<String>,
     protocol: u32,
+    /// The gateway process's identity ([`crate::instance`]).
     boot_id: Option<String>,
     session_scoped: bool,
     tick_interval: Duration,
@@ -408,11 +409,8 @@ impl Supervisor {
     /// process (a restart since) are gone already.
     fn cancel_abandoned(&mut self, boot_id: Option<&str>) {
         for a in std::mem::take(&mut self.abandoned) {
-            let same_process = match (a.boot_id.as_deref(), boot_id) {
-                (Some(then), Some(now)) => then == now,
-                // No boot id to compare: cancelling a run that is gone is harmless.
-                _ => true,
-            };
+            // No identity to compare: cancelling a run that is gone is harmless.
+            let same_process = crate::instance::still_there(a.boot_id.as_deref(), boot_id);
             if !same_process {
                 self.metrics.runs_abandoned.with_label_values(&["lost"]).inc();
                 continue;
@@ -559,6 +557,12 @@ impl Handler<ConnUp> for Supervisor {
             return;
         };
         let hello = msg.hello;
+        let now_ms = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let process = crate::instance::identify(
+            hello.server.boot_id.as_deref(),
+            hello.snapshot.as_ref().and_then(|s| s.uptime_ms),
+            now_ms,
+        );
         let session_scoped = hello.features.has_method(name::SESSIONS_SUBSCRIBE) && hello.protocol >= 4;
         let tick_interval = crate::limits::tick_interval(hello.policy.tick_interval_ms);
         tracing::info!(
@@ -595,12 +599,12 @@ impl Handler<ConnUp> for Supervisor {
             task,
             tx: msg.tx,
             protocol: hello.protocol,
-            boot_id: hello.server.boot_id.clone(),
+            boot_id: process.clone(),
             session_scoped,
             tick_interval,
             last_tick: Instant::now(),
         });
-        self.cancel_abandoned(hello.server.boot_id.as_deref());
+        self.cancel_abandoned(process.as_deref());
         self.announce(self.link_info());
         if hello.auth.is_none() {
             // Protocol 3 does not say which scopes it granted: learn whether writes work with a

@@ -161,6 +161,24 @@ pub struct HelloOk {
     pub auth: Option<HelloAuth>,
     /// Limits and keep-alive interval.
     pub policy: Policy,
+    /// The gateway's state at connect time; clawmux reads only its uptime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<Snapshot>,
+}
+
+/// `hello-ok.snapshot`: only the part clawmux uses.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    /// How long the gateway process has been up. Protocol 3 has no `server.bootId`, so this is how
+    /// clawmux tells a restarted gateway process from the same one after a reconnect.
+    /// A value that is not a whole number of ms is ignored, not a failed handshake.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "lenient_u64")]
+    pub uptime_ms: Option<u64>,
+}
+
+fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    Ok(serde_json::Value::deserialize(d)?.as_u64())
 }
 
 /// `hello-ok.server`.
@@ -247,5 +265,17 @@ mod tests {
         assert!(h.auth.is_none());
         assert!(h.features.has_method("agent"));
         assert!(!h.features.has_method("sessions.messages.subscribe"));
+        assert_eq!(h.snapshot.and_then(|s| s.uptime_ms), None);
+    }
+
+    #[test]
+    fn hello_ok_uptime_is_read_and_a_bad_one_ignored() {
+        let base = r#"{"type":"hello-ok","protocol":3,"server":{"version":"2026.4.12"},"policy":{"maxPayload":1,"tickIntervalMs":1},"snapshot":{"presence":[],"uptimeMs":UP}}"#;
+        let up = |v: &str| serde_json::from_str::<HelloOk>(&base.replace("UP", v)).expect("decodes").snapshot.and_then(|s| s.uptime_ms);
+        assert_eq!(up("11893"), Some(11893));
+        assert_eq!(up("-5"), None);
+        assert_eq!(up("1.5"), None);
+        assert_eq!(up("\"x\""), None);
+        assert_eq!(up("null"), None);
     }
 }

@@ -180,5 +180,6 @@ fn placeholder_hello() -> HelloOk {
         features: Default::default(),
         auth: None,
         policy: clawmux_protocol::Policy { max_payload: MAX_FRAME as u64, max_buffered_bytes: 0, tick_interval_ms: 30_000 },
+        snapshot: None,
     }
 }

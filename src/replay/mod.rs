@@ -88,7 +88,11 @@ impl ReplayGateway {
             cfg,
             tracks,
             event_names,
-            state: Mutex::new(State { boot_id: uuid::Uuid::new_v4().to_string(), ..State::default() }),
+            state: Mutex::new(State {
+                boot_id: uuid::Uuid::new_v4().to_string(),
+                booted_at: Some(std::time::Instant::now()),
+                ..State::default()
+            }),
             ticks_enabled: AtomicBool::new(true),
             unavailable_connects: AtomicUsize::new(0),
             unavailable_retry_after_ms: AtomicU64::new(server::DEFAULT_RETRY_AFTER_MS),
@@ -170,6 +174,7 @@ impl ReplayHandle {
         }
         if forget_runs {
             st.boot_id = uuid::Uuid::new_v4().to_string();
+            st.booted_at = Some(std::time::Instant::now());
             let runs: Vec<_> = st.runs.drain().collect();
             for (_, run) in runs {
                 if let Some(task) = &run.task {

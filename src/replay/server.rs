@@ -408,7 +408,7 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         "protocol": protocol,
         "server": {"version": format!("replay-{}", shared.cfg.cassette.source), "connId": conn_id},
         "features": {"methods": methods::offered_methods(&shared.cfg), "events": events},
-        "snapshot": {},
+        "snapshot": {"uptimeMs": shared.lock().booted_at.map_or(0, |t| t.elapsed().as_millis() as u64)},
         "policy": {
             "maxPayload": shared.cfg.advertised_max_payload.unwrap_or(shared.cfg.max_payload as u64),
             "maxBufferedBytes": MAX_BUFFERED_BYTES,

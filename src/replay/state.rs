@@ -327,6 +327,9 @@ pub(crate) struct State {
     /// `hello-ok.server.bootId` (protocol 4): a new one after a simulated restart, so clients can
     /// tell a reconnect to the same process from one to a restarted gateway, as with the real one.
     pub boot_id: String,
+    /// When this "process" started: `hello-ok.snapshot.uptimeMs` counts from here (protocol 3
+    /// clients tell a restart by it, having no boot id); a simulated restart resets it.
+    pub booted_at: Option<std::time::Instant>,
     /// Scripted run endings: a run whose message contains the marker follows the first match.
     pub scripts: Vec<(String, RunScript)>,
 }
