@@ -305,6 +305,8 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
             conn_id,
             status: RunStatus::Queued,
             aborted: false,
+            accepted_at: std::time::Instant::now(),
+            finished_at: None,
         });
         let record = st.records.len() - 1;
         st.runs.insert(

@@ -221,6 +221,7 @@ impl Player {
                 if let Some(rec) = st.records.get_mut(idx) {
                     rec.status = status;
                     rec.aborted = aborted;
+                    rec.finished_at = Some(std::time::Instant::now());
                 }
             }
             if let Some(text) = assistant_text.filter(|t| !t.is_empty()) {

@@ -196,6 +196,11 @@ pub struct RunRecord {
     pub status: RunStatus,
     /// Ended by `chat.abort` / `sessions.abort`.
     pub aborted: bool,
+    /// When the gateway accepted the run, and when it sent its final `res`: the gateway's own
+    /// order of events, which tests compare instead of arrival times on two client sockets.
+    pub accepted_at: std::time::Instant,
+    /// See [`RunRecord::accepted_at`]; `None` while running (or lost in a simulated crash).
+    pub finished_at: Option<std::time::Instant>,
 }
 
 /// Who asked to abort, so that the run task answers in the gateway's order (after the `aborted`
