@@ -258,8 +258,8 @@ fn is_rfc3339(v: &Value) -> bool {
 
 type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
 
-/// An SSE stream read event by event. Unlike a plain body read it keeps what it has read, stamps
-/// each event and tells a closed stream from a quiet one.
+/// An SSE stream read event by event. Unlike a plain body read it keeps what it has read
+/// and tells a closed stream from a quiet one.
 struct Sse {
     stream: ByteStream,
     buf: Vec<u8>,
