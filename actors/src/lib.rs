@@ -38,6 +38,8 @@ pub mod routes;
 pub mod run;
 pub mod session;
 pub mod supervisor;
+#[cfg(test)]
+mod testkit;
 
 pub use messages::{AdmitError, Admitted, IfBusy, ShutdownMode};
 pub use registry::{Registry, RegistryConfig};

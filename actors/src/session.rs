@@ -968,3 +968,6 @@ fn describe(e: &CallError) -> String {
         CallError::Malformed(m) => format!("malformed answer: {}", clip(m)),
     }
 }
+
+#[cfg(test)]
+mod tests;
