@@ -590,8 +590,29 @@ impl SessionActor {
             }
             // Nothing runs on the gateway yet, the connection is down, or the relay publishes:
             // end now (a gateway run still going is cancelled by `finish`, now or after reconnect).
-            _ => self.finish(ctx, reason.outcome(String::new())),
+            _ => {
+                let outcome = self.early_outcome(reason);
+                self.finish(ctx, outcome)
+            }
         }
+    }
+
+    /// The outcome of a run cancelled before it reached the gateway. A timeout there says what the
+    /// run was waiting for: the caller sees that another run held it up, not a slow agent.
+    fn early_outcome(&self, reason: CancelReason) -> RunOutcome {
+        if reason != CancelReason::Timeout {
+            return reason.outcome(String::new());
+        }
+        let waiting = match self.stage {
+            Stage::Queued => "the run timed out queued behind an earlier run of its session".to_owned(),
+            Stage::WaitingForBranch => {
+                let branch = self.spec.branch.as_ref().map(|b| b.branch()).unwrap_or_default();
+                format!("the run timed out waiting for branch {branch}, held by an earlier run")
+            }
+            Stage::Preparing => "the run timed out while its workspace was prepared".to_owned(),
+            _ => return reason.outcome(String::new()),
+        };
+        RunOutcome::failed(ErrorCode::Timeout, waiting, String::new())
     }
 
     fn arm_recovery_deadline(&mut self, ctx: &mut Context<Self>) {

@@ -260,12 +260,14 @@ async fn a_queued_run_times_out_on_time_without_touching_the_gateway() {
     assert!(t0.elapsed() < WAIT, "its timeout, not another run's end, ended it");
     assert_eq!(methods(&sent), Vec::<String>::new(), "no lock to release, nothing on the gateway");
     assert_eq!(h.sink.ended(), (RunStatus::Timeout, "timeout"));
+    let msg = h.sink.outcome().error.unwrap().message;
+    assert!(msg.contains("queued"), "says where it waited: {msg}");
     assert!(h.sink.checkpoints().is_empty());
     h.settled(None).await;
 }
 
 #[actix_rt::test]
-async fn a_run_waiting_for_its_branch_times_out() {
+async fn a_run_waiting_for_its_branch_times_out_and_says_so() {
     let mut s = spec("r1", "s", Duration::from_millis(300));
     s.branch = Some(plan("k1"));
     let (ws, mut steps) = HandWorkspace::new();
@@ -275,6 +277,8 @@ async fn a_run_waiting_for_its_branch_times_out() {
     assert_eq!(status, Some(RunStatus::Timeout));
     assert_eq!(methods(&sent), ["release_session"]);
     assert_eq!(h.sink.events()[0], RunEvent::WaitingForBranch { branch: "sandbox/k1".to_owned() });
+    let msg = h.sink.outcome().error.unwrap().message;
+    assert!(msg.contains("waiting for branch sandbox/k1"), "{msg}");
     steps.none_asked();
     h.settled(None).await;
 }
