@@ -251,15 +251,21 @@ async fn the_branch_key_is_held_from_the_workspace_to_the_end_of_publishing_in_o
     let _ = publish.done.send(published(&plan("k")));
     s1.wait_for("r1 ended", |e| matches!(e.last(), Some(RunEvent::Finished(_)))).await;
     assert_eq!(s1.ended(), (RunStatus::Ok, ""));
-    let _prep2 = steps.prepare().await;
+    let prep2 = steps.prepare().await;
     assert!(s2.checkpoints().contains(&Checkpoint::Preparing), "r2, admitted before r3, goes first");
     assert!(!s3.checkpoints().contains(&Checkpoint::Preparing));
-    // An abort while preparing frees the branch for the next in line.
+    // r2 is aborted while preparing: it ends at once, and the branch goes to the next in line once
+    // the prepare under way is over.
     assert!(w.cancel("r2").await);
-    let _prep3 = steps.prepare().await;
-    assert!(s3.checkpoints().contains(&Checkpoint::Preparing));
+    s2.wait_for("r2 ended", |e| matches!(e.last(), Some(RunEvent::Finished(_)))).await;
     assert_eq!(s2.ended(), (RunStatus::Aborted, "aborted"));
+    w.probe.quiet().await;
+    steps.none_asked();
+    let _ = prep2.done.send(Ok(prepared(&prep2.plan)));
+    let prep3 = steps.prepare().await;
+    assert!(s3.checkpoints().contains(&Checkpoint::Preparing));
     assert!(w.cancel("r3").await);
+    let _ = prep3.done.send(Err("late".to_owned()));
     w.live(0).await;
 }
 

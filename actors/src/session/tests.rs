@@ -361,12 +361,55 @@ async fn abort_while_preparing_the_workspace() {
     assert_eq!(prep.plan, plan("k1"));
     assert_eq!(h.sink.checkpoints(), vec![Checkpoint::Running, Checkpoint::Preparing]);
     h.addr.do_send(CancelRun(CancelReason::Api));
+    match h.probe.next().await {
+        Sent::Release(r) => assert_eq!(r.lock, Lock::Session, "the session's next run may start"),
+        other => panic!("expected the session key's release, got {other:?}"),
+    }
+    assert_eq!(h.sink.ended(), (RunStatus::Aborted, "aborted"));
+    // The prepare goes on in the container: the branch stays locked until it is over.
+    h.probe.quiet().await;
+    let _ = prep.done.send(Ok(prepared(&plan("k1"))));
     let (sent, status) = h.ended().await;
     assert_eq!(status, Some(RunStatus::Aborted));
-    assert_eq!(methods(&sent), ["release_session"], "nothing reached the gateway");
-    assert_eq!(h.sink.ended(), (RunStatus::Aborted, "aborted"));
-    // The workspace finishing later starts nothing.
-    let _ = prep.done.send(Ok(prepared(&plan("k1"))));
+    assert!(sent.is_empty(), "the finished prepare starts nothing: {:?}", methods(&sent));
+    h.settled(None).await;
+}
+
+#[actix_rt::test]
+async fn a_handoff_does_not_wait_for_the_workspace_step_of_an_ended_run() {
+    let mut s = one_minute("r1");
+    s.branch = Some(plan("k1"));
+    let (ws, mut steps) = HandWorkspace::new();
+    let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
+    h.addr.do_send(Turn::Go);
+    let _prep = steps.prepare().await;
+    h.addr.do_send(CancelRun(CancelReason::Api));
+    assert!(matches!(h.probe.next().await, Sent::Release(_)));
+    h.addr.do_send(Suspend);
+    let (sent, status) = h.ended().await;
+    assert!(sent.is_empty(), "{:?}", methods(&sent));
+    assert_eq!(status, Some(RunStatus::Aborted), "it did end");
+    h.settled(None).await;
+}
+
+#[actix_rt::test]
+async fn a_run_that_times_out_while_preparing_keeps_its_branch_until_the_prepare_is_over() {
+    let mut s = spec("r1", "s", Duration::from_millis(300));
+    s.branch = Some(plan("k1"));
+    let (ws, mut steps) = HandWorkspace::new();
+    let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
+    h.addr.do_send(Turn::Go);
+    let prep = steps.prepare().await;
+    h.sink.wait_for("timeout", |e| matches!(e.last(), Some(RunEvent::Finished(_)))).await;
+    let msg = h.sink.outcome().error.unwrap().message;
+    assert!(msg.contains("workspace"), "{msg}");
+    assert!(matches!(h.probe.next().await, Sent::Release(_)));
+    h.probe.quiet().await;
+    let _ = prep.done.send(Err("worktree add failed".to_owned()));
+    let (sent, status) = h.ended().await;
+    assert_eq!(status, Some(RunStatus::Timeout));
+    assert!(sent.is_empty(), "{:?}", methods(&sent));
+    assert_eq!(h.sink.ended(), (RunStatus::Timeout, "timeout"), "a late failure changes nothing");
     h.settled(None).await;
 }
 
@@ -469,13 +512,17 @@ async fn abort_while_publishing() {
     let (mut h, mut steps) = branch_run(Duration::from_secs(60));
     let (agent, publish) = to_publishing(&mut h, &mut steps).await;
     h.addr.do_send(CancelRun(CancelReason::Api));
-    let (sent, status) = h.ended().await;
-    assert_eq!(status, Some(RunStatus::Aborted));
-    assert!(sent.is_empty(), "the gateway run is over: nothing to cancel: {:?}", methods(&sent));
+    h.sink.wait_for("aborted", |e| matches!(e.last(), Some(RunEvent::Finished(_)))).await;
     let o = h.sink.outcome();
     assert_eq!((o.status, o.content.as_str()), (RunStatus::Aborted, "committed"));
-    assert!(!h.sink.events().iter().any(|e| matches!(e, RunEvent::Relay(_))));
+    // The gateway run is over (nothing to cancel); the publish goes on, and the branch stays
+    // locked until it is over.
+    h.probe.quiet().await;
     let _ = publish.done.send(published(&plan("k1")));
+    let (sent, status) = h.ended().await;
+    assert_eq!(status, Some(RunStatus::Aborted));
+    assert!(sent.is_empty(), "{:?}", methods(&sent));
+    assert!(!h.sink.events().iter().any(|e| matches!(e, RunEvent::Relay(_))), "no relay event after the terminal event");
     h.settled(Some(&agent)).await;
 }
 
