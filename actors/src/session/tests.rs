@@ -268,7 +268,7 @@ async fn a_queued_run_times_out_on_time_without_touching_the_gateway() {
 
 #[actix_rt::test]
 async fn a_run_waiting_for_its_branch_times_out_and_says_so() {
-    let mut s = spec("r1", "s", Duration::from_millis(300));
+    let mut s = spec("r1", "s", Duration::from_secs(2));
     s.branch = Some(plan("k1"));
     let (ws, mut steps) = HandWorkspace::new();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
@@ -394,7 +394,7 @@ async fn a_handoff_does_not_wait_for_the_workspace_step_of_an_ended_run() {
 
 #[actix_rt::test]
 async fn a_run_that_times_out_while_preparing_keeps_its_branch_until_the_prepare_is_over() {
-    let mut s = spec("r1", "s", Duration::from_millis(300));
+    let mut s = spec("r1", "s", Duration::from_secs(2));
     s.branch = Some(plan("k1"));
     let (ws, mut steps) = HandWorkspace::new();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
