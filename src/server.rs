@@ -74,9 +74,23 @@ pub fn supervisor_config(cfg: &Config, gateway_url: &str) -> Result<SupervisorCo
     Ok(s)
 }
 
+/// Parts a caller may put in place of the ones the configuration selects (tests). The default
+/// takes everything from the configuration.
+#[derive(Default)]
+pub struct StartOptions {
+    /// The workspace of branch runs, instead of the git relay `CLAWMUX_RELAY_CONTAINER` configures
+    /// (tests use a fake one: no Docker, and steps that end when the test says).
+    pub workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>>,
+}
+
 /// Starts everything inside the current actix System and continues the store's unfinished runs.
 /// Signals are not handled here (see [`run_until_signal`]).
 pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Running> {
+    start_with(cfg, sup, StartOptions::default()).await
+}
+
+/// [`start`] with some parts given by the caller.
+pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOptions) -> std::io::Result<Running> {
     let registry = prometheus::Registry::new();
     let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?;
     let store_metrics = StoreMetrics::new(&registry).map_err(std::io::Error::other)?;
@@ -115,15 +129,17 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
         }
         None => (None, None),
     };
-    let workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>> =
-        match crate::relay::RelayConfig::from_app_config(&cfg).map_err(std::io::Error::other)? {
+    let workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>> = match options.workspace {
+        Some(w) => Some(w),
+        None => match crate::relay::RelayConfig::from_app_config(&cfg).map_err(std::io::Error::other)? {
             Some(rc) => {
                 let relay = crate::relay::GitRelay::connect(rc).await.map_err(|e| std::io::Error::other(format!("git relay: {e}")))?;
                 tracing::info!(container = %relay.config().container, "git relay ready");
                 Some(Arc::new(relay))
             }
             None => None,
-        };
+        },
+    };
     let relay = workspace.is_some();
     let run_registry =
         Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace).start();

@@ -19,6 +19,8 @@
 //!   table), [`queue`] (per-key FIFO locks), [`limits`] (bounds on every number the gateway sends).
 //! - [`metrics`]: Prometheus counters and gauges of all of the above; [`device`]: the Ed25519
 //!   device identity.
+//! - `testkit` (tests only): a probe in place of the supervisor and the registry, a recording run
+//!   sink, a workspace whose steps the test ends; `session/tests.rs` and `registry/tests.rs` use it.
 //!
 //! Module dependencies point one way: `registry` → `session` → `messages`/`run`/`branch`;
 //! `supervisor` → `messages`; nothing points back.
@@ -38,6 +40,8 @@ pub mod routes;
 pub mod run;
 pub mod session;
 pub mod supervisor;
+#[cfg(test)]
+mod testkit;
 
 pub use messages::{AdmitError, Admitted, IfBusy, ShutdownMode};
 pub use registry::{Registry, RegistryConfig};

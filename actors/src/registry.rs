@@ -334,3 +334,6 @@ impl Handler<InFlight> for Registry {
         self.live.len()
     }
 }
+
+#[cfg(test)]
+mod tests;

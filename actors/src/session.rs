@@ -12,7 +12,9 @@
 //! back; after, it re-subscribes and asks `agent.wait` for the run's end (waiting as long as the run
 //! may still run), unless the gateway restarted (new boot id) or does not come back within the
 //! recovery window. A run it stops waiting for is cancelled on the gateway, never left running
-//! with no owner. Every wait has a deadline.
+//! with no owner. Every wait has a deadline. A branch run that ends (aborted, timed out) while its
+//! workspace is prepared or published ends at once, but keeps its branch key until that step is
+//! over: the step's commands cannot be stopped in the container.
 //!
 //! It talks to the supervisor and the registry only through [`GatewayPort`] and [`RegistryPort`],
 //! so tests drive it with probes.
@@ -155,6 +157,12 @@ pub struct SessionActor {
     gateway_ended: bool,
     /// `chat.abort` was sent for the run.
     abort_sent: bool,
+    /// A workspace step (prepare or publish) is under way. It cannot be cancelled (its commands go
+    /// on in the container), so a run that ends meanwhile keeps its branch key until the step is
+    /// over: the next run of the branch must not work on the worktree at the same time.
+    workspace_busy: bool,
+    /// How the run ended, kept for the registry while a workspace step outlives the run's end.
+    ended: Option<RunStatus>,
 }
 
 impl SessionActor {
@@ -207,6 +215,8 @@ impl SessionActor {
             agent_sent: false,
             gateway_ended: false,
             abort_sent: false,
+            workspace_busy: false,
+            ended: None,
         }
     }
 
@@ -262,7 +272,12 @@ impl SessionActor {
         self.stage = Stage::Preparing;
         self.sink.checkpoint(Checkpoint::Preparing);
         let fut = workspace.prepare(&plan);
+        self.workspace_busy = true;
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            act.workspace_busy = false;
+            if act.stage == Stage::Done {
+                return act.leave(ctx);
+            }
             if act.stage != Stage::Preparing {
                 return;
             }
@@ -289,7 +304,12 @@ impl SessionActor {
         self.release_session();
         self.sink.checkpoint(Checkpoint::Publishing { content: outcome.content.clone(), gateway_usage: outcome.gateway_usage });
         let fut = workspace.publish(&plan);
+        self.workspace_busy = true;
         ctx.spawn(fut.into_actor(self).map(move |published, act, ctx| {
+            act.workspace_busy = false;
+            if act.stage == Stage::Done {
+                return act.leave(ctx);
+            }
             if act.stage != Stage::Publishing {
                 return;
             }
@@ -519,10 +539,19 @@ impl SessionActor {
             code = outcome.error.as_ref().map(|e| e.code.as_str()).unwrap_or(""),
             "run finished"
         );
-        let status = outcome.status;
+        self.ended = Some(outcome.status);
         self.sink.emit(RunEvent::Finished(outcome));
         self.stop_gateway_side();
-        self.registry.ended.do_send(RunEnded { run_id: self.spec.run_id.clone(), status: Some(status) });
+        if self.workspace_busy {
+            tracing::info!(run_id = %self.spec.run_id, "the run ended during a workspace step; its branch stays locked until the step is over");
+            return;
+        }
+        self.leave(ctx);
+    }
+
+    /// Tells the registry the run is over (it frees every lock still held) and stops.
+    fn leave(&mut self, ctx: &mut Context<Self>) {
+        self.registry.ended.do_send(RunEnded { run_id: self.spec.run_id.clone(), status: self.ended });
         ctx.stop();
     }
 
@@ -590,8 +619,29 @@ impl SessionActor {
             }
             // Nothing runs on the gateway yet, the connection is down, or the relay publishes:
             // end now (a gateway run still going is cancelled by `finish`, now or after reconnect).
-            _ => self.finish(ctx, reason.outcome(String::new())),
+            _ => {
+                let outcome = self.early_outcome(reason);
+                self.finish(ctx, outcome)
+            }
         }
+    }
+
+    /// The outcome of a run cancelled before it reached the gateway. A timeout there says what the
+    /// run was waiting for: the caller sees that another run held it up, not a slow agent.
+    fn early_outcome(&self, reason: CancelReason) -> RunOutcome {
+        if reason != CancelReason::Timeout {
+            return reason.outcome(String::new());
+        }
+        let waiting = match self.stage {
+            Stage::Queued => "the run timed out queued behind an earlier run of its session".to_owned(),
+            Stage::WaitingForBranch => {
+                let branch = self.spec.branch.as_ref().map(|b| b.branch()).unwrap_or_default();
+                format!("the run timed out waiting for branch {branch}, held by an earlier run")
+            }
+            Stage::Preparing => "the run timed out while its workspace was prepared".to_owned(),
+            _ => return reason.outcome(String::new()),
+        };
+        RunOutcome::failed(ErrorCode::Timeout, waiting, String::new())
     }
 
     fn arm_recovery_deadline(&mut self, ctx: &mut Context<Self>) {
@@ -928,6 +978,10 @@ impl Handler<Suspend> for SessionActor {
     type Result = ();
     fn handle(&mut self, _msg: Suspend, ctx: &mut Context<Self>) {
         if self.stage == Stage::Done {
+            if self.workspace_busy {
+                // Ended, waiting only for a workspace step: clawmux stops, the step with it.
+                self.leave(ctx);
+            }
             return;
         }
         // Handoff: the gateway run goes on; the store has the run's checkpoints and events, and the
@@ -968,3 +1022,6 @@ fn describe(e: &CallError) -> String {
         CallError::Malformed(m) => format!("malformed answer: {}", clip(m)),
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -31,6 +31,17 @@ pub async fn start_clawmux_with(
     tweak: impl FnOnce(&mut Config),
     tweak_sup: impl FnOnce(&mut clawmux_actors::SupervisorConfig),
 ) -> Running {
+    start_clawmux_opts(gateway_url, token, tweak, tweak_sup, server::StartOptions::default()).await
+}
+
+/// Starts clawmux with some parts put in place by the test (e.g. a fake workspace).
+pub async fn start_clawmux_opts(
+    gateway_url: &str,
+    token: Option<&str>,
+    tweak: impl FnOnce(&mut Config),
+    tweak_sup: impl FnOnce(&mut clawmux_actors::SupervisorConfig),
+    options: server::StartOptions,
+) -> Running {
     let mut cfg = Config::load(None, &|_| None).expect("default config");
     cfg.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     cfg.gateway_url = Some(gateway_url.to_owned());
@@ -43,7 +54,7 @@ pub async fn start_clawmux_with(
     let mut sup = server::supervisor_config(&cfg, gateway_url).expect("supervisor config");
     sup.backoff = clawmux_actors::backoff::Backoff::new(Duration::from_millis(50), Duration::from_millis(500), 2.0, 0.5).expect("backoff");
     tweak_sup(&mut sup);
-    server::start(cfg, sup).await.expect("clawmux starts")
+    server::start_with(cfg, sup, options).await.expect("clawmux starts")
 }
 
 /// Base URL of a running clawmux.

@@ -1,0 +1,323 @@
+//! Branch runs through clawmux's HTTP API against the replay gateway, with a fake workspace in
+//! place of the git relay (no Docker: `tests/relay.rs` has the real one). The fake behaves like the
+//! relay where it matters here: a prepare or publish cannot be stopped once begun (its commands go
+//! on in the container even when clawmux stops waiting), and it records when two steps of one
+//! branch ever overlapped. The test decides when each held step ends.
+//!
+//! Covered: an abort while the workspace is PREPARED and while the run PUBLISHES is honoured
+//! (`aborted: true`, terminal `aborted`) and the next run of the branch proceeds once the step under
+//! way is over; a run that was publishing when clawmux stopped publishes again after a restart on
+//! the same store, without asking the gateway anything about it (the gateway restarted meanwhile).
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use clawmux::replay::{ReplayConfig, ReplayGateway, ReplayHandle};
+use clawmux::server::{self, Running, StartOptions};
+use clawmux_actors::branch::{BranchPlan, Prepared, Published, Workspace};
+use common::*;
+use futures_util::future::BoxFuture;
+use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+const GW_TOKEN: &str = "branch-runs-gw-token";
+/// Bound on everything that takes milliseconds (generous: the machine may be loaded).
+const WAIT: Duration = Duration::from_secs(15);
+
+// ------------------------------------------------------------------------------------------------
+// The fake workspace
+// ------------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Prepare,
+    Publish,
+}
+
+/// A step that waits for the test.
+struct Held {
+    kind: Kind,
+    key: String,
+    /// Ends the step (dropping it ends the step too).
+    release: oneshot::Sender<()>,
+}
+
+struct Inner {
+    /// Kinds of steps that wait for the test; the others end at once.
+    hold: Mutex<HashSet<Kind>>,
+    /// Where held steps are announced.
+    held: mpsc::UnboundedSender<Held>,
+    /// Every step begun, in order.
+    log: Mutex<Vec<(Kind, String)>>,
+    /// Steps under way, per branch key.
+    active: Mutex<HashMap<String, usize>>,
+    /// Steps that began while another step of their branch was under way (must stay 0).
+    overlaps: AtomicUsize,
+}
+
+/// A workspace whose steps run as detached tasks, like commands in a container.
+#[derive(Clone)]
+struct FakeWorkspace(Arc<Inner>);
+
+impl FakeWorkspace {
+    fn new() -> (Self, mpsc::UnboundedReceiver<Held>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let inner = Inner {
+            hold: Mutex::new(HashSet::new()),
+            held: tx,
+            log: Mutex::new(Vec::new()),
+            active: Mutex::new(HashMap::new()),
+            overlaps: AtomicUsize::new(0),
+        };
+        (Self(Arc::new(inner)), rx)
+    }
+
+    fn hold(&self, kinds: &[Kind]) {
+        *self.0.hold.lock().unwrap() = kinds.iter().copied().collect();
+    }
+
+    fn log(&self) -> Vec<(Kind, String)> {
+        self.0.log.lock().unwrap().clone()
+    }
+
+    fn overlaps(&self) -> usize {
+        self.0.overlaps.load(Ordering::SeqCst)
+    }
+
+    /// Runs one step to its end, whoever waits for it.
+    fn step<T: Send + 'static>(&self, kind: Kind, key: &str, result: T) -> BoxFuture<'static, T> {
+        let inner = self.0.clone();
+        let key = key.to_owned();
+        let task = tokio::spawn(async move {
+            inner.log.lock().unwrap().push((kind, key.clone()));
+            {
+                let mut active = inner.active.lock().unwrap();
+                let n = active.entry(key.clone()).or_insert(0);
+                if *n > 0 {
+                    inner.overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                *n += 1;
+            }
+            if inner.hold.lock().unwrap().contains(&kind) {
+                let (release, wait) = oneshot::channel();
+                let _ = inner.held.send(Held { kind, key: key.clone(), release });
+                let _ = wait.await;
+            }
+            if let Some(n) = inner.active.lock().unwrap().get_mut(&key) {
+                *n -= 1;
+            }
+            result
+        });
+        Box::pin(async move { task.await.expect("the step's task") })
+    }
+}
+
+impl Workspace for FakeWorkspace {
+    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, String>> {
+        let prepared = Prepared { path: format!("/workspace/wt/{}", plan.key), branch: plan.branch() };
+        self.step(Kind::Prepare, &plan.key, Ok(prepared))
+    }
+
+    fn publish(&self, plan: &BranchPlan) -> BoxFuture<'static, Published> {
+        let relay = json!({"branch": plan.branch(), "commitCount": 1, "pushed": true, "pushedCommits": 1});
+        self.step(Kind::Publish, &plan.key, Published { relay })
+    }
+}
+
+async fn next_held(rx: &mut mpsc::UnboundedReceiver<Held>, kind: Kind, key: &str) -> Held {
+    let h = tokio::time::timeout(WAIT, rx.recv()).await.ok().flatten().unwrap_or_else(|| panic!("no held {kind:?} step of {key}"));
+    assert_eq!((h.kind, h.key.as_str()), (kind, key));
+    h
+}
+
+// ------------------------------------------------------------------------------------------------
+// Harness
+// ------------------------------------------------------------------------------------------------
+
+fn gateway() -> ReplayHandle {
+    ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0).token(GW_TOKEN)).expect("replay gateway starts")
+}
+
+/// clawmux in front of `gw` with `workspace` as its git relay, on the SQLite store `store`.
+async fn clawmux(gw: &ReplayHandle, workspace: &FakeWorkspace, store: &std::path::Path) -> (Running, String, reqwest::Client) {
+    let store = store.to_owned();
+    let options = StartOptions { workspace: Some(Arc::new(workspace.clone())) };
+    let app = start_clawmux_opts(&gw.url(), Some(GW_TOKEN), move |c| c.store_url = clawmux::store::StoreUrl::Sqlite(store), |_| {}, options).await;
+    let base = base(&app);
+    let http = reqwest::Client::new();
+    wait_ready(&http, &base, WAIT).await;
+    (app, base, http)
+}
+
+/// A branch run on `key`, in the shape `tests/relay.rs` posts them.
+fn branch_body(run_id: &str, key: &str) -> Value {
+    json!({"runId": run_id, "message": format!("<{run_id}> work on {key}"), "billingAccountId": "acct-branch", "timeoutSec": 60,
+           "branch": {"workItemId": key}})
+}
+
+async fn post(http: &reqwest::Client, base: &str, body: &Value) -> SseReader {
+    let resp = post_sse(http, base, body, &[]).await;
+    assert_eq!(resp.status(), 200, "POST /v1/runs for {body}");
+    SseReader::new(resp)
+}
+
+async fn abort(http: &reqwest::Client, base: &str, run_id: &str) -> Value {
+    let r = http.post(format!("{base}/v1/runs/{run_id}/abort")).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    r.json().await.unwrap()
+}
+
+async fn doc(http: &reqwest::Client, base: &str, run_id: &str) -> Value {
+    http.get(format!("{base}/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap()
+}
+
+fn names(sse: &SseReader) -> Vec<String> {
+    sse.events.iter().map(|e| if e.event == "status" { format!("status:{}", e.data["phase"].as_str().unwrap_or("")) } else { e.event.clone() }).collect()
+}
+
+async fn waits_for_branch(sse: &mut SseReader, key: &str) {
+    let e = sse.until(WAIT, |e| e.event == "status").await.expect("a status event");
+    assert_eq!(e.data, json!({"phase": "waiting_for_branch", "branch": format!("sandbox/{key}")}));
+}
+
+/// Reads an aborted run to its end and checks its document.
+async fn assert_aborted(sse: &mut SseReader, http: &reqwest::Client, base: &str, run_id: &str) {
+    let t = sse.terminal(WAIT).await.unwrap_or_else(|| panic!("{run_id} ended: {:?}", names(sse)));
+    assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("aborted")), "{}", t.data);
+    assert!(!names(sse).contains(&"relay".to_owned()), "no relay event: {:?}", names(sse));
+    let d = doc(http, base, run_id).await;
+    assert_eq!(d["status"], "aborted", "{d}");
+    assert_eq!(abort(http, base, run_id).await["aborted"], false, "an ended run is not aborted twice");
+}
+
+/// Reads a run to `final` and checks the relay event before it.
+async fn assert_relayed(sse: &mut SseReader, key: &str) {
+    let t = sse.terminal(WAIT).await.unwrap_or_else(|| panic!("run ended: {:?}", names(sse)));
+    assert_eq!(t.event, "final", "{}: {:?}", t.data, names(sse));
+    let n = names(sse);
+    assert_eq!(n.iter().filter(|e| *e == "relay").count(), 1, "{n:?}");
+    assert_eq!(n[n.len() - 2], "relay", "relay, then final: {n:?}");
+    let relay = sse.events.iter().find(|e| e.event == "relay").unwrap();
+    assert_eq!(relay.data["branch"], format!("sandbox/{key}"));
+}
+
+async fn in_flight(app: &Running) -> usize {
+    app.state.registry.send(clawmux_actors::messages::InFlight).await.unwrap()
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tests
+// ------------------------------------------------------------------------------------------------
+
+#[actix_rt::test]
+async fn branch_run_aborted_while_preparing_ends_aborted_and_the_next_run_of_its_branch_proceeds() {
+    let gw = gateway();
+    let (ws, mut held) = FakeWorkspace::new();
+    let (app, base, http) = clawmux(&gw, &ws, &temp_dir("branch-prep").join("runs.db")).await;
+    ws.hold(&[Kind::Prepare]);
+    let mut a = post(&http, &base, &branch_body("prep-a", "k-prep")).await;
+    let step = next_held(&mut held, Kind::Prepare, "k-prep").await;
+    let mut b = post(&http, &base, &branch_body("prep-b", "k-prep")).await;
+    waits_for_branch(&mut b, "k-prep").await;
+    assert_eq!(doc(&http, &base, "prep-a").await["status"], "running", "preparing counts as running");
+
+    assert_eq!(abort(&http, &base, "prep-a").await, json!({"runId": "prep-a", "aborted": true}));
+    assert_aborted(&mut a, &http, &base, "prep-a").await;
+    assert!(!names(&a).contains(&"accepted".to_owned()), "never reached the gateway: {:?}", names(&a));
+
+    // The prepare under way goes on (as in a container); the branch is the next run's only after.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ws.log(), [(Kind::Prepare, "k-prep".to_owned())], "b waits while a's prepare is under way");
+    ws.hold(&[]);
+    let _ = step.release.send(());
+    assert_relayed(&mut b, "k-prep").await;
+    assert_eq!(ws.log(), [(Kind::Prepare, "k-prep".to_owned()), (Kind::Prepare, "k-prep".to_owned()), (Kind::Publish, "k-prep".to_owned())]);
+    assert_eq!(ws.overlaps(), 0, "two steps of one branch overlapped");
+    assert_eq!(gw.runs().len(), 1, "only b ran on the gateway");
+    assert!(gw.runs()[0].message.starts_with("<prep-b>"));
+    assert_eq!(in_flight(&app).await, 0, "every run (and its locks) released");
+    server::shutdown(&app).await;
+    gw.stop().await;
+}
+
+#[actix_rt::test]
+async fn branch_run_aborted_while_publishing_ends_aborted_and_the_next_run_of_its_branch_proceeds() {
+    let gw = gateway();
+    let (ws, mut held) = FakeWorkspace::new();
+    let (app, base, http) = clawmux(&gw, &ws, &temp_dir("branch-pub").join("runs.db")).await;
+    ws.hold(&[Kind::Publish]);
+    let mut a = post(&http, &base, &branch_body("pub-a", "k-pub")).await;
+    let step = next_held(&mut held, Kind::Publish, "k-pub").await;
+    a.until(WAIT, |e| e.event == "text_delta").await.expect("a streamed its answer");
+    let mut b = post(&http, &base, &branch_body("pub-b", "k-pub")).await;
+    waits_for_branch(&mut b, "k-pub").await;
+    assert_eq!(doc(&http, &base, "pub-a").await["status"], "running", "publishing counts as running");
+
+    assert_eq!(abort(&http, &base, "pub-a").await, json!({"runId": "pub-a", "aborted": true}));
+    assert_aborted(&mut a, &http, &base, "pub-a").await;
+    assert!(names(&a).contains(&"accepted".to_owned()));
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ws.log().len(), 2, "b waits while a's publish is under way: {:?}", ws.log());
+    ws.hold(&[]);
+    let _ = step.release.send(());
+    assert_relayed(&mut b, "k-pub").await;
+    let kinds: Vec<Kind> = ws.log().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(kinds, [Kind::Prepare, Kind::Publish, Kind::Prepare, Kind::Publish]);
+    assert_eq!(ws.overlaps(), 0, "two steps of one branch overlapped");
+    assert_eq!(doc(&http, &base, "pub-a").await["relay"], Value::Null, "the aborted run reports no relay result");
+    assert_eq!(in_flight(&app).await, 0);
+    server::shutdown(&app).await;
+    gw.stop().await;
+}
+
+#[actix_rt::test]
+async fn branch_run_that_was_publishing_publishes_again_after_a_restart() {
+    let gw = gateway();
+    let store = temp_dir("branch-restart").join("runs.db");
+    let (ws1, mut held) = FakeWorkspace::new();
+    let (app1, base1, http) = clawmux(&gw, &ws1, &store).await;
+    ws1.hold(&[Kind::Publish]);
+    let mut a = post(&http, &base1, &branch_body("restart-a", "k-restart")).await;
+    let _step = next_held(&mut held, Kind::Publish, "k-restart").await;
+    a.until(WAIT, |e| e.event == "text_delta").await.expect("streamed");
+    // A handoff: the run is left as it stands (publishing), the stream ends without a terminal event.
+    server::shutdown(&app1).await;
+    assert!(a.terminal(WAIT).await.is_none(), "no terminal event at a handoff: {:?}", names(&a));
+    let seen = a.events.last().map_or(0, |e| e.id);
+    let content = a.text();
+    drop(app1);
+    // The gateway restarts too (it forgets its runs): the run's gateway part is over, so that
+    // changes nothing for it.
+    gw.drop_connections(true);
+
+    let (ws2, _held2) = FakeWorkspace::new();
+    let (app2, base2, http) = clawmux(&gw, &ws2, &store).await;
+    assert_eq!(app2.resumed, 1);
+    let resp = http
+        .get(format!("{base2}/v1/runs/restart-a/events"))
+        .header("accept", "text/event-stream")
+        .header("last-event-id", seen.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut rest = SseReader::new(resp);
+    assert_relayed(&mut rest, "k-restart").await;
+    assert_eq!(names(&rest), ["relay", "final"], "only what came after the last event seen");
+    assert_eq!(ws2.log(), [(Kind::Publish, "k-restart".to_owned())], "published again, not prepared again");
+    let d = doc(&http, &base2, "restart-a").await;
+    assert_eq!((d["status"].as_str(), d["content"].as_str()), (Some("ok"), Some(content.as_str())), "{d}");
+    assert_eq!(d["relay"]["pushed"], true, "{d}");
+    assert_eq!(gw.runs().len(), 1, "the gateway ran it once");
+    let asked = gw.stats().requests_received;
+    assert_eq!((asked.get("agent"), asked.get("agent.wait")), (Some(&1), None), "nothing asked of the gateway about it after the restart: {asked:?}");
+    assert_eq!(in_flight(&app2).await, 0);
+    server::shutdown(&app2).await;
+    gw.stop().await;
+}
