@@ -25,6 +25,8 @@ pub mod runs;
 pub mod sqlite;
 pub mod tenants;
 pub mod writer;
+#[cfg(test)]
+mod backend_tests;
 
 pub use live::{RunDoc, RunLog};
 pub use runs::{Insert, RunStore, RunView};

@@ -221,7 +221,7 @@ fn insert(tx: &Transaction<'_>, row: &RunRow) -> rusqlite::Result<Applied> {
     let seq: i64 = tx
         .prepare_cached(
             "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-             checkpoint, content, created_at, key_id, webhook_url) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+             checkpoint, content, created_at, key_id, webhook_url, usage) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
         )?
         .query_row(
             params![
@@ -238,6 +238,7 @@ fn insert(tx: &Transaction<'_>, row: &RunRow) -> rusqlite::Result<Applied> {
                 row.created_at_ms,
                 row.key_id,
                 row.webhook_url,
+                row.usage.as_ref().map(json),
             ],
             |r| r.get(0),
         )?;
