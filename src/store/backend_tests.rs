@@ -2,7 +2,7 @@
 
 use super::memory::MemoryStore;
 use super::sqlite::SqliteStore;
-use super::{Applied, CheckpointRecord, EventName, RunPatch, RunRow, SpecRecord, Store, StoredEvent, Write};
+use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SpecRecord, Store, StoredEvent, Write};
 use crate::attribution::Usage;
 use std::sync::Arc;
 
@@ -119,4 +119,29 @@ async fn a_run_document_round_trips_with_every_field() {
         assert_eq!(s.run("run-1").await.expect("read").as_ref(), Some(&r), "{}: after every change", s.kind());
         assert_eq!(s.run("no-such-run").await.expect("read"), None);
     }
+}
+
+#[actix_rt::test]
+async fn history_pages_have_a_cursor_only_when_more_runs_follow() {
+    let backend = Arc::new(MemoryStore::new());
+    let metrics = super::writer::StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+    let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+    let store = super::RunStore::with_backend(backend.clone(), backend, retention, metrics, "memory:".into(), None);
+    for i in 0..4 {
+        assert!(matches!(store.insert(row(&format!("run-{i}"), "a", i)).await.expect("insert"), super::Insert::New(_)));
+    }
+    let page = |limit: usize, before_seq: Option<i64>| {
+        let store = store.clone();
+        async move {
+            let (docs, next) = store.list(&ListQuery { limit, before_seq, ..ListQuery::default() }).await.expect("list");
+            (docs.into_iter().map(|d| d.run_id).collect::<Vec<_>>(), next)
+        }
+    };
+    let (first, next) = page(2, None).await;
+    assert_eq!(first, ["run-3", "run-2"]);
+    let next = next.expect("more runs follow");
+    // The last page is full, and has no cursor: no empty page after it.
+    assert_eq!(page(2, Some(next)).await, (vec!["run-1".to_owned(), "run-0".to_owned()], None));
+    assert_eq!(page(4, None).await.1, None);
+    assert_eq!(page(5, None).await.1, None);
 }

@@ -185,10 +185,16 @@ impl RunStore {
         self.backend.events(run_id, after).await
     }
 
-    /// History: documents newest first, and the admission order of the last one (the cursor).
+    /// History: documents newest first, and, when more runs follow, the admission order of the
+    /// last one (the cursor). One run more than asked for is read to know whether any follows:
+    /// the last page has no cursor, even when it is full.
     pub async fn list(&self, query: &ListQuery) -> Result<(Vec<RunDoc>, Option<i64>), StoreError> {
-        let rows = self.backend.list(query).await?;
-        let last = rows.last().map(|r| r.seq);
+        let mut one_more = query.clone();
+        one_more.limit = query.limit.saturating_add(1);
+        let mut rows = self.backend.list(&one_more).await?;
+        let more = rows.len() > query.limit;
+        rows.truncate(query.limit);
+        let last = if more { rows.last().map(|r| r.seq) } else { None };
         let docs = rows
             .iter()
             .map(|r| match self.live(&r.run_id) {
