@@ -8,7 +8,7 @@
 # openclaw@2026.9.6 and openclaw@2026.4.12 from the npm registry (tests/support/install-openclaw.sh),
 # and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io and debootstrap
 # (tests/support/docker.sh, docker-image.sh), iproute2 for the namespace test. Needs root for
-# Docker and the network namespace.
+# Docker, the network namespace and the store-fault tests (read-only and tmpfs mounts).
 # Env: CLAWMUX_CACHE, CARGO_TEST_ARGS (extra args for cargo test).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,8 +26,10 @@ say "build"
 cargo build --workspace --all-targets --locked
 
 say "unit and replay-gateway tests"
+# tests/store_faults.rs mounts a read-only bind and a small tmpfs (a full disk): required here, so
+# they fail rather than skip when this is not root.
 # shellcheck disable=SC2086
-cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_
+CLAWMUX_REQUIRE_MOUNTS=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"

@@ -350,7 +350,7 @@ pub(super) async fn list_runs(req: HttpRequest, state: web::Data<AppState>) -> R
     })?;
     q.accounts = principal.account_scope();
     let (runs, last_seq) = state.store.list(&q).await.map_err(store_unavailable)?;
-    let next = if runs.len() == q.limit { last_seq.map(query::cursor) } else { None };
+    let next = last_seq.map(query::cursor);
     Ok(HttpResponse::Ok().json(serde_json::json!({"runs": runs, "nextCursor": next})))
 }
 

@@ -6,10 +6,13 @@
 //!                          data serialized once)                              clients, the document
 //! ```
 //! An event becomes visible only once the store has it. If the store cannot take a run's writes,
-//! the run is closed with an `internal` error that says why (delivered to its clients, not stored:
-//! it cannot be) and its session actor is cancelled, so the gateway run stops too; the store still
-//! has everything up to the failure, and a restart continues the run from there.
+//! the run ends with an `internal` error that says why, right after the last event its clients saw
+//! (shown at once: they must not hang), and its session actor is cancelled, so the gateway run
+//! stops too. That end is written to the store as soon as it takes writes again (retried in the
+//! background), and noted outside the store first ([`super::notes`]) so that a restart before then
+//! ends the run the same way instead of continuing it: no client sees two different ends.
 
+use super::notes::EndNotes;
 use super::writer::Writer;
 use super::{now_ms, Applied, CheckpointRecord, EventName, NewDelivery, RunPatch, RunRow, StoreError, StoredEvent, Write};
 use crate::attribution::{Attributions, RunBilling, Usage};
@@ -144,6 +147,8 @@ struct LogState {
     closed: bool,
     /// When the terminal event became visible.
     finished_at: Option<Instant>,
+    /// The store has the terminal event (a store failure's end may become visible first).
+    end_stored: bool,
     /// Live clients; created by the first one, dropped with the terminal event.
     tx: Option<broadcast::Sender<Arc<StoredEvent>>>,
 }
@@ -171,11 +176,22 @@ pub struct RunLog {
     on_end: OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// `clawmux_frame_to_client_seconds`, observed when a delta becomes visible.
     latency: Option<prometheus::Histogram>,
+    /// Where an end the store cannot take is noted (durable stores only).
+    notes: Option<Arc<EndNotes>>,
 }
+
+/// How long a store failure's end waits before it is written again: the first retry, the last.
+const END_RETRY: (std::time::Duration, std::time::Duration) = (std::time::Duration::from_secs(1), std::time::Duration::from_secs(30));
 
 impl RunLog {
     /// The log of a stored run, with its stored events (none for a new run).
-    pub fn new(row: RunRow, events: Vec<StoredEvent>, writer: Writer, latency: Option<prometheus::Histogram>) -> Arc<Self> {
+    pub fn new(
+        row: RunRow,
+        events: Vec<StoredEvent>,
+        writer: Writer,
+        latency: Option<prometheus::Histogram>,
+        notes: Option<Arc<EndNotes>>,
+    ) -> Arc<Self> {
         let next_id = events.last().map_or(row.last_event_id, |e| e.id.max(row.last_event_id));
         let finished = row.finished_at_ms.is_some();
         Arc::new_cyclic(|me| RunLog {
@@ -191,6 +207,7 @@ impl RunLog {
                 next_id,
                 closed: finished,
                 finished_at: finished.then(Instant::now),
+                end_stored: finished,
                 tx: None,
             }),
             done: tokio::sync::watch::channel(finished).0,
@@ -198,6 +215,7 @@ impl RunLog {
             on_failure: OnceLock::new(),
             on_end: OnceLock::new(),
             latency,
+            notes,
         })
     }
 
@@ -264,6 +282,12 @@ impl RunLog {
     /// How long ago the run finished (the store's cache forgets finished runs after a while).
     pub fn finished_for(&self) -> Option<std::time::Duration> {
         self.lock().finished_at.map(|t| t.elapsed())
+    }
+
+    /// True once the store has the run's terminal event (until then this log is the only place
+    /// that knows how the run ended).
+    pub fn end_stored(&self) -> bool {
+        self.lock().end_stored
     }
 
     /// Stored events after `after`, and a receiver for the ones that follow (taken under the same
@@ -356,6 +380,7 @@ impl RunLog {
             }
             if ev.is_terminal() {
                 st.finished_at = Some(Instant::now());
+                st.end_stored = true;
                 st.tx = None;
             }
             ev.is_terminal()
@@ -365,28 +390,53 @@ impl RunLog {
         }
     }
 
-    /// The store failed this run: close it with an error that says why, and cancel it.
+    /// The store failed this run: end it with an error that says why, and cancel it.
     fn fail(&self, e: &StoreError) {
-        {
+        let (write, event) = {
             let mut st = self.lock();
             if st.finished_at.is_some() {
                 return;
             }
             st.closed = true;
-            st.next_id += 1;
+            // Clients have seen exactly the stored events: the end follows the last of them (the
+            // store drops whatever else of the run it takes meanwhile, see `Write::Fail`).
+            let id = st.events.last().map_or(st.stored.last_event_id, |e| e.id.max(st.stored.last_event_id)) + 1;
+            st.next_id = id;
             let message = format!("the run store cannot record this run ({e}); the run was cancelled");
             let data = serde_json::json!({"runId": self.run_id, "code": "internal", "message": message}).to_string();
-            let ev = Arc::new(StoredEvent { id: st.next_id, name: EventName::Error, data });
-            st.stored.status = "error".to_owned();
-            st.stored.error = Some(("internal".to_owned(), message));
-            st.events.push(ev.clone());
+            let event = StoredEvent { id, name: EventName::Error, data };
+            let patch = RunPatch {
+                status: Some("error".to_owned()),
+                error: Some(("internal".to_owned(), message)),
+                finished_at_ms: Some(now_ms()),
+                ..RunPatch::default()
+            };
+            patch.apply(&mut st.latest);
+            let usage = self.billing.get().map(|(b, _)| b.totals());
+            let doc = || serde_json::to_string(&RunDoc::from_row(&st.latest, usage)).unwrap_or_default();
+            let webhook = st.latest.webhook_url.clone().map(|url| NewDelivery { url, key_id: st.latest.key_id.clone(), body: doc() });
+            (Write::Fail { run_id: self.run_id.clone(), event: event.clone(), patch, webhook }, Arc::new(event))
+        };
+        tracing::error!(run_id = %self.run_id, error = %e, "the run store failed a run; cancelling it");
+        // Noted before any client can see the end: a restart ends the run the same way.
+        if let Some(notes) = &self.notes {
+            if let Err(n) = notes.note(&self.run_id, event.id) {
+                tracing::error!(run_id = %self.run_id, error = %n, "cannot note the end of a run the store failed; a restart before the store takes it would continue the run");
+            }
+        }
+        {
+            let mut st = self.lock();
+            if let Write::Fail { patch, .. } = &write {
+                patch.apply(&mut st.stored);
+            }
+            st.events.push(event.clone());
             if let Some(tx) = &st.tx {
-                let _ = tx.send(ev);
+                let _ = tx.send(event);
             }
             st.finished_at = Some(Instant::now());
             st.tx = None;
         }
-        tracing::error!(run_id = %self.run_id, error = %e, "the run store failed a run; cancelling it");
+        store_end(self.me.clone(), self.writer.clone(), write, END_RETRY.0);
         if let Some(hook) = self.on_failure.get() {
             hook();
         }
@@ -403,6 +453,35 @@ impl RunLog {
         }
         self.done.send_replace(true);
     }
+}
+
+/// Writes a store failure's end, again and again (backing off) until the store has it.
+fn store_end(log: Weak<RunLog>, writer: Writer, write: Write, delay: std::time::Duration) {
+    let again = (writer.clone(), write.clone());
+    writer.submit(
+        write,
+        Some(Box::new(move |result: Result<Applied, StoreError>| match result {
+            Ok(_) => {
+                if let Some(log) = log.upgrade() {
+                    log.lock().end_stored = true;
+                    tracing::info!(run_id = %log.run_id, "the run store recorded the end of a run it had failed");
+                }
+            }
+            Err(e) => {
+                // Completions run on the writer's runtime; without one (it stopped) nothing could
+                // store it anyway, and the note still ends the run at the next start.
+                let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+                if delay == END_RETRY.0 {
+                    tracing::warn!(error = %e, "the run store cannot record the end of a run yet; retrying until it can");
+                }
+                let (writer, write) = again;
+                rt.spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    store_end(log, writer, write, (delay * 2).min(END_RETRY.1));
+                });
+            }
+        })),
+    );
 }
 
 fn status_of(s: RunStatus) -> &'static str {

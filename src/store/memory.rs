@@ -68,6 +68,20 @@ impl Inner {
         Applied::Inserted { seq }
     }
 
+    fn queue_webhook(&mut self, run_id: &str, w: &super::NewDelivery) {
+        let now = super::now_ms();
+        let item = OutboxItem {
+            id: self.outbox.len() as i64 + 1,
+            run_id: run_id.to_owned(),
+            url: w.url.clone(),
+            key_id: w.key_id.clone(),
+            body: w.body.clone(),
+            attempts: 0,
+            created_at_ms: now,
+        };
+        self.outbox.push((item, now, false, false, None));
+    }
+
     fn delete(&mut self, run_id: &str) {
         if let Some(row) = self.runs.remove(run_id) {
             self.by_seq.remove(&row.seq);
@@ -93,17 +107,7 @@ impl Store for MemoryStore {
                 Write::Insert(row) => st.insert(row),
                 Write::Append { run_id, event, patch, webhook } => {
                     if let Some(w) = webhook {
-                        let now = super::now_ms();
-                        let item = OutboxItem {
-                            id: st.outbox.len() as i64 + 1,
-                            run_id: run_id.clone(),
-                            url: w.url.clone(),
-                            key_id: w.key_id.clone(),
-                            body: w.body.clone(),
-                            attempts: 0,
-                            created_at_ms: now,
-                        };
-                        st.outbox.push((item, now, false, false, None));
+                        st.queue_webhook(run_id, w);
                     }
                     if let Some(row) = st.runs.get_mut(run_id) {
                         patch.apply(row);
@@ -113,6 +117,19 @@ impl Store for MemoryStore {
                         if let Some(e) = event {
                             st.events.entry(run_id.clone()).or_default().push(e.clone());
                         }
+                    }
+                    Applied::Done
+                }
+                Write::Fail { run_id, event, patch, webhook } => {
+                    if let Some(w) = webhook {
+                        st.queue_webhook(run_id, w);
+                    }
+                    if let Some(row) = st.runs.get_mut(run_id) {
+                        patch.apply(row);
+                        row.last_event_id = event.id;
+                        let events = st.events.entry(run_id.clone()).or_default();
+                        events.retain(|e| e.id < event.id);
+                        events.push(event.clone());
                     }
                     Applied::Done
                 }
@@ -161,17 +178,19 @@ impl Store for MemoryStore {
         Ok(st.by_seq.values().filter_map(|id| st.runs.get(id)).filter(|r| r.finished_at_ms.is_none()).cloned().collect())
     }
 
-    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<u64, StoreError> {
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
         let mut st = self.lock();
-        let mut finished: Vec<(i64, String)> =
-            st.runs.values().filter_map(|r| r.finished_at_ms.map(|t| (t, r.run_id.clone()))).collect();
+        // Oldest first, as the SQLite store orders them (end time, then admission order).
+        let mut finished: Vec<(i64, i64, String)> =
+            st.runs.values().filter_map(|r| r.finished_at_ms.map(|t| (t, r.seq, r.run_id.clone()))).collect();
         finished.sort();
         let over = finished.len().saturating_sub(retention.max_count);
-        let mut removed = 0;
-        for (i, (t, id)) in finished.iter().enumerate() {
-            if i < over || now_ms - t >= retention.max_age_ms {
-                st.delete(id);
-                removed += 1;
+        let cutoff = now_ms.saturating_sub(retention.max_age_ms);
+        let mut removed = Vec::new();
+        for (i, (t, _, id)) in finished.into_iter().enumerate() {
+            if i < over || t <= cutoff {
+                st.delete(&id);
+                removed.push(id);
             }
         }
         Ok(removed)

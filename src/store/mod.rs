@@ -8,6 +8,8 @@
 //!   `migrations/sqlite/`); [`memory`]: `memory:` (nothing survives a restart).
 //! - [`writer`]: the group commit: every write goes through one task that applies what has queued
 //!   up in one transaction, then tells each writer it is stored.
+//! - [`notes`]: the ends of runs the store could not record (a full disk), noted outside it so
+//!   the next start does not continue a run whose end a client has seen.
 //! - [`live`]: a live run's log in memory ([`live::RunLog`], the session actor's [`RunSink`]):
 //!   events become visible to SSE clients only once the store has them.
 //! - [`runs`]: the facade the HTTP layer and the restart path use ([`runs::RunStore`]).
@@ -20,11 +22,14 @@
 
 pub mod live;
 pub mod memory;
+pub mod notes;
 pub mod query;
 pub mod runs;
 pub mod sqlite;
 pub mod tenants;
 pub mod writer;
+#[cfg(test)]
+mod backend_tests;
 
 pub use live::{RunDoc, RunLog};
 pub use runs::{Insert, RunStore, RunView};
@@ -274,6 +279,19 @@ pub enum Write {
         /// Tokens to add.
         tokens: u64,
     },
+    /// The end of a run whose writes failed: its `internal` error event, which clients have seen
+    /// right after the last event stored. Events the store took after that one are dropped (no
+    /// client saw them), so the store ends up with exactly what clients saw.
+    Fail {
+        /// The run.
+        run_id: String,
+        /// The terminal event; its id is one past the last event clients saw.
+        event: StoredEvent,
+        /// Row changes (status, error, end time).
+        patch: RunPatch,
+        /// The run's completion webhook, queued with its end.
+        webhook: Option<NewDelivery>,
+    },
     /// A run whose admission failed after it was stored (so the caller can retry its id).
     Delete {
         /// The run.
@@ -363,8 +381,8 @@ pub trait Store: Send + Sync + 'static {
     async fn list(&self, query: &ListQuery) -> Result<Vec<RunRow>, StoreError>;
     /// Every run without a terminal event, in admission order.
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError>;
-    /// Deletes finished runs past the retention; returns how many.
-    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<u64, StoreError>;
+    /// Deletes finished runs past the retention; returns their run ids.
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError>;
 }
 
 /// `CLAWMUX_STORE_URL`.

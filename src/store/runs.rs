@@ -4,10 +4,11 @@
 
 use super::live::RunLog;
 use super::memory::MemoryStore;
+use super::notes::EndNotes;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
-use super::{now_ms, Applied, ListQuery, Retention, RunDoc, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
+use super::{now_ms, Applied, EventName, ListQuery, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
 use dashmap::DashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,6 +83,8 @@ pub struct RunStore {
     url: String,
     /// `clawmux_frame_to_client_seconds` (observed by the logs when deltas become visible).
     latency: Option<prometheus::Histogram>,
+    /// Ends the store could not take (durable stores only): see [`super::notes`].
+    notes: Option<Arc<EndNotes>>,
 }
 
 impl RunStore {
@@ -103,7 +106,11 @@ impl RunStore {
                 (s.clone(), s)
             }
         };
-        Ok(Self::with_backend(backend, tenants, retention, metrics, url.display(), latency))
+        let notes = match url {
+            StoreUrl::Memory => None,
+            StoreUrl::Sqlite(path) => Some(Arc::new(EndNotes::open(path).map_err(StoreError)?)),
+        };
+        Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes))
     }
 
     /// A store over `backend` (tests use it with a probe backend).
@@ -115,8 +122,20 @@ impl RunStore {
         url: String,
         latency: Option<prometheus::Histogram>,
     ) -> Arc<Self> {
+        Self::build(backend, tenants, retention, metrics, url, latency, None)
+    }
+
+    fn build(
+        backend: Arc<dyn Store>,
+        tenants: Arc<dyn TenantStore>,
+        retention: Retention,
+        metrics: StoreMetrics,
+        url: String,
+        latency: Option<prometheus::Histogram>,
+        notes: Option<Arc<EndNotes>>,
+    ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency })
+        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes })
     }
 
     /// Keys, limits, spend and the webhook outbox of the same store.
@@ -144,7 +163,7 @@ impl RunStore {
         match self.writer.apply(Write::Insert(Box::new(row.clone()))).await? {
             Applied::Inserted { seq } => {
                 row.seq = seq;
-                let log = RunLog::new(row, Vec::new(), self.writer.clone(), self.latency.clone());
+                let log = RunLog::new(row, Vec::new(), self.writer.clone(), self.latency.clone(), self.notes.clone());
                 self.live.insert(log.run_id.clone(), log.clone());
                 Ok(Insert::New(log))
             }
@@ -185,10 +204,16 @@ impl RunStore {
         self.backend.events(run_id, after).await
     }
 
-    /// History: documents newest first, and the admission order of the last one (the cursor).
+    /// History: documents newest first, and, when more runs follow, the admission order of the
+    /// last one (the cursor). One run more than asked for is read to know whether any follows:
+    /// the last page has no cursor, even when it is full.
     pub async fn list(&self, query: &ListQuery) -> Result<(Vec<RunDoc>, Option<i64>), StoreError> {
-        let rows = self.backend.list(query).await?;
-        let last = rows.last().map(|r| r.seq);
+        let mut one_more = query.clone();
+        one_more.limit = query.limit.saturating_add(1);
+        let mut rows = self.backend.list(&one_more).await?;
+        let more = rows.len() > query.limit;
+        rows.truncate(query.limit);
+        let last = if more { rows.last().map(|r| r.seq) } else { None };
         let docs = rows
             .iter()
             .map(|r| match self.live(&r.run_id) {
@@ -201,22 +226,77 @@ impl RunStore {
     }
 
     /// The unfinished runs of the store with their events, as live logs, in admission order: what
-    /// a restarted clawmux continues.
+    /// a restarted clawmux continues. Runs a previous process ended because the store failed them
+    /// (noted outside the store) are ended the same way first, never continued.
     pub async fn resume(&self) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let ended = self.end_noted_runs().await?;
         let mut out = Vec::new();
         for row in self.backend.unfinished().await? {
+            if ended.contains(&row.run_id) {
+                continue;
+            }
             let events = self.backend.events(&row.run_id, 0).await?;
-            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone());
+            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone(), self.notes.clone());
             self.live.insert(row.run_id.clone(), log.clone());
             out.push((log, row));
         }
         Ok(out)
     }
 
-    /// Enforces the retention in the store and forgets the logs of runs finished a while ago.
+    /// Stores the ends a previous process noted and could not store; returns the runs that must
+    /// not be continued (all noted ones: one whose end cannot be stored now either stays
+    /// unfinished and noted for the next start).
+    async fn end_noted_runs(&self) -> Result<std::collections::HashSet<String>, StoreError> {
+        let Some(notes) = &self.notes else { return Ok(Default::default()) };
+        let noted = notes.read().map_err(StoreError)?;
+        let mut all_stored = true;
+        let mut ended = std::collections::HashSet::new();
+        for (run_id, event_id) in noted {
+            ended.insert(run_id.clone());
+            let Some(row) = self.backend.run(&run_id).await? else { continue };
+            if row.finished_at_ms.is_some() {
+                continue;
+            }
+            let message = "the run store could not record this run, and clawmux stopped before it could; the run was cancelled".to_owned();
+            let data = serde_json::json!({"runId": run_id, "code": "internal", "message": message}).to_string();
+            let patch = RunPatch {
+                status: Some("error".to_owned()),
+                error: Some(("internal".to_owned(), message)),
+                finished_at_ms: Some(now_ms()),
+                ..RunPatch::default()
+            };
+            let mut doc_row = row.clone();
+            patch.apply(&mut doc_row);
+            let webhook = row.webhook_url.clone().map(|url| super::NewDelivery {
+                url,
+                key_id: row.key_id.clone(),
+                body: serde_json::to_string(&RunDoc::from_row(&doc_row, None)).unwrap_or_default(),
+            });
+            let event = StoredEvent { id: event_id, name: EventName::Error, data };
+            match self.writer.apply(Write::Fail { run_id: run_id.clone(), event, patch, webhook }).await {
+                Ok(_) => tracing::warn!(run_id, "a run the store failed before the restart ends `internal`, as its clients saw"),
+                Err(e) => {
+                    all_stored = false;
+                    tracing::error!(run_id, error = %e, "cannot store the end of a run the store failed before the restart; it stays unfinished");
+                }
+            }
+        }
+        if all_stored {
+            notes.clear().map_err(StoreError)?;
+        }
+        Ok(ended)
+    }
+
+    /// Enforces the retention in the store and forgets the logs of runs finished a while ago (or
+    /// swept from the store: a swept run is gone from every read). A log whose end the store does
+    /// not have yet is kept: it is the only place that knows how the run ended.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
-        self.live.retain(|_, log| log.finished_for().is_none_or(|d| d < LINGER));
-        self.backend.sweep(self.retention, now_ms()).await
+        self.live.retain(|_, log| log.finished_for().is_none_or(|d| d < LINGER) || !log.end_stored());
+        let gone = self.backend.sweep(self.retention, now_ms()).await?;
+        for run_id in &gone {
+            self.live.remove(run_id);
+        }
+        Ok(gone.len() as u64)
     }
 
     /// Waits until every write queued so far is stored.

@@ -12,7 +12,7 @@
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SpecRecord, Store, StoreError, StoredEvent, Write};
 use rusqlite::types::Value as SqlValue;
-use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction};
+use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -68,6 +68,10 @@ impl SqliteStore {
         // stalled a commit every thousand pages.
         write.pragma_update(None, "wal_autocheckpoint", 0).map_err(|e| fail("cannot be opened", &e))?;
         migrate(&mut write).map_err(|e| fail("cannot be set up", &e))?;
+        // SQLite opens a file it may not write (read-only mount, immutable file, no permission)
+        // read-only without a word, and every run would fail later: one committed write now makes
+        // such a store stop startup instead.
+        probe_write(&mut write).map_err(|e| fail("cannot be written", &e))?;
         // A quick read of the schema catches a file that is a database but not ours (or damaged).
         write
             .query_row("SELECT count(*) FROM runs", [], |r| r.get::<_, i64>(0))
@@ -133,6 +137,14 @@ fn migrate(c: &mut Connection) -> rusqlite::Result<()> {
         tx.commit()?;
     }
     Ok(())
+}
+
+/// A real write transaction that commits (and changes nothing).
+fn probe_write(c: &mut Connection) -> rusqlite::Result<()> {
+    let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    tx.pragma_update(None, "user_version", version)?;
+    tx.commit()
 }
 
 fn json<T: serde::Serialize>(v: &T) -> String {
@@ -221,7 +233,7 @@ fn insert(tx: &Transaction<'_>, row: &RunRow) -> rusqlite::Result<Applied> {
     let seq: i64 = tx
         .prepare_cached(
             "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-             checkpoint, content, created_at, key_id, webhook_url) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
+             checkpoint, content, created_at, key_id, webhook_url, usage) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
         )?
         .query_row(
             params![
@@ -238,10 +250,31 @@ fn insert(tx: &Transaction<'_>, row: &RunRow) -> rusqlite::Result<Applied> {
                 row.created_at_ms,
                 row.key_id,
                 row.webhook_url,
+                row.usage.as_ref().map(json),
             ],
             |r| r.get(0),
         )?;
     Ok(Applied::Inserted { seq })
+}
+
+/// A batch's row changes: one entry per run, the run id, its merged changes, the highest event
+/// id, and the exact last event id a `Fail` sets.
+type Patches<'a> = Vec<(&'a str, RunPatch, u64, Option<u64>)>;
+
+fn coalesce<'a>(patches: &mut Patches<'a>, index: &mut HashMap<&'a str, usize>, run_id: &'a str, patch: &RunPatch) -> usize {
+    let i = *index.entry(run_id).or_insert_with(|| {
+        patches.push((run_id, RunPatch::default(), 0, None));
+        patches.len() - 1
+    });
+    patches[i].1.merge(patch.clone());
+    i
+}
+
+fn queue_webhook(tx: &Transaction<'_>, run_id: &str, w: &super::NewDelivery) -> rusqlite::Result<()> {
+    let now = super::now_ms();
+    tx.prepare_cached("INSERT INTO webhook_outbox (run_id, url, key_id, body, next_at, created_at) VALUES (?, ?, ?, ?, ?, ?)")?
+        .execute(params![run_id, w.url, w.key_id, w.body, now, now])?;
+    Ok(())
 }
 
 fn update(tx: &Transaction<'_>, run_id: &str, p: &RunPatch, last_event_id: u64) -> rusqlite::Result<()> {
@@ -291,8 +324,9 @@ impl SqliteStore {
         let mut conn = lock(&self.write);
         let tx = conn.transaction()?;
         let mut out = Vec::with_capacity(batch.len());
-        // Row changes of the whole batch, coalesced: one update per run (later changes win).
-        let mut patches: Vec<(&str, RunPatch, u64)> = Vec::new();
+        // Row changes of the whole batch, coalesced: one update per run (later changes win). The
+        // last event id: the highest of the batch, or exactly the id of a `Fail`.
+        let mut patches: Patches<'_> = Vec::new();
         let mut index: HashMap<&str, usize> = HashMap::new();
         {
             let mut ins_event = tx.prepare_cached("INSERT INTO events (run_id, id, name, data) VALUES (?, ?, ?, ?)")?;
@@ -301,9 +335,7 @@ impl SqliteStore {
                     Write::Insert(row) => insert(&tx, row)?,
                     Write::Append { run_id, event, patch, webhook } => {
                         if let Some(w) = webhook {
-                            let now = super::now_ms();
-                            tx.prepare_cached("INSERT INTO webhook_outbox (run_id, url, key_id, body, next_at, created_at) VALUES (?, ?, ?, ?, ?, ?)")?
-                                .execute(params![run_id, w.url, w.key_id, w.body, now, now])?;
+                            queue_webhook(&tx, run_id, w)?;
                         }
                         if let Some(e) = event {
                             ins_event.execute(params![run_id, i64::try_from(e.id).unwrap_or(i64::MAX), e.name.as_str(), e.data])?;
@@ -311,15 +343,22 @@ impl SqliteStore {
                         // A delta changes no column of its run: its row is left alone (the last
                         // event id is the events' own maximum; the column follows real changes).
                         if !patch.is_empty() {
-                            let i = *index.entry(run_id.as_str()).or_insert_with(|| {
-                                patches.push((run_id.as_str(), RunPatch::default(), 0));
-                                patches.len() - 1
-                            });
-                            patches[i].1.merge(patch.clone());
+                            let i = coalesce(&mut patches, &mut index, run_id, patch);
                             if let Some(e) = event {
                                 patches[i].2 = patches[i].2.max(e.id);
                             }
                         }
+                        Applied::Done
+                    }
+                    Write::Fail { run_id, event, patch, webhook } => {
+                        let id = i64::try_from(event.id).unwrap_or(i64::MAX);
+                        tx.prepare_cached("DELETE FROM events WHERE run_id = ? AND id >= ?")?.execute(params![run_id, id])?;
+                        ins_event.execute(params![run_id, id, event.name.as_str(), event.data])?;
+                        if let Some(w) = webhook {
+                            queue_webhook(&tx, run_id, w)?;
+                        }
+                        let i = coalesce(&mut patches, &mut index, run_id, patch);
+                        patches[i].3 = Some(event.id);
                         Applied::Done
                     }
                     Write::Spend { account, window_start_ms, tokens } => {
@@ -338,8 +377,12 @@ impl SqliteStore {
                 });
             }
         }
-        for (run_id, patch, last_id) in &patches {
+        for (run_id, patch, last_id, exact) in &patches {
             update(&tx, run_id, patch, *last_id)?;
+            if let Some(id) = exact {
+                tx.prepare_cached("UPDATE runs SET last_event_id = ? WHERE run_id = ?")?
+                    .execute(params![i64::try_from(*id).unwrap_or(i64::MAX), run_id])?;
+            }
         }
         tx.commit()?;
         Ok(out)
@@ -417,8 +460,8 @@ impl Store for SqliteStore {
         self.query_rows(UNFINISHED, Vec::new())
     }
 
-    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<u64, StoreError> {
-        let run = || -> rusqlite::Result<u64> {
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
+        let run = || -> rusqlite::Result<Vec<String>> {
             let mut conn = lock(&self.write);
             let tx = conn.transaction()?;
             // Past the age, and beyond the newest `max_count` finished runs.
@@ -427,9 +470,13 @@ impl Store for SqliteStore {
             let cutoff = now_ms.saturating_sub(retention.max_age_ms);
             let max = i64::try_from(retention.max_count).unwrap_or(i64::MAX);
             tx.execute(&format!("DELETE FROM events WHERE run_id IN ({doomed})"), params![cutoff, max])?;
-            let n = tx.execute(&format!("DELETE FROM runs WHERE run_id IN ({doomed})"), params![cutoff, max])?;
+            let gone = {
+                let mut st = tx.prepare(&format!("DELETE FROM runs WHERE run_id IN ({doomed}) RETURNING run_id"))?;
+                let rows = st.query_map(params![cutoff, max], |r| r.get::<_, String>(0))?;
+                rows.collect::<rusqlite::Result<Vec<_>>>()?
+            };
             tx.commit()?;
-            Ok(n as u64)
+            Ok(gone)
         };
         run().map_err(|e| self.err(e))
     }

@@ -164,3 +164,138 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{ListQuery, Retention, RunPatch, RunRow, StoredEvent};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    /// A store that records the batches it is given, holds the first one until told, and fails
+    /// a batch when `fails` says so.
+    struct Probe {
+        batches: Mutex<Vec<Vec<String>>>,
+        hold: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+        holding: AtomicBool,
+        fails: Box<dyn Fn(&[Write]) -> bool + Send + Sync>,
+    }
+
+    fn run_of(w: &Write) -> String {
+        match w {
+            Write::Append { run_id, .. } => run_id.clone(),
+            _ => String::new(),
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Probe {
+        fn kind(&self) -> &'static str {
+            "probe"
+        }
+        async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
+            // On the writer's own thread: blocking it is what a slow commit does.
+            let hold = self.hold.lock().expect("hold").take();
+            if let Some(rx) = hold {
+                self.holding.store(true, Ordering::SeqCst);
+                let _ = rx.recv_timeout(std::time::Duration::from_secs(20));
+            }
+            self.batches.lock().expect("batches").push(batch.iter().map(run_of).collect());
+            if (self.fails)(batch) {
+                return Err(StoreError("disk full".to_owned()));
+            }
+            Ok(batch.iter().map(|_| Applied::Done).collect())
+        }
+        async fn run(&self, _: &str) -> Result<Option<RunRow>, StoreError> {
+            Ok(None)
+        }
+        async fn events(&self, _: &str, _: u64) -> Result<Vec<StoredEvent>, StoreError> {
+            Ok(Vec::new())
+        }
+        async fn list(&self, _: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
+            Ok(Vec::new())
+        }
+        async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
+            Ok(Vec::new())
+        }
+        async fn sweep(&self, _: Retention, _: i64) -> Result<Vec<String>, StoreError> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn write(run: &str) -> Write {
+        Write::Append { run_id: run.to_owned(), event: None, patch: RunPatch { status: Some("running".into()), ..RunPatch::default() }, webhook: None }
+    }
+
+    /// Starts a writer over a probe whose first batch (one write) is held, queues `runs` behind
+    /// it, lets it go and returns every result (in completion order) and the probe.
+    async fn queue_behind_a_slow_commit(
+        runs: &[String],
+        fails: impl Fn(&[Write]) -> bool + Send + Sync + 'static,
+    ) -> (Vec<(String, Result<Applied, StoreError>)>, Arc<Probe>) {
+        let (release, hold) = std::sync::mpsc::channel();
+        let probe = Arc::new(Probe { batches: Mutex::default(), hold: Mutex::new(Some(hold)), holding: AtomicBool::new(false), fails: Box::new(fails) });
+        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        let first = {
+            let writer = writer.clone();
+            tokio::spawn(async move { writer.apply(write("first")).await })
+        };
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        while !probe.holding.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the first batch never reached the store");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let results = Arc::new(Mutex::new(Vec::new()));
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        for run in runs {
+            let (results, run, done_tx) = (results.clone(), run.clone(), done_tx.clone());
+            writer.submit(
+                write(&run),
+                Some(Box::new(move |r| {
+                    results.lock().expect("results").push((run, r));
+                    let _ = done_tx.send(());
+                })),
+            );
+        }
+        release.send(()).expect("release");
+        let _ = first.await.expect("first write");
+        for _ in runs {
+            tokio::time::timeout(std::time::Duration::from_secs(20), done_rx.recv()).await.expect("every waiter is told").expect("open");
+        }
+        let results = std::mem::take(&mut *results.lock().expect("results"));
+        (results, probe)
+    }
+
+    #[actix_rt::test]
+    async fn writes_queued_behind_a_commit_are_stored_in_one_transaction_and_told_in_order() {
+        let runs: Vec<String> = (0..1000).map(|i| format!("run-{i}")).collect();
+        let (results, probe) = queue_behind_a_slow_commit(&runs, |_| false).await;
+        let batches = probe.batches.lock().expect("batches").clone();
+        assert_eq!(batches.len(), 2, "one commit for the held write, ONE for the 1000 queued behind it: {:?}", batches.iter().map(Vec::len).collect::<Vec<_>>());
+        assert_eq!(batches[1], runs);
+        let told: Vec<&String> = results.iter().map(|(r, _)| r).collect();
+        assert_eq!(told, runs.iter().collect::<Vec<_>>(), "waiters told in submission order");
+        assert!(results.iter().all(|(_, r)| r.is_ok()));
+    }
+
+    #[actix_rt::test]
+    async fn a_failed_commit_fails_every_waiter_of_its_batch() {
+        let runs: Vec<String> = (0..50).map(|i| format!("run-{i}")).collect();
+        // A full disk: every transaction fails, the batch and each write retried alone.
+        let (results, probe) = queue_behind_a_slow_commit(&runs, |b| b.iter().any(|w| run_of(w) != "first")).await;
+        assert_eq!(results.len(), runs.len());
+        for (run, r) in &results {
+            assert_eq!(r.as_ref().err().map(|e| e.0.as_str()), Some("disk full"), "{run}");
+        }
+        assert_eq!(probe.batches.lock().expect("batches").len(), 2 + runs.len());
+    }
+
+    #[actix_rt::test]
+    async fn one_bad_write_fails_only_its_own_waiter() {
+        let runs: Vec<String> = (0..50).map(|i| format!("run-{i}")).collect();
+        let (results, _) = queue_behind_a_slow_commit(&runs, |b| b.iter().any(|w| run_of(w) == "run-7")).await;
+        for (run, r) in &results {
+            assert_eq!(r.is_err(), run == "run-7", "{run}: {r:?}");
+        }
+    }
+}
