@@ -11,7 +11,7 @@ mod common;
 mod child;
 
 use child::{attach, read_stream, Clawmux, Seen};
-use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle, RunStatus};
+use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle, RunScript, RunStatus};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -22,9 +22,14 @@ const GW_TOKEN: &str = "restart-gw-token";
 
 /// The long recorded run (42 `chat` events over ~3.5 s), at half speed: ~7 s per run.
 fn slow_gateway() -> ReplayHandle {
+    gateway_at(0.5)
+}
+
+/// The long recorded run at `speed` (1.0 = as recorded, ~3.5 s per run).
+fn gateway_at(speed: f64) -> ReplayHandle {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
     let cassette = Cassette::parse(&text).unwrap();
-    let cfg = ReplayConfig::new(cassette).speed(0.5).token(GW_TOKEN);
+    let cfg = ReplayConfig::new(cassette).speed(speed).token(GW_TOKEN);
     ReplayGateway::start("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
 }
 
@@ -43,18 +48,44 @@ fn body(i: usize, tag: &str) -> Value {
 async fn post_runs(http: &reqwest::Client, base: &str, n: usize, tag: &str) -> Vec<String> {
     let mut ids = Vec::new();
     for i in 0..n {
-        let r = http
-            .post(format!("{base}/v1/runs?wait=false"))
-            .header("idempotency-key", format!("{tag}-idem-{i}"))
-            .json(&body(i, tag))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202, "{:?}", r.text().await);
-        let doc: Value = r.json().await.unwrap();
-        ids.push(doc["runId"].as_str().unwrap().to_owned());
+        ids.push(post_run(http, base, &body(i, tag), &format!("{tag}-idem-{i}")).await);
     }
     ids
+}
+
+/// Posts one run (`wait=false`: 202 at once); returns its run id.
+async fn post_run(http: &reqwest::Client, base: &str, body: &Value, idempotency_key: &str) -> String {
+    let r = http.post(format!("{base}/v1/runs?wait=false")).header("idempotency-key", idempotency_key).json(body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    let doc: Value = r.json().await.unwrap();
+    doc["runId"].as_str().unwrap().to_owned()
+}
+
+/// Attaches a reader to every run (from `Last-Event-ID` on; runs already ended are skipped).
+async fn attach_all(http: &reqwest::Client, base: &str, seen: &HashMap<String, Arc<Mutex<Seen>>>, within: Duration) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut readers = Vec::new();
+    for (id, s) in seen {
+        if s.lock().unwrap().terminal().is_some() {
+            continue;
+        }
+        let after = s.lock().unwrap().last_id();
+        let resp = attach(http, base, id, after).await;
+        readers.push(tokio::spawn(read_stream(resp, s.clone(), within)));
+    }
+    readers
+}
+
+/// Waits (bounded) until `check` holds.
+async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn doc(http: &reqwest::Client, base: &str, run_id: &str) -> Value {
+    http.get(format!("{base}/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap()
 }
 
 /// Every run: ids 1..=n without gap or repeat, `accepted` first, exactly one terminal event and it
@@ -239,4 +270,140 @@ async fn sigterm_with_shutdown_cancel_cancels_every_run() {
     app.start(&http).await;
     let v: Value = http.get(format!("{}/v1/runs?status=queued,running", app.base)).send().await.unwrap().json().await.unwrap();
     assert_eq!(v["runs"].as_array().map(Vec::len), Some(0), "{v}");
+}
+
+/// Four runs of one conversation (same account and `stateKey`) queue behind each other; clawmux is
+/// killed while the first one streams. After the restart they run in their admission order, each
+/// once, and the waiting ones say `queued`. Their run ids sort the other way round, so an order by
+/// id (or by anything but admission) shows.
+#[actix_rt::test]
+async fn kill_9_keeps_queued_runs_in_their_admission_order() {
+    const N: usize = 4;
+    let gw = gateway_at(2.0);
+    let http = http();
+    let mut app = clawmux(&gw, &[]);
+    app.start(&http).await;
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let mut b = body(i, "queue");
+        b["billingAccountId"] = json!("acct-queue");
+        b["stateKey"] = json!("conversation-1");
+        b["runId"] = json!(format!("run-{}-queue", N - i));
+        ids.push(post_run(&http, &app.base, &b, &format!("queue-idem-{i}")).await);
+    }
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await;
+    eventually(Duration::from_secs(30), "the first run streams", || !seen[&ids[0]].lock().unwrap().text().is_empty()).await;
+    // Held where it is until the checks below ran (a paused run's clock stands still).
+    gw.set_paused(true);
+    app.kill_9();
+    for r in readers {
+        r.await.unwrap();
+    }
+    assert_eq!(gw.runs().len(), 1, "only the first run had reached the gateway");
+
+    app.start(&http).await;
+    assert_eq!(doc(&http, &app.base, &ids[0]).await["status"], "running");
+    for id in &ids[1..] {
+        let d = doc(&http, &app.base, id).await;
+        assert_eq!(d["status"], "queued", "{d}");
+    }
+    gw.set_paused(false);
+    for r in attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await {
+        r.await.unwrap();
+    }
+    check_runs(&seen, &ids, "queue");
+    check_gateway_ran_each_once(&gw, N);
+    let started: Vec<String> = gw.runs().iter().map(|r| r.message.clone()).collect();
+    let admitted: Vec<String> = (0..N).map(|i| body(i, "queue")["message"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(started, admitted, "the gateway got the runs in another order than they were admitted");
+    let mut finished = Vec::new();
+    for id in &ids {
+        finished.push(doc(&http, &app.base, id).await["finishedAt"].as_str().unwrap().to_owned());
+    }
+    assert!(finished.windows(2).all(|w| w[0] < w[1]), "finished out of admission order: {finished:?}");
+}
+
+/// clawmux dies after sending `agent` but before the gateway's ACK reached it: once with the ACK
+/// lost (the gateway has the run), once with the request lost (it has not). After the restart both
+/// are sent again under their stored idempotency keys: the first is deduped (`in_flight`), the
+/// second starts; each runs once on the gateway and ends with its own text.
+#[actix_rt::test]
+async fn kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once() {
+    let gw = gateway_at(2.0);
+    gw.script_runs("<ack-0>", RunScript { lose_ack: true, ..RunScript::default() });
+    gw.lose_agent_requests("<ack-1>", 1);
+    gw.set_paused(true);
+    let http = http();
+    let mut app = clawmux(&gw, &[]);
+    app.start(&http).await;
+    let agents = |gw: &ReplayHandle| gw.stats().requests_received.get("agent").copied().unwrap_or(0);
+    let mut ids = vec![post_run(&http, &app.base, &body(0, "ack"), "ack-idem-0").await];
+    ids.push(post_run(&http, &app.base, &body(1, "ack"), "ack-idem-1").await);
+    eventually(Duration::from_secs(20), "both agent requests sent", || agents(&gw) == 2).await;
+    assert_eq!(gw.runs().len(), 1, "the ACK-less run is on the gateway, the lost one is not");
+    // Stored once this returns: the run store commits in order, so the checkpoints written before
+    // the two `agent` frames went out are stored too (the restart sees both as sent, not ACKed).
+    ids.push(post_run(&http, &app.base, &body(2, "ack"), "ack-idem-2").await);
+    for id in &ids[..2] {
+        let d = doc(&http, &app.base, id).await;
+        assert!(d["gatewayRunId"].is_null(), "{id} was acknowledged: {d}");
+    }
+    app.kill_9();
+
+    app.start(&http).await;
+    // Both are sent again; the lost one reaches the gateway this time.
+    eventually(Duration::from_secs(20), "the lost run sent again", || gw.runs().iter().any(|r| r.message.starts_with("<ack-1>"))).await;
+    gw.set_paused(false);
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    for r in attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await {
+        r.await.unwrap();
+    }
+    check_runs(&seen, &ids, "ack");
+    check_gateway_ran_each_once(&gw, 3);
+    for (i, id) in ids.iter().enumerate() {
+        let d = doc(&http, &app.base, id).await;
+        let rec = gw.runs().into_iter().find(|r| r.message.starts_with(&format!("<ack-{i}>"))).unwrap();
+        assert_eq!(d["gatewayRunId"].as_str(), Some(rec.run_id.as_str()), "{id}: the gateway ran it under another key");
+    }
+    assert!(agents(&gw) >= 4, "the two runs were not sent again: {} agent requests", agents(&gw));
+}
+
+/// The gateway restarted while clawmux was down (a new boot id, its runs gone): every resumed run
+/// ends `gateway_disconnected` as soon as clawmux is connected again, without waiting out its
+/// timeout, and nothing is started on the new gateway in its place.
+#[actix_rt::test]
+async fn kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected() {
+    const N: usize = 5;
+    let gw = slow_gateway();
+    let http = http();
+    let mut app = clawmux(&gw, &[]);
+    app.start(&http).await;
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let mut b = body(i, "boot");
+        // Far beyond the bound below: ending by the timeout would fail the test.
+        b["timeoutSec"] = json!(120);
+        ids.push(post_run(&http, &app.base, &b, &format!("boot-idem-{i}")).await);
+    }
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await;
+    eventually(Duration::from_secs(30), "every run streams", || seen.values().all(|s| !s.lock().unwrap().text().is_empty())).await;
+    app.kill_9();
+    for r in readers {
+        r.await.unwrap();
+    }
+    gw.drop_connections(true);
+
+    app.start(&http).await;
+    for r in attach_all(&http, &app.base, &seen, Duration::from_secs(30)).await {
+        r.await.unwrap();
+    }
+    for id in &ids {
+        let s = seen[id].lock().unwrap();
+        let t = s.terminal().unwrap_or_else(|| panic!("{id}: no terminal event within 30 s of the restart"));
+        assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("gateway_disconnected")), "{id}: {t:?}");
+    }
+    assert_eq!(gw.runs().len(), N, "a resumed run was started on the restarted gateway");
+    assert!(gw.runs().iter().all(|r| r.status == RunStatus::Forgotten));
 }
