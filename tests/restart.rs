@@ -11,6 +11,7 @@ mod common;
 mod child;
 
 use child::{attach, read_stream, Clawmux, Seen};
+use futures_util::StreamExt;
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle, RunScript, RunStatus};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -406,4 +407,96 @@ async fn kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnecte
     }
     assert_eq!(gw.runs().len(), N, "a resumed run was started on the restarted gateway");
     assert!(gw.runs().iter().all(|r| r.status == RunStatus::Forgotten));
+}
+
+/// An LLM upstream whose streamed answers send their first chunk at once and the rest only once
+/// `release` is set: an LLM stream through clawmux's proxy that lasts as long as the test wants.
+async fn held_upstream() -> (u16, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (release, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let mut rx = rx.clone();
+            tokio::spawn(async move {
+                // The request: its head, then as many body bytes as it announces.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 8192];
+                loop {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let len = head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0);
+                        if buf.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+                let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"held\"}}]}\n\n";
+                let _ = sock.write_all(format!("{head}{first}").as_bytes()).await;
+                let _ = rx.wait_for(|r| *r).await;
+                let _ = sock.write_all(b"data: [DONE]\n\n").await;
+            });
+        }
+    });
+    (port, release)
+}
+
+/// SIGTERM (handoff) while an LLM stream of a run is in flight through the proxy: from the moment
+/// live streams end until the process exits (the proxy lets the stream finish first), a new run is
+/// refused with `503` + `Retry-After`, and so is re-attaching to the unfinished run (its stream
+/// would end at once); documents are still served. Then the process exits on its own.
+#[actix_rt::test]
+async fn sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits() {
+    let gw = gateway_at(1.0);
+    gw.set_paused(true);
+    let (upstream_port, release) = held_upstream().await;
+    let proxy = format!("127.0.0.1:{}", child::free_port());
+    let upstream = format!("http://127.0.0.1:{upstream_port}");
+    let http = http();
+    let mut app = clawmux(&gw, &[("CLAWMUX_PROXY_LISTEN", proxy.as_str()), ("CLAWMUX_LLM_UPSTREAM_URL", upstream.as_str())]);
+    app.start(&http).await;
+    let (_, traceparent) = common::new_traceparent();
+    let r = http.post(format!("{}/v1/runs?wait=false", app.base)).header("traceparent", &traceparent).json(&body(0, "term503")).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let id = r.json::<Value>().await.unwrap()["runId"].as_str().unwrap().to_owned();
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let reader = tokio::spawn(read_stream(attach(&http, &app.base, &id, 0).await, seen.clone(), Duration::from_secs(60)));
+    eventually(Duration::from_secs(20), "the run is accepted", || seen.lock().unwrap().events.iter().any(|e| e.event == "accepted")).await;
+    // One of its LLM calls, made as the gateway would (same trace id), in flight through the proxy.
+    let llm = http.post(format!("http://{proxy}/v1/chat/completions")).header("traceparent", &traceparent).json(&common::chat_body("hi", true)).send().await.unwrap();
+    assert_eq!(llm.status(), 200);
+    let mut llm = llm.bytes_stream();
+    let first = tokio::time::timeout(Duration::from_secs(20), llm.next()).await.unwrap().unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("held"));
+
+    app.send_sigterm();
+    // The handoff has begun once the live stream ended (without a terminal event).
+    reader.await.unwrap();
+    assert!(seen.lock().unwrap().terminal().is_none());
+    for i in 0..3 {
+        let r = http.post(format!("{}/v1/runs?wait=false", app.base)).json(&body(i + 1, "term503")).send().await.unwrap();
+        let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        assert_eq!((r.status().as_u16(), retry.is_some_and(|s| s >= 1)), (503, true), "a new run during the handoff: {:?}", r.headers());
+        let r = http.get(format!("{}/v1/runs/{id}/events", app.base)).header("last-event-id", "1").send().await.unwrap();
+        let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        assert_eq!((r.status().as_u16(), retry.is_some_and(|s| s >= 1)), (503, true), "re-attaching during the handoff: {:?}", r.headers());
+        assert_eq!(doc(&http, &app.base, &id).await["status"], "running");
+    }
+    assert!(app.running(), "exited with an LLM stream in flight through its proxy");
+    assert_eq!(gw.runs().len(), 1, "a run was admitted during the handoff");
+    release.send_replace(true);
+    let mut rest = String::new();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(20), llm.next()).await.unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert!(rest.contains("[DONE]"), "the LLM stream was cut at shutdown: {rest:?}");
+    app.wait_exit(Duration::from_secs(30));
+    assert!(http.post(format!("{}/v1/runs?wait=false", app.base)).json(&body(9, "term503")).send().await.is_err(), "still answering after exit");
 }
