@@ -2,7 +2,10 @@
 //! SIGTERM while hundreds of runs stream from a replay gateway, then started again on the same
 //! SQLite store. Every run must end exactly once; a client re-attaching with the `Last-Event-ID`
 //! it last saw gets every later event, no gap, no duplicate; the deltas add up to the content; an
-//! idempotent re-POST finds the same run; and no run is started twice on the gateway.
+//! idempotent re-POST finds the same run; and no run is started twice on the gateway. Also: queued
+//! runs keep their admission order, runs sent but not ACKed are sent again under their stored
+//! idempotency key, a gateway restarted meanwhile ends the resumed runs, and a stopping process
+//! answers `503` + `Retry-After` until it exits.
 
 #![allow(clippy::unwrap_used)]
 
