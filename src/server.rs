@@ -325,10 +325,11 @@ fn no_delay(conn: &dyn std::any::Any, _ext: &mut actix_web::dev::Extensions) {
     }
 }
 
-/// Stops clawmux. `CLAWMUX_SHUTDOWN=handoff` (default): nothing new is admitted (`503`), live SSE
-/// streams end (clients re-attach to the next process), the session actors stop without touching
-/// their gateway runs, in-flight LLM streams through the proxy finish, the store is flushed; the
-/// next start continues every run. `cancel`: every run gets its terminal event (`aborted`) and its
+/// Stops clawmux. `CLAWMUX_SHUTDOWN=handoff` (default): nothing new is admitted (`503`, also for
+/// re-attaching to an unfinished run), live SSE streams end (clients re-attach to the next
+/// process), the session actors stop without touching their gateway runs, in-flight LLM streams
+/// through the proxy finish, the store is flushed, then the HTTP server stops; the next start
+/// continues every run. `cancel`: every run gets its terminal event (`aborted`) and its
 /// gateway run is cancelled first.
 pub async fn shutdown(running: &Running) {
     let state = &running.state;
@@ -352,12 +353,14 @@ pub async fn shutdown(running: &Running) {
     }
     let _ = running.stopping.send(true);
     running.supervisor.do_send(Disconnect);
-    running.server.stop(true).await;
     if let Some((_, proxy)) = &running.proxy {
         proxy.stop(true).await;
     }
     // Whatever the runs and the proxy wrote is stored before the process goes.
     state.store.flush().await;
+    // Last: while the proxy drains (up to 30 s), callers get `503` + `Retry-After` and documents,
+    // not refused connections.
+    running.server.stop(true).await;
 }
 
 /// Runs until SIGINT or SIGTERM, then shuts down as `CLAWMUX_SHUTDOWN` says.

@@ -2,19 +2,22 @@
 //! SIGTERM while hundreds of runs stream from a replay gateway, then started again on the same
 //! SQLite store. Every run must end exactly once; a client re-attaching with the `Last-Event-ID`
 //! it last saw gets every later event, no gap, no duplicate; the deltas add up to the content; an
-//! idempotent re-POST finds the same run; and no run is started twice on the gateway.
+//! idempotent re-POST finds the same run; and no run is started twice on the gateway. Also: queued
+//! runs keep their admission order, runs sent but not ACKed are sent again under their stored
+//! idempotency key, a gateway restarted meanwhile ends the resumed runs, and a stopping process
+//! answers `503` + `Retry-After` until it exits.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "common/child.rs"]
+mod child;
 
-use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle, RunStatus};
-use common::{parse_sse, temp_dir, SseEvent};
+use child::{attach, read_stream, Clawmux, Seen};
 use futures_util::StreamExt;
+use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle, RunScript, RunStatus};
 use serde_json::{json, Value};
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -23,160 +26,22 @@ const GW_TOKEN: &str = "restart-gw-token";
 
 /// The long recorded run (42 `chat` events over ~3.5 s), at half speed: ~7 s per run.
 fn slow_gateway() -> ReplayHandle {
+    gateway_at(0.5)
+}
+
+/// The long recorded run at `speed` (1.0 = as recorded, ~3.5 s per run).
+fn gateway_at(speed: f64) -> ReplayHandle {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
     let cassette = Cassette::parse(&text).unwrap();
-    let cfg = ReplayConfig::new(cassette).speed(0.5).token(GW_TOKEN);
+    let cfg = ReplayConfig::new(cassette).speed(speed).token(GW_TOKEN);
     ReplayGateway::start("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// clawmux as a child process, on a fixed port and store.
-struct Clawmux {
-    child: Option<Child>,
-    base: String,
-    dir: PathBuf,
-    env: Vec<(String, String)>,
-    starts: usize,
-}
-
-impl Clawmux {
-    fn new(gw: &ReplayHandle, extra: &[(&str, &str)]) -> Self {
-        let dir = temp_dir("restart");
-        let port = free_port();
-        let mut env: Vec<(String, String)> = vec![
-            ("CLAWMUX_GATEWAY_URL".into(), gw.url()),
-            ("CLAWMUX_GATEWAY_TOKEN".into(), GW_TOKEN.into()),
-            ("CLAWMUX_LISTEN".into(), format!("127.0.0.1:{port}")),
-            ("CLAWMUX_STORE_URL".into(), format!("sqlite://{}", dir.join("runs.db").display())),
-            ("CLAWMUX_DEVICE_IDENTITY".into(), "off".into()),
-            ("HOME".into(), dir.display().to_string()),
-            ("CLAWMUX_LOG".into(), "info".into()),
-        ];
-        for (k, v) in extra {
-            env.push(((*k).to_owned(), (*v).to_owned()));
-        }
-        Self { child: None, base: format!("http://127.0.0.1:{port}"), dir, env, starts: 0 }
-    }
-
-    async fn start(&mut self, http: &reqwest::Client) {
-        self.starts += 1;
-        let log = std::fs::File::create(self.dir.join(format!("clawmux-{}.log", self.starts))).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_clawmux"))
-            .arg("serve")
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(r) = http.get(format!("{}/readyz", self.base)).send().await {
-                if r.status() == 200 {
-                    return;
-                }
-            }
-            assert!(Instant::now() < deadline, "clawmux did not become ready; log: {}", self.log());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join(format!("clawmux-{}.log", self.starts))).unwrap_or_default()
-    }
-
-    fn kill_9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// SIGTERM; returns the time the process took to exit.
-    fn sigterm(&mut self) -> Duration {
-        let mut c = self.child.take().unwrap();
-        let t0 = std::time::Instant::now();
-        let st = Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap();
-        assert!(st.success());
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                assert!(status.success(), "clawmux exited with {status} after SIGTERM; log: {}", self.log());
-                return t0.elapsed();
-            }
-            assert!(std::time::Instant::now() < deadline, "clawmux did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Clawmux {
-    fn drop(&mut self) {
-        self.kill_9();
-    }
-}
-
-/// What a client saw of one run, across any number of (re-)attachments.
-#[derive(Default)]
-struct Seen {
-    events: Vec<SseEvent>,
-    /// Streams that ended without a terminal event (a dropped connection, a handoff).
-    cut: usize,
-}
-
-impl Seen {
-    fn last_id(&self) -> u64 {
-        self.events.last().map_or(0, |e| e.id)
-    }
-    fn text(&self) -> String {
-        self.events.iter().filter(|e| e.event == "text_delta").filter_map(|e| e.data["text"].as_str()).collect()
-    }
-    fn terminal(&self) -> Option<&SseEvent> {
-        self.events.iter().find(|e| e.event == "final" || e.event == "error")
-    }
-}
-
-/// Reads one SSE stream into `seen` until it ends (terminal, closed or cut), bounded.
-async fn read_stream(resp: reqwest::Response, seen: Arc<Mutex<Seen>>, within: Duration) {
-    let mut stream = resp.bytes_stream();
-    let mut buf = String::new();
-    let deadline = Instant::now() + within;
-    loop {
-        match tokio::time::timeout_at(deadline, stream.next()).await {
-            Ok(Some(Ok(chunk))) => {
-                buf.push_str(&String::from_utf8_lossy(&chunk));
-                while let Some(pos) = buf.find("\n\n") {
-                    let block: String = buf.drain(..pos + 2).collect();
-                    for ev in parse_sse(&block) {
-                        let terminal = ev.event == "final" || ev.event == "error";
-                        seen.lock().unwrap().events.push(ev);
-                        if terminal {
-                            return;
-                        }
-                    }
-                }
-            }
-            _ => {
-                seen.lock().unwrap().cut += 1;
-                return;
-            }
-        }
-    }
-}
-
-async fn attach(http: &reqwest::Client, base: &str, run_id: &str, after: u64) -> reqwest::Response {
-    let mut r = http.get(format!("{base}/v1/runs/{run_id}/events")).header("accept", "text/event-stream");
-    if after > 0 {
-        r = r.header("last-event-id", after.to_string());
-    }
-    let resp = r.send().await.unwrap();
-    assert_eq!(resp.status(), 200, "re-attach {run_id}");
-    resp
+/// clawmux as a child process against `gw`, on a store of its own.
+fn clawmux(gw: &ReplayHandle, extra: &[(&str, &str)]) -> Clawmux {
+    let mut env = vec![("CLAWMUX_DEVICE_IDENTITY", "off")];
+    env.extend_from_slice(extra);
+    Clawmux::new(&gw.url(), GW_TOKEN, &env)
 }
 
 fn body(i: usize, tag: &str) -> Value {
@@ -187,18 +52,44 @@ fn body(i: usize, tag: &str) -> Value {
 async fn post_runs(http: &reqwest::Client, base: &str, n: usize, tag: &str) -> Vec<String> {
     let mut ids = Vec::new();
     for i in 0..n {
-        let r = http
-            .post(format!("{base}/v1/runs?wait=false"))
-            .header("idempotency-key", format!("{tag}-idem-{i}"))
-            .json(&body(i, tag))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202, "{:?}", r.text().await);
-        let doc: Value = r.json().await.unwrap();
-        ids.push(doc["runId"].as_str().unwrap().to_owned());
+        ids.push(post_run(http, base, &body(i, tag), &format!("{tag}-idem-{i}")).await);
     }
     ids
+}
+
+/// Posts one run (`wait=false`: 202 at once); returns its run id.
+async fn post_run(http: &reqwest::Client, base: &str, body: &Value, idempotency_key: &str) -> String {
+    let r = http.post(format!("{base}/v1/runs?wait=false")).header("idempotency-key", idempotency_key).json(body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    let doc: Value = r.json().await.unwrap();
+    doc["runId"].as_str().unwrap().to_owned()
+}
+
+/// Attaches a reader to every run (from `Last-Event-ID` on; runs already ended are skipped).
+async fn attach_all(http: &reqwest::Client, base: &str, seen: &HashMap<String, Arc<Mutex<Seen>>>, within: Duration) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut readers = Vec::new();
+    for (id, s) in seen {
+        if s.lock().unwrap().terminal().is_some() {
+            continue;
+        }
+        let after = s.lock().unwrap().last_id();
+        let resp = attach(http, base, id, after).await;
+        readers.push(tokio::spawn(read_stream(resp, s.clone(), within)));
+    }
+    readers
+}
+
+/// Waits (bounded) until `check` holds.
+async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn doc(http: &reqwest::Client, base: &str, run_id: &str) -> Value {
+    http.get(format!("{base}/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap()
 }
 
 /// Every run: ids 1..=n without gap or repeat, `accepted` first, exactly one terminal event and it
@@ -207,30 +98,13 @@ fn check_runs(seen: &HashMap<String, Arc<Mutex<Seen>>>, ids: &[String], tag: &st
     let mut problems = Vec::new();
     for (i, id) in ids.iter().enumerate() {
         let s = seen[id].lock().unwrap();
-        let got: Vec<u64> = s.events.iter().map(|e| e.id).collect();
-        if got != (1..=got.len() as u64).collect::<Vec<_>>() {
-            problems.push(format!("{id}: event ids {got:?}"));
+        if let Some(p) = s.problems() {
+            problems.push(format!("{id}: {}", p.chars().take(300).collect::<String>()));
             continue;
         }
-        let terminals = s.events.iter().filter(|e| e.event == "final" || e.event == "error").count();
-        if terminals != 1 {
-            problems.push(format!("{id}: {terminals} terminal events"));
-            continue;
-        }
-        let t = s.terminal().unwrap();
-        if t.event != "final" {
-            problems.push(format!("{id}: ended {t:?}"));
-            continue;
-        }
-        let content = t.data["content"].as_str().unwrap_or_default();
-        if s.text() != content {
-            problems.push(format!("{id}: deltas {:?}… != content {:?}…", s.text().chars().take(60).collect::<String>(), content.chars().take(60).collect::<String>()));
-        }
+        let content = s.terminal().unwrap().data["content"].as_str().unwrap_or_default().to_owned();
         if !content.starts_with(&format!("<{tag}-{i}> [track:long] | ")) {
             problems.push(format!("{id}: not its own content: {:?}", content.chars().take(60).collect::<String>()));
-        }
-        if s.events[0].event != "accepted" {
-            problems.push(format!("{id}: first event {:?}", s.events[0]));
         }
     }
     assert!(problems.is_empty(), "{} of {} runs wrong:\n{}", problems.len(), ids.len(), problems.join("\n"));
@@ -256,7 +130,7 @@ async fn kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing() {
     const N: usize = 200;
     let gw = slow_gateway();
     let http = http();
-    let mut app = Clawmux::new(&gw, &[]);
+    let mut app = clawmux(&gw, &[]);
     app.start(&http).await;
     let ids = post_runs(&http, &app.base, N, "k9").await;
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
@@ -323,7 +197,7 @@ async fn sigterm_hands_runs_off_to_the_next_start() {
     const N: usize = 50;
     let gw = slow_gateway();
     let http = http();
-    let mut app = Clawmux::new(&gw, &[]);
+    let mut app = clawmux(&gw, &[]);
     app.start(&http).await;
     let ids = post_runs(&http, &app.base, N, "term").await;
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
@@ -372,7 +246,7 @@ async fn sigterm_with_shutdown_cancel_cancels_every_run() {
     const N: usize = 20;
     let gw = slow_gateway();
     let http = http();
-    let mut app = Clawmux::new(&gw, &[("CLAWMUX_SHUTDOWN", "cancel")]);
+    let mut app = clawmux(&gw, &[("CLAWMUX_SHUTDOWN", "cancel")]);
     app.start(&http).await;
     let ids = post_runs(&http, &app.base, N, "cancel").await;
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
@@ -400,4 +274,232 @@ async fn sigterm_with_shutdown_cancel_cancels_every_run() {
     app.start(&http).await;
     let v: Value = http.get(format!("{}/v1/runs?status=queued,running", app.base)).send().await.unwrap().json().await.unwrap();
     assert_eq!(v["runs"].as_array().map(Vec::len), Some(0), "{v}");
+}
+
+/// Four runs of one conversation (same account and `stateKey`) queue behind each other; clawmux is
+/// killed while the first one streams. After the restart they run in their admission order, each
+/// once, and the waiting ones say `queued`. Their run ids sort the other way round, so an order by
+/// id (or by anything but admission) shows.
+#[actix_rt::test]
+async fn kill_9_keeps_queued_runs_in_their_admission_order() {
+    const N: usize = 4;
+    let gw = gateway_at(2.0);
+    let http = http();
+    let mut app = clawmux(&gw, &[]);
+    app.start(&http).await;
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let mut b = body(i, "queue");
+        b["billingAccountId"] = json!("acct-queue");
+        b["stateKey"] = json!("conversation-1");
+        b["runId"] = json!(format!("run-{}-queue", N - i));
+        ids.push(post_run(&http, &app.base, &b, &format!("queue-idem-{i}")).await);
+    }
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await;
+    eventually(Duration::from_secs(30), "the first run streams", || !seen[&ids[0]].lock().unwrap().text().is_empty()).await;
+    // Held where it is until the checks below ran (a paused run's clock stands still).
+    gw.set_paused(true);
+    app.kill_9();
+    for r in readers {
+        r.await.unwrap();
+    }
+    assert_eq!(gw.runs().len(), 1, "only the first run had reached the gateway");
+
+    app.start(&http).await;
+    assert_eq!(doc(&http, &app.base, &ids[0]).await["status"], "running");
+    for id in &ids[1..] {
+        let d = doc(&http, &app.base, id).await;
+        assert_eq!(d["status"], "queued", "{d}");
+    }
+    gw.set_paused(false);
+    for r in attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await {
+        r.await.unwrap();
+    }
+    check_runs(&seen, &ids, "queue");
+    check_gateway_ran_each_once(&gw, N);
+    let started: Vec<String> = gw.runs().iter().map(|r| r.message.clone()).collect();
+    let admitted: Vec<String> = (0..N).map(|i| body(i, "queue")["message"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(started, admitted, "the gateway got the runs in another order than they were admitted");
+    let mut finished = Vec::new();
+    for id in &ids {
+        finished.push(doc(&http, &app.base, id).await["finishedAt"].as_str().unwrap().to_owned());
+    }
+    assert!(finished.windows(2).all(|w| w[0] < w[1]), "finished out of admission order: {finished:?}");
+}
+
+/// clawmux dies after sending `agent` but before the gateway's ACK reached it: once with the ACK
+/// lost (the gateway has the run), once with the request lost (it has not). After the restart both
+/// are sent again under their stored idempotency keys: the first is deduped (`in_flight`), the
+/// second starts; each runs once on the gateway and ends with its own text.
+#[actix_rt::test]
+async fn kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once() {
+    let gw = gateway_at(2.0);
+    gw.script_runs("<ack-0>", RunScript { lose_ack: true, ..RunScript::default() });
+    gw.lose_agent_requests("<ack-1>", 1);
+    gw.set_paused(true);
+    let http = http();
+    let mut app = clawmux(&gw, &[]);
+    app.start(&http).await;
+    let agents = |gw: &ReplayHandle| gw.stats().requests_received.get("agent").copied().unwrap_or(0);
+    let mut ids = vec![post_run(&http, &app.base, &body(0, "ack"), "ack-idem-0").await];
+    ids.push(post_run(&http, &app.base, &body(1, "ack"), "ack-idem-1").await);
+    eventually(Duration::from_secs(20), "both agent requests sent", || agents(&gw) == 2).await;
+    assert_eq!(gw.runs().len(), 1, "the ACK-less run is on the gateway, the lost one is not");
+    // Stored once this returns: the run store commits in order, so the checkpoints written before
+    // the two `agent` frames went out are stored too (the restart sees both as sent, not ACKed).
+    ids.push(post_run(&http, &app.base, &body(2, "ack"), "ack-idem-2").await);
+    for id in &ids[..2] {
+        let d = doc(&http, &app.base, id).await;
+        assert!(d["gatewayRunId"].is_null(), "{id} was acknowledged: {d}");
+    }
+    app.kill_9();
+
+    app.start(&http).await;
+    // Both are sent again; the lost one reaches the gateway this time.
+    eventually(Duration::from_secs(20), "the lost run sent again", || gw.runs().iter().any(|r| r.message.starts_with("<ack-1>"))).await;
+    gw.set_paused(false);
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    for r in attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await {
+        r.await.unwrap();
+    }
+    check_runs(&seen, &ids, "ack");
+    check_gateway_ran_each_once(&gw, 3);
+    for (i, id) in ids.iter().enumerate() {
+        let d = doc(&http, &app.base, id).await;
+        let rec = gw.runs().into_iter().find(|r| r.message.starts_with(&format!("<ack-{i}>"))).unwrap();
+        assert_eq!(d["gatewayRunId"].as_str(), Some(rec.run_id.as_str()), "{id}: the gateway ran it under another key");
+    }
+    assert!(agents(&gw) >= 4, "the two runs were not sent again: {} agent requests", agents(&gw));
+}
+
+/// The gateway restarted while clawmux was down (a new boot id, its runs gone): every resumed run
+/// ends `gateway_disconnected` as soon as clawmux is connected again, without waiting out its
+/// timeout, and nothing is started on the new gateway in its place.
+#[actix_rt::test]
+async fn kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected() {
+    const N: usize = 5;
+    let gw = slow_gateway();
+    let http = http();
+    let mut app = clawmux(&gw, &[]);
+    app.start(&http).await;
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let mut b = body(i, "boot");
+        // Far beyond the bound below: ending by the timeout would fail the test.
+        b["timeoutSec"] = json!(120);
+        ids.push(post_run(&http, &app.base, &b, &format!("boot-idem-{i}")).await);
+    }
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await;
+    eventually(Duration::from_secs(30), "every run streams", || seen.values().all(|s| !s.lock().unwrap().text().is_empty())).await;
+    app.kill_9();
+    for r in readers {
+        r.await.unwrap();
+    }
+    gw.drop_connections(true);
+
+    app.start(&http).await;
+    for r in attach_all(&http, &app.base, &seen, Duration::from_secs(30)).await {
+        r.await.unwrap();
+    }
+    for id in &ids {
+        let s = seen[id].lock().unwrap();
+        let t = s.terminal().unwrap_or_else(|| panic!("{id}: no terminal event within 30 s of the restart"));
+        assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("gateway_disconnected")), "{id}: {t:?}");
+    }
+    assert_eq!(gw.runs().len(), N, "a resumed run was started on the restarted gateway");
+    assert!(gw.runs().iter().all(|r| r.status == RunStatus::Forgotten));
+}
+
+/// An LLM upstream whose streamed answers send their first chunk at once and the rest only once
+/// `release` is set: an LLM stream through clawmux's proxy that lasts as long as the test wants.
+async fn held_upstream() -> (u16, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (release, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let mut rx = rx.clone();
+            tokio::spawn(async move {
+                // The request: its head, then as many body bytes as it announces.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 8192];
+                loop {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let len = head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0);
+                        if buf.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+                let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"held\"}}]}\n\n";
+                let _ = sock.write_all(format!("{head}{first}").as_bytes()).await;
+                let _ = rx.wait_for(|r| *r).await;
+                let _ = sock.write_all(b"data: [DONE]\n\n").await;
+            });
+        }
+    });
+    (port, release)
+}
+
+/// SIGTERM (handoff) while an LLM stream of a run is in flight through the proxy: from the moment
+/// live streams end until the process exits (the proxy lets the stream finish first), a new run is
+/// refused with `503` + `Retry-After`, and so is re-attaching to the unfinished run (its stream
+/// would end at once); documents are still served. Then the process exits on its own.
+#[actix_rt::test]
+async fn sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits() {
+    let gw = gateway_at(1.0);
+    gw.set_paused(true);
+    let (upstream_port, release) = held_upstream().await;
+    let proxy = format!("127.0.0.1:{}", child::free_port());
+    let upstream = format!("http://127.0.0.1:{upstream_port}");
+    let http = http();
+    let mut app = clawmux(&gw, &[("CLAWMUX_PROXY_LISTEN", proxy.as_str()), ("CLAWMUX_LLM_UPSTREAM_URL", upstream.as_str())]);
+    app.start(&http).await;
+    let (_, traceparent) = common::new_traceparent();
+    let r = http.post(format!("{}/v1/runs?wait=false", app.base)).header("traceparent", &traceparent).json(&body(0, "term503")).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let id = r.json::<Value>().await.unwrap()["runId"].as_str().unwrap().to_owned();
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let reader = tokio::spawn(read_stream(attach(&http, &app.base, &id, 0).await, seen.clone(), Duration::from_secs(60)));
+    eventually(Duration::from_secs(20), "the run is accepted", || seen.lock().unwrap().events.iter().any(|e| e.event == "accepted")).await;
+    // One of its LLM calls, made as the gateway would (same trace id), in flight through the proxy.
+    let llm = http.post(format!("http://{proxy}/v1/chat/completions")).header("traceparent", &traceparent).json(&common::chat_body("hi", true)).send().await.unwrap();
+    assert_eq!(llm.status(), 200);
+    let mut llm = llm.bytes_stream();
+    let first = tokio::time::timeout(Duration::from_secs(20), llm.next()).await.unwrap().unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("held"));
+
+    app.send_sigterm();
+    // The handoff has begun once the live stream ended (without a terminal event).
+    reader.await.unwrap();
+    assert!(seen.lock().unwrap().terminal().is_none());
+    for i in 0..3 {
+        let r = http.post(format!("{}/v1/runs?wait=false", app.base)).json(&body(i + 1, "term503")).send().await.unwrap();
+        let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        assert_eq!((r.status().as_u16(), retry.is_some_and(|s| s >= 1)), (503, true), "a new run during the handoff: {:?}", r.headers());
+        let r = http.get(format!("{}/v1/runs/{id}/events", app.base)).header("last-event-id", "1").send().await.unwrap();
+        let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        assert_eq!((r.status().as_u16(), retry.is_some_and(|s| s >= 1)), (503, true), "re-attaching during the handoff: {:?}", r.headers());
+        assert_eq!(doc(&http, &app.base, &id).await["status"], "running");
+    }
+    assert!(app.running(), "exited with an LLM stream in flight through its proxy");
+    assert_eq!(gw.runs().len(), 1, "a run was admitted during the handoff");
+    release.send_replace(true);
+    let mut rest = String::new();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(20), llm.next()).await.unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert!(rest.contains("[DONE]"), "the LLM stream was cut at shutdown: {rest:?}");
+    app.wait_exit(Duration::from_secs(30));
+    assert!(http.post(format!("{}/v1/runs?wait=false", app.base)).json(&body(9, "term503")).send().await.is_err(), "still answering after exit");
 }

@@ -40,15 +40,16 @@ NETNS_DIR="$(mktemp -d /tmp/clawmux-gwns.XXXXXX)"
 NETNS_NAME="cmx$$"
 GWC_DIR="$(mktemp -d /tmp/clawmux-gwc.XXXXXX)"
 CHAOS_DIR="$(mktemp -d /tmp/clawmux-gwchaos.XXXXXX)"
+RESTART_DIR="$(mktemp -d /tmp/clawmux-gwrestart.XXXXXX)"
 cleanup() {
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
-  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR" "$CHAOS_DIR"; do
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -72,6 +73,15 @@ CLAWMUX_REAL_GATEWAY_ENV="$BILLING_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
 tests/support/gateway.sh stop "$BILLING_DIR"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+say "clawmux killed mid-run and restarted, real OpenClaw gateway, billing through its LLM proxy"
+# A gateway of its own: the test kills clawmux (and its proxy) with kill -9 while the gateway's LLM
+# streams run through it, and starts it again on the same store and proxy port.
+PROXY_PORT="$(free_port)"
+PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" tests/support/gateway.sh start "$RESTART_DIR" v4
+CLAWMUX_RESTART_GATEWAY_ENV="$RESTART_DIR/env" CLAWMUX_REQUIRE_RESTART_GATEWAY=1 \
+  cargo test --locked --test real_restart -- --test-threads=1 proxied_restart_
+tests/support/gateway.sh stop "$RESTART_DIR"
 
 say "the same conformance suite against the protocol-3 gateway (openclaw@2026.4.12)"
 # Protocol 3 needs the device identity (scopes), attributes LLM calls by the per-run token in

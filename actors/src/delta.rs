@@ -28,8 +28,9 @@ impl DeltaTracker {
     }
 
     /// A tracker continuing a run whose deltas so far concatenate to `emitted` (a restart of
-    /// clawmux lost the tracker, not the delivered text). The next cumulative frame continues
-    /// where `emitted` ends: its longest prefix that `emitted` already ends with is not repeated.
+    /// clawmux lost the tracker, not the delivered text). Frames whose text was delivered already
+    /// repeat nothing; the first one that goes beyond continues where `emitted` ends: its longest
+    /// prefix that `emitted` already ends with is not repeated.
     pub fn resumed(emitted: String) -> Self {
         Self { turn: String::new(), resuming: !emitted.is_empty(), emitted }
     }
@@ -40,21 +41,19 @@ impl DeltaTracker {
             return None;
         }
         if self.resuming {
-            self.resuming = false;
-            let k = overlap(&self.emitted, cumulative);
-            self.turn = cumulative.to_owned();
-            if k == 0 {
-                // Nothing of it was delivered: a new turn.
-                let out = format!("\n\n{cumulative}");
-                self.emitted.push_str(&out);
-                return Some(out);
-            }
-            let ext = &cumulative[k..];
-            if ext.is_empty() {
+            if self.emitted.contains(cumulative) {
+                // Delivered already: the turn the restart cut is being sent again from its start
+                // (the gateway retried an LLM call the restart cut short), or is not past the cut
+                // yet. Wait for a frame that goes beyond what was delivered.
                 return None;
             }
-            self.emitted.push_str(ext);
-            return Some(ext.to_owned());
+            self.resuming = false;
+            self.turn = cumulative.to_owned();
+            let k = overlap(&self.emitted, cumulative);
+            // Nothing of it was delivered: a new turn; else it continues where `emitted` ends.
+            let out = if k == 0 { format!("\n\n{cumulative}") } else { cumulative[k..].to_owned() };
+            self.emitted.push_str(&out);
+            return Some(out);
         }
         if let Some(ext) = cumulative.strip_prefix(self.turn.as_str()) {
             if ext.is_empty() {
@@ -203,6 +202,23 @@ mod tests {
         assert_eq!(t.push("héllo wörld").as_deref(), Some("rld"));
     }
 
+    #[test]
+    fn a_turn_sent_again_from_its_start_after_a_resume_repeats_nothing() {
+        // The restart cut the LLM stream too: the gateway retried the call and streams the same
+        // answer again from its start.
+        let mut t = DeltaTracker::resumed("Reply: w1 w2 w3".to_owned());
+        for frame in ["Reply", "Reply: w1", "Reply: w1 w2 w3"] {
+            assert_eq!(t.push(frame), None, "{frame}");
+        }
+        assert_eq!(t.push("Reply: w1 w2 w3 w4").as_deref(), Some(" w4"));
+        assert_eq!(t.push("Reply: w1 w2 w3 w4 w5").as_deref(), Some(" w5"));
+        assert_eq!(t.emitted(), "Reply: w1 w2 w3 w4 w5");
+        // Periodic text: no later occurrence of a prefix is mistaken for the turn's start.
+        let mut t = DeltaTracker::resumed("abab".to_owned());
+        let out: Vec<String> = ["a", "ab", "aba", "abab", "ababc"].iter().filter_map(|f| t.push(f)).collect();
+        assert_eq!(out, ["c"]);
+    }
+
     proptest! {
         /// After a restart at any point of a turn, the deltas still concatenate to the text.
         #[test]
@@ -215,6 +231,25 @@ mod tests {
             if let Some(d) = t.push(&turn) { joined.push_str(&d); }
             if let Some(d) = t.push(&full) { joined.push_str(&d); }
             // A cut at 0 is a fresh start; otherwise the restart continues the same turn.
+            prop_assert_eq!(joined, full);
+        }
+
+        /// After a restart that also cut the turn's LLM stream, the turn is streamed again from
+        /// its start: the deltas still concatenate to the text, nothing repeated.
+        #[test]
+        fn a_turn_restreamed_after_a_resume_loses_and_repeats_nothing(turn in "[abé ]{1,30}", cut in 1usize..30, more in "[abé ]{0,10}", step in 1usize..5) {
+            let mut cut = cut.min(turn.len());
+            while !turn.is_char_boundary(cut) { cut -= 1; }
+            prop_assume!(cut > 0);
+            let full = format!("{turn}{more}");
+            let mut t = DeltaTracker::resumed(turn[..cut].to_owned());
+            let mut joined = turn[..cut].to_owned();
+            let mut end = 0;
+            while end < full.len() {
+                end = (end + step).min(full.len());
+                while !full.is_char_boundary(end) { end += 1; }
+                if let Some(d) = t.push(&full[..end]) { joined.push_str(&d); }
+            }
             prop_assert_eq!(joined, full);
         }
 

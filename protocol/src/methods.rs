@@ -119,7 +119,7 @@ pub struct AgentAck {
     /// Protocol 4 only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_key: Option<String>,
-    /// Always `accepted`.
+    /// `accepted`, or `in_flight` for a repeated idempotency key of a run still running.
     pub status: String,
     /// Gateway time in ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -214,7 +214,9 @@ pub fn decode_agent_reply(payload: &str) -> Result<AgentReply, DecodeError> {
     let malformed = |e: serde_json::Error| DecodeError::Malformed { what: "agent res".to_owned(), reason: e.to_string() };
     let s: Status<'_> = serde_json::from_str(payload).map_err(malformed)?;
     match s.status.as_deref() {
-        Some("accepted") => Ok(AgentReply::Ack(serde_json::from_str(payload).map_err(malformed)?)),
+        // `in_flight`: a repeated idempotency key of a run the gateway is still running (its final
+        // goes to the first request only): the ACK of that run, not a result.
+        Some("accepted" | "in_flight") => Ok(AgentReply::Ack(serde_json::from_str(payload).map_err(malformed)?)),
         Some(_) => Ok(AgentReply::Final(serde_json::from_str(payload).map_err(malformed)?)),
         None => Err(DecodeError::Malformed { what: "agent res".to_owned(), reason: "missing status".to_owned() }),
     }
@@ -306,6 +308,19 @@ mod tests {
         let AgentReply::Final(f) = fin else { panic!("final expected") };
         assert_eq!(f.content(), "a\n\nb");
         assert_eq!(f.usage_hint(), Some((10, 3)));
+    }
+
+    #[test]
+    fn a_repeated_key_of_a_running_run_is_its_ack() {
+        // openclaw 2026.9.6 (agent-dedupe): the cached ACK with `status: "in_flight"`, or only the
+        // run id when the admission timed out.
+        for raw in [
+            r#"{"runId":"k1","status":"in_flight","sessionKey":"s","agentId":"main","admissionPending":true}"#,
+            r#"{"runId":"k1","status":"in_flight"}"#,
+        ] {
+            let reply = decode_agent_reply(raw).expect("in_flight decodes");
+            assert!(matches!(reply, AgentReply::Ack(ref a) if a.run_id == "k1" && a.status == "in_flight"), "{raw}: {reply:?}");
+        }
     }
 
     #[test]

@@ -365,6 +365,10 @@ pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state:
             .and_then(|s| s.trim().parse::<u64>().ok())
             .ok_or_else(|| ApiError::invalid("header `Last-Event-ID`: must be an event id (a non-negative integer)"))?,
     };
+    if *state.stopping.borrow() && !view.is_finished() {
+        // Its stream would end at once: the client would spin on this process until it exits.
+        return Err(ApiError::unavailable("clawmux is shutting down; re-attach to the next instance"));
+    }
     // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
     let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: false };
     sse_response(&req, &state, view, after, guard).await

@@ -158,6 +158,7 @@ async fn a_script_surrounds_the_final_res_and_patches_it() {
         final_patch: Some(json!({"result": {"payloads": [{"text": "patched"}]}})),
         before_final: vec![ScriptFrame::chat("aborted", "partial"), ScriptFrame::chat("final", "other")],
         after_final: vec![ScriptFrame::chat("error", "late"), ScriptFrame::Res(json!({"status": "error"}))],
+        ..RunScript::default()
     };
     gw.script_runs("<scripted>", script);
     let (mut ws, _) = connect(&gw).await;
@@ -187,5 +188,53 @@ async fn a_script_surrounds_the_final_res_and_patches_it() {
     let rec = gw.runs().pop().unwrap();
     assert_eq!((rec.status, rec.aborted), (RunStatus::Ok, false));
     assert_eq!(gw.stats().requests_received.get("agent"), Some(&1));
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_ack_is_never_sent_and_a_repeated_key_finds_the_run() {
+    let gw = start(ReplayConfig::default().speed(0.0));
+    gw.set_paused(true);
+    gw.script_runs("<no-ack>", RunScript { lose_ack: true, ..RunScript::default() });
+    let (mut ws, _) = connect(&gw).await;
+    let params = json!({"message": "<no-ack> [track:short]", "agentId": "main", "sessionKey": "agent:main:s1", "idempotencyKey": "run-1"});
+    send(&mut ws, "a1", "agent", params.clone()).await;
+    // The run is taken (held by the pause), but nothing answers the request.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while gw.runs().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the run was not taken");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    send(&mut ws, "h", "health", json!({})).await;
+    let f = next_where(&mut ws, |f| f["type"] == "res").await;
+    assert_eq!(f["id"], "h", "the ACK went out: {f}");
+    // The same key again: the ACK of the run in flight, not a second run.
+    send(&mut ws, "a2", "agent", params).await;
+    let ack = next_where(&mut ws, |f| f["type"] == "res").await;
+    assert_eq!((ack["id"].as_str(), ack["payload"]["status"].as_str(), ack["payload"]["runId"].as_str()), (Some("a2"), Some("in_flight"), Some("run-1")));
+    assert_eq!(gw.runs().len(), 1);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_agent_request_is_never_seen_and_the_next_one_runs() {
+    let gw = start(ReplayConfig::default().speed(0.0));
+    gw.lose_agent_requests("<lost>", 1);
+    let (mut ws, _) = connect(&gw).await;
+    let params = json!({"message": "<lost> [track:short]", "agentId": "main", "sessionKey": "agent:main:s1", "idempotencyKey": "run-1"});
+    send(&mut ws, "a1", "agent", params.clone()).await;
+    send(&mut ws, "h", "health", json!({})).await;
+    let f = next_where(&mut ws, |f| f["type"] == "res").await;
+    assert_eq!(f["id"], "h", "the lost request was answered: {f}");
+    assert!(gw.runs().is_empty());
+    assert_eq!(gw.stats().requests_received.get("agent"), Some(&1));
+    // Sent again: it runs, once.
+    send(&mut ws, "a2", "agent", params).await;
+    let ack = next_where(&mut ws, |f| f["type"] == "res").await;
+    assert_eq!((ack["id"].as_str(), ack["payload"]["status"].as_str()), (Some("a2"), Some("accepted")));
+    let fin = next_where(&mut ws, |f| f["type"] == "res").await;
+    assert_eq!((fin["id"].as_str(), fin["payload"]["status"].as_str()), (Some("a2"), Some("ok")));
+    assert_eq!(gw.runs().len(), 1);
+    assert_eq!(gw.stats().requests_received.get("agent"), Some(&2));
     gw.stop().await;
 }

@@ -93,6 +93,13 @@ fn params<T: DeserializeOwned>(method: &str, raw: &Value, fields: &[Field], prot
 pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, raw_params: Value) {
     let protocol = shared.protocol();
     shared.lock().count_request(&req.method);
+    if req.method == name::AGENT {
+        let message = raw_params.get("message").and_then(Value::as_str).unwrap_or_default();
+        if shared.lock().lose_agent_request(message) {
+            tracing::info!("replay gateway: losing an agent request, as asked");
+            return;
+        }
+    }
     if !offers(&shared.cfg, &req.method) {
         return respond(shared, conn, &req.id, Err(invalid(format!("unknown method: {}", req.method))));
     }

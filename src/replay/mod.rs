@@ -246,6 +246,14 @@ impl ReplayHandle {
         self.inner.shared.lock().scripts.push((marker.to_owned(), script));
     }
 
+    /// Loses the next `n` `agent` requests whose message contains `marker`: they are counted in
+    /// [`ReplayStats::requests_received`] (so a test sees they were sent) but never handled nor
+    /// answered, as a request still in the buffers of a connection that died. Later ones (a retry
+    /// with the same idempotency key) are handled as usual.
+    pub fn lose_agent_requests(&self, marker: &str, n: usize) {
+        self.inner.shared.lock().lost_agent_requests.push((marker.to_owned(), n));
+    }
+
     /// Holds every run before its next event (ACKs still go out); `false` lets them go on. A
     /// paused run's recorded clock stands still, so the remaining gaps are kept.
     pub fn set_paused(&self, paused: bool) {

@@ -321,7 +321,7 @@ pub(crate) async fn play(shared: Arc<Shared>, plan: RunPlan) {
 
     // 1. The ACK: immediate on the gateway apart from its own latency, never held by a pause.
     tokio::time::sleep_until(player.plan.requested_at + scaled(speed, player.plan.rendered.ack_t_ms)).await;
-    {
+    if !player.plan.script.lose_ack {
         let mut ack = player.plan.rendered.ack.clone();
         if let Some(obj) = ack.as_object_mut() {
             if obj.contains_key("acceptedAt") {

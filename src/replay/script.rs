@@ -4,7 +4,7 @@
 //!
 //! A script is registered on the handle ([`ReplayHandle::script_runs`](super::ReplayHandle::script_runs))
 //! for every run whose message contains a marker; the run replays its track as usual and the
-//! script changes only its end:
+//! script changes only its ACK (which it can lose) and its end:
 //!
 //! ```text
 //! … recorded events due before the final …
@@ -26,6 +26,10 @@ pub struct RunScript {
     pub before_final: Vec<ScriptFrame>,
     /// Sent right after the final `res`, in order.
     pub after_final: Vec<ScriptFrame>,
+    /// `true`: the `res` that acknowledges the run is never sent, as when it was lost with a
+    /// client that died between sending `agent` and reading the answer. The run itself is taken
+    /// (and deduped) and plays on as usual.
+    pub lose_ack: bool,
 }
 
 /// One scripted frame of a run.

@@ -337,6 +337,10 @@ pub(crate) struct State {
     pub booted_at: Option<std::time::Instant>,
     /// Scripted run endings: a run whose message contains the marker follows the first match.
     pub scripts: Vec<(String, RunScript)>,
+    /// `agent` requests still to be lost, by marker: a request whose message contains the marker
+    /// is dropped unhandled (the first registered match with a count left), like a frame still in
+    /// a dying connection's buffers.
+    pub lost_agent_requests: Vec<(String, usize)>,
 }
 
 /// State plus the immutable configuration and the lock-free knobs.
@@ -522,6 +526,17 @@ impl State {
             None => {
                 self.totals.requests.insert(method.to_owned(), 1);
             }
+        }
+    }
+
+    /// Whether an `agent` request with this message is to be lost (and counts it if so).
+    pub fn lose_agent_request(&mut self, message: &str) -> bool {
+        match self.lost_agent_requests.iter_mut().find(|(marker, left)| *left > 0 && message.contains(marker.as_str())) {
+            Some((_, left)) => {
+                *left -= 1;
+                true
+            }
+            None => false,
         }
     }
 
