@@ -881,3 +881,104 @@ async fn a_malformed_or_foreign_ack_ends_the_run_gateway_protocol_error_and_canc
     assert_eq!(env.disconnects().await, 0.0);
     assert_no_panics("a malformed or foreign ack ends the run gateway protocol error and cancels its gateway run");
 }
+
+#[actix_rt::test]
+async fn a_malformed_or_foreign_final_res_ends_the_run_gateway_protocol_error() {
+    let env = env(fast()).await;
+    let foreign_payloads = json!({"payloads": [{"text": FOREIGN, "mediaUrl": null}]});
+    let cases = [
+        ("final-status-unknown", json!({"status": "exploded"})),
+        ("final-without-run-id", json!({"runId": null})),
+        ("final-payloads-not-a-list", json!({"result": {"payloads": "text"}})),
+        ("final-not-an-object", json!(["ok"])),
+        ("final-of-another-run", json!({"runId": "someone-elses-run", "result": foreign_payloads})),
+    ];
+    let mut runs = Vec::new();
+    for (i, (name, patch)) in cases.iter().enumerate() {
+        let m = unique(&format!("<{name}>"));
+        env.gw.script_runs(&m, RunScript { final_patch: Some(patch.clone()), ..RunScript::default() });
+        let sse = env.sse(&body(&m, &format!("acct-final-{i}"))).await;
+        runs.push((*name, m, sse));
+    }
+    for (name, m, sse) in &mut runs {
+        // The ACK was fine: the run was accepted and streamed; its answer cannot be trusted.
+        let run_id = assert_protocol_error(&env, sse, m, true, name).await;
+        assert_nothing_after_the_end(&env, &run_id, sse.events.len(), name).await;
+    }
+    a_run_works(&env, "after wrong finals").await;
+    assert_eq!(env.disconnects().await, 0.0);
+    assert_no_panics("a malformed or foreign final res ends the run gateway protocol error");
+}
+
+#[actix_rt::test]
+async fn a_malformed_or_foreign_agent_wait_answer_in_recovery_ends_the_run_gateway_protocol_error_and_cancels_it() {
+    let env = env(fast()).await;
+    env.gw.set_paused(true);
+    let cases = [
+        ("wait-status-not-a-string", json!({"status": 7})),
+        ("wait-status-unknown", json!({"status": "sideways", "endedAt": 5})),
+        ("wait-not-an-object", json!("ok")),
+        ("wait-ended-at-not-a-number", json!({"status": "ok", "endedAt": "yesterday"})),
+        (
+            "wait-of-another-run",
+            json!({"runId": "someone-elses-run", "status": "ok", "endedAt": 5, "terminalReply": {"text": FOREIGN}}),
+        ),
+    ];
+    let mut runs = Vec::new();
+    for (i, (name, reply)) in cases.iter().enumerate() {
+        let m = unique(&format!("<{name}>"));
+        env.gw.script_runs(&m, RunScript { wait_reply: Some(reply.clone()), ..RunScript::default() });
+        let mut sse = env.sse(&body(&m, &format!("acct-wait-{i}"))).await;
+        sse.accepted().await;
+        runs.push((*name, m, sse));
+    }
+    // The connection drops; clawmux reconnects to the same gateway process and asks `agent.wait`.
+    env.gw.drop_connections(false);
+    for (name, m, sse) in &mut runs {
+        let run_id = assert_protocol_error(&env, sse, m, true, name).await;
+        let gid = gw_run_of(&env, m).run_id;
+        let e = &env;
+        eventually(WAIT, &format!("{name}: the gateway run is cancelled"), || {
+            let gid = gid.clone();
+            async move { e.gw_run(&gid).aborted }
+        })
+        .await;
+        assert_nothing_after_the_end(&env, &run_id, sse.events.len(), name).await;
+    }
+    assert!(env.requests("agent.wait") >= cases.len() as u64);
+    env.gw.set_paused(false);
+    a_run_works(&env, "after wrong agent.wait answers").await;
+    assert_no_panics("a malformed or foreign agent wait answer in recovery ends the run gateway protocol error and cancels it");
+}
+
+#[actix_rt::test]
+async fn an_agent_wait_answered_at_once_as_not_ended_is_not_asked_again_in_a_tight_loop() {
+    // A gateway that answers every `agent.wait` at once with "the wait timed out" (the real one
+    // waits up to `timeoutMs` first). clawmux asks again while the run has time: at a bounded rate,
+    // not as fast as the answers come, and the run still ends at its own timeout, cancelled.
+    let env = env_with(fast(), |s| s.abort_grace = Duration::from_secs(1)).await;
+    env.gw.set_paused(true);
+    let m = unique("<instant-wait>");
+    env.gw.script_runs(&m, RunScript { wait_reply: Some(json!({"status": "timeout"})), ..RunScript::default() });
+    let mut b = body(&m, "acct-instant-wait");
+    b["timeoutSec"] = json!(4);
+    let mut sse = env.sse(&b).await;
+    let acc = sse.accepted().await;
+    let before = env.requests("agent.wait");
+    env.gw.drop_connections(false);
+    let fin = finish(&mut sse, WAIT, "instant agent.wait answers").await;
+    assert_error(&fin, "timeout", "instant agent.wait answers");
+    let asked = env.requests("agent.wait") - before;
+    // About one per second over the run's remaining ~4 s (plus the abort grace); unbounded, it
+    // was thousands.
+    assert!((1..=12).contains(&asked), "agent.wait asked {asked} times within the run's 4 s");
+    let gid = acc.gateway_run_id.clone();
+    let e = &env;
+    eventually(WAIT, "the timed-out run is cancelled on the gateway", || {
+        let gid = gid.clone();
+        async move { e.gw_run(&gid).aborted }
+    })
+    .await;
+    env.gw.set_paused(false);
+    assert_no_panics("an agent wait answered at once as not ended is not asked again in a tight loop");
+}
