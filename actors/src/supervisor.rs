@@ -153,7 +153,25 @@ pub type StatusHandle = Arc<RwLock<GatewayStatus>>;
 
 /// Gateway runs remembered at most for cancelling after a reconnect (oldest forgotten first, with
 /// a warning): a long outage must not grow memory without bound.
-const MAX_ABANDONED: usize = 10_000;
+pub const MAX_ABANDONED: usize = 10_000;
+
+/// What the supervisor holds, for checking its bounds (tests, diagnostics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SupervisorStats {
+    /// Requests waiting for their answer: bounded by the callers alive (an `agent` request, which
+    /// has no deadline of its own, is dropped once its caller is gone) plus the calls of the last
+    /// request timeout.
+    pub pending: usize,
+    /// Runs whose frames are routed (one per live run; frames never add any).
+    pub routes: usize,
+    /// Gateway runs remembered for cancelling once their gateway is back (at most [`MAX_ABANDONED`]).
+    pub abandoned: usize,
+}
+
+/// Asks the supervisor for its [`SupervisorStats`].
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "SupervisorStats")]
+pub struct Stats;
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -741,6 +759,13 @@ impl Handler<Abandon> for Supervisor {
     type Result = ();
     fn handle(&mut self, msg: Abandon, _ctx: &mut Context<Self>) {
         self.abandon(msg);
+    }
+}
+
+impl Handler<Stats> for Supervisor {
+    type Result = MessageResult<Stats>;
+    fn handle(&mut self, _msg: Stats, _ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(SupervisorStats { pending: self.pending.len(), routes: self.routes.len(), abandoned: self.abandoned.len() })
     }
 }
 
