@@ -532,6 +532,10 @@ impl Supervisor {
                 return;
             }
         }
+        // A caller that is gone waits for nothing. An `agent` request has no deadline here (its run
+        // owns it): without this, every run that ended before its final `res` came (a gateway that
+        // never sends it) would be held for as long as the connection lives.
+        self.pending.retain(|_, p| p.deadline.is_some() || p.reply_to.as_ref().is_some_and(Recipient::connected));
         let expired: Vec<String> =
             self.pending.iter().filter(|(_, p)| p.deadline.is_some_and(|d| d <= now)).map(|(id, _)| id.clone()).collect();
         for id in expired {

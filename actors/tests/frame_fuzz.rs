@@ -28,7 +28,7 @@ use clawmux_actors::routes::RouteTable;
 use clawmux_actors::supervisor::{Stats, MAX_ABANDONED};
 use clawmux_actors::{StatusHandle, Supervisor, SupervisorConfig};
 use clawmux_protocol::{decode_frame, DecodeError, Frame, GatewayEvent, SessionKey};
-use loopback::{CallProbe, Got, Loopback, Replies, RunProbe, SeenEvents, WAIT};
+use loopback::{CallProbe, Got, Leave, Loopback, Replies, RunProbe, SeenEvents, WAIT};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -438,6 +438,50 @@ async fn a_flood_of_misaddressed_frames_adds_nothing_the_supervisor_holds() {
     }
     assert!(caller.send(Replies).await.expect("caller").is_empty());
     assert_eq!(gw.connections(), 1);
+    stop_system().await;
+}
+
+/// An `agent` request has no deadline in the supervisor (its run owns it). When its caller is
+/// gone (the run ended before the final `res` came, from a gateway that never sends it), the
+/// request is forgotten: it must not be held for as long as the connection lives.
+#[actix_rt::test]
+async fn agent_requests_whose_caller_is_gone_are_forgotten() {
+    const GONE: usize = 50;
+    let gw = Loopback::start().await;
+    let (sup, status) = supervisor(&gw.url);
+    until_connected(&status).await;
+    let mut callers = Vec::new();
+    for k in 0..=GONE {
+        let caller = CallProbe::default().start();
+        let mut call = Call::new("agent", json!({}), k as u64, Some(caller.clone().recipient()));
+        call.wait = Wait::Caller;
+        sup.do_send(call);
+        callers.push(caller);
+    }
+    gw.wait_requests(GONE + 1).await;
+    assert_eq!(sup.send(Stats).await.expect("stats").pending, GONE + 1);
+    let live = callers.pop().expect("the last caller stays");
+    for c in &callers {
+        c.do_send(Leave);
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let pending = sup.send(Stats).await.expect("stats").pending;
+        if pending == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{pending} requests still pending {WAIT:?} after {GONE} of their callers left");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The caller still there gets its answer.
+    let live_id = gw.requests().last().map(|(_, id)| id.clone()).expect("requests");
+    gw.send(json!({"type": "res", "id": live_id, "ok": true, "payload": {"runId": "g-1", "status": "ok"}}).to_string());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while live.send(Replies).await.expect("caller").is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the live caller got no answer");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(sup.send(Stats).await.expect("stats").pending, 0);
     stop_system().await;
 }
 
