@@ -832,11 +832,7 @@ impl Handler<ScopeMissing> for Supervisor {
     fn handle(&mut self, msg: ScopeMissing, _ctx: &mut Context<Self>) {
         let scope = scope_of(&msg.0);
         tracing::error!(scope = %scope, message = %msg.0.message, "the gateway refused a write for a missing scope");
-        self.set_status(|s| {
-            if !s.missing_scopes.contains(&scope) {
-                s.missing_scopes.push(scope);
-            }
-        });
+        self.set_status(|s| crate::limits::note_missing_scope(&mut s.missing_scopes, &scope));
     }
 }
 
