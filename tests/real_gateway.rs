@@ -478,12 +478,18 @@ async fn proxied_calls_that_no_running_run_owns_are_refused() {
 
 /// What the observer's connection task reports.
 enum Seen {
+    /// hello-ok: requests go to this sender.
     Up(tokio::sync::mpsc::UnboundedSender<String>),
+    /// The handshake failed, and why.
     Failed(String),
+    /// A decoded frame.
     Frame(clawmux_protocol::Frame),
+    /// The connection ended, and why.
     Closed(String),
 }
 
+/// clawmux's own connection task reports into this channel (the same code clawmux connects with,
+/// so the observer connects exactly as clawmux does, only without the session-scoped-events cap).
 struct ObserverEvents(tokio::sync::mpsc::UnboundedSender<Seen>);
 
 impl clawmux_actors::connection::ConnEvents for ObserverEvents {
@@ -507,10 +513,13 @@ impl clawmux_actors::connection::ConnEvents for ObserverEvents {
 /// grants scopes only to one) and WITHOUT `session-scoped-events`: the gateway then sends it every
 /// session's `chat`/`agent` events, each with the session key the gateway itself put the run in.
 struct Observer {
+    /// Outbound frames (the connection task writes them).
     out: tokio::sync::mpsc::UnboundedSender<String>,
+    /// What the connection task reports; read only while a call waits for its answer.
     rx: tokio::sync::mpsc::UnboundedReceiver<Seen>,
     /// `(sessionKey, runId)` of every run event seen so far.
     events: Vec<(Option<String>, Option<String>)>,
+    /// Makes request ids unique on the connection.
     next_id: u64,
 }
 

@@ -239,9 +239,13 @@ async fn stop_system() {
 /// `ids` (request id → (caller index, is `agent`)): events per run of [`RUNS`], replies per caller,
 /// and the requests still pending at the end.
 struct Expected {
+    /// Events each run of [`RUNS`] must get.
     events: [usize; 3],
+    /// Replies each caller of [`CALLS`] must get, in order.
     replies: Vec<Vec<Got>>,
+    /// Requests still waiting for an answer at the end (the supervisor must hold exactly these).
     pending: usize,
+    /// Shutdowns the supervisor must have taken (each one is a reconnect).
     shutdowns: usize,
 }
 

@@ -156,6 +156,7 @@ pub struct SeenEvent {
 /// Stands in for a session actor: records every event routed to it.
 #[derive(Default)]
 pub struct RunProbe {
+    /// Every event routed here, in order: the test compares them with what the frames addressed.
     seen: Vec<SeenEvent>,
 }
 
@@ -205,6 +206,7 @@ pub enum Got {
 /// Stands in for a caller of the supervisor: records every reply, with its tag.
 #[derive(Default)]
 pub struct CallProbe {
+    /// Every reply with its tag, in order: a reply meant for another call would show here.
     got: Vec<(u64, Got)>,
 }
 
