@@ -11,7 +11,10 @@
 //! 4. absurd numbers (tick interval, max payload, `seq`, usage) are bounded;
 //! 5. contradicting finals: one terminal event, the `agent` final `res` is the truth;
 //! 6. thousands of misaddressed frames never reach a run, and are counted;
-//! 7. freeze, kill (same process or restarted) and drop with long runs in flight.
+//! 7. freeze, kill (same process or restarted) and drop with long runs in flight;
+//! 8. a gateway that answers a run's own requests wrongly (a malformed ACK, final or `agent.wait`
+//!    answer, or one naming another session or run): the run ends `gateway_protocol_error` with one
+//!    terminal event, nothing of the wrong answer reaches it, and its gateway run is cancelled.
 //!
 //! Every wait is bounded; sleeps only let time pass where the defect needs it to (a request
 //! timeout, an outage), never to synchronise.
@@ -22,7 +25,8 @@ mod common;
 #[path = "common/chaos.rs"]
 mod harness;
 
-use clawmux::replay::{ReplayConfig, RunScript, RunStatus, ScriptFrame};
+use clawmux::replay::{ReplayConfig, RunRecord, RunScript, RunStatus, ScriptFrame};
+use common::SseEvent;
 use harness::*;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -776,4 +780,205 @@ async fn one_abrupt_drop_keeps_every_long_run() {
     runs.end(&env, Expect::Final, "drop").await;
     assert!(env.gw.stats().handshakes_ok >= 2);
     assert_no_panics("one abrupt drop keeps every long run");
+}
+
+// ------------------------------------------------------------------------------------------------
+// 8. Wrong answers to a run's own requests
+// ------------------------------------------------------------------------------------------------
+
+/// What no run may ever show: the text of another run's answer a hostile gateway slipped in.
+const FOREIGN: &str = "FOREIGN answer of someone else's run";
+
+/// The gateway's record of the run whose message carries `marker` (its run id may be unknown to
+/// the client: a run whose ACK was not believed has no `accepted` event).
+fn gw_run_of(env: &Env, marker: &str) -> RunRecord {
+    env.gw.runs().into_iter().find(|r| r.message.contains(marker)).unwrap_or_else(|| panic!("the gateway never saw a run of {marker}"))
+}
+
+/// Checks a run ended by a wrong answer: one terminal event, `error` `gateway_protocol_error`, in
+/// its stream, its document and its stored events; no trace of [`FOREIGN`]; `accepted` (when the
+/// ACK was believed) naming the gateway's run; and clawmux asked the gateway to cancel the run.
+/// Returns the API run id.
+async fn assert_protocol_error(env: &Env, sse: &mut Sse, marker: &str, accepted: bool, what: &str) -> String {
+    let fin = sse.terminal(WAIT).await.unwrap_or_else(|| panic!("{what}: no terminal event within {WAIT:?}: {:?}", sse.events));
+    assert!(sse.read_to_end(WAIT).await, "{what}: the stream did not close after its terminal event");
+    assert_error(&fin, "gateway_protocol_error", what);
+    assert_one_terminal_last(sse, what);
+    let gw = gw_run_of(env, marker);
+    let acc: Vec<&SseEvent> = sse.events.iter().filter(|e| e.event == "accepted").collect();
+    if accepted {
+        assert_eq!(acc.len(), 1, "{what}: {:?}", sse.events);
+        assert_eq!(acc[0].data["gatewayRunId"].as_str(), Some(gw.run_id.as_str()), "{what}: accepted names another run");
+    } else {
+        assert!(acc.is_empty(), "{what}: a run whose ACK was not understood was reported accepted: {:?}", sse.events);
+    }
+    let run_id = fin.data["runId"].as_str().unwrap_or_else(|| panic!("{what}: error without runId: {}", fin.data)).to_owned();
+    let doc = env.doc(&run_id).await;
+    assert_eq!((doc["status"].as_str(), doc["error"]["code"].as_str()), (Some("error"), Some("gateway_protocol_error")), "{what}: {doc}");
+    let all = format!("{:?} {doc}", sse.events);
+    assert!(!all.contains(FOREIGN), "{what}: another run's answer reached the run: {all}");
+    let gid = gw.run_id.clone();
+    eventually(WAIT, &format!("{what}: clawmux asks the gateway to cancel the run"), || {
+        let gid = gid.clone();
+        async move { env.gw_run(&gid).abort_requests >= 1 }
+    })
+    .await;
+    run_id
+}
+
+/// After the gateway run really ended (and sent whatever it still had), the run's stored events
+/// are still exactly the ones streamed: one terminal event, nothing after it.
+async fn assert_nothing_after_the_end(env: &Env, run_id: &str, streamed: usize, what: &str) {
+    let mut again = env.reattach(run_id).await;
+    assert!(again.read_to_end(WAIT).await, "{what}: re-attaching to a finished run must replay and close");
+    assert_eq!(again.events.len(), streamed, "{what}: events after the terminal event: {:?}", again.events);
+    assert_one_terminal_last(&again, what);
+}
+
+#[actix_rt::test]
+async fn a_malformed_or_foreign_ack_ends_the_run_gateway_protocol_error_and_cancels_its_gateway_run() {
+    let env = env(fast()).await;
+    // Held on the gateway after its ACK: still running there when clawmux gives up on it.
+    env.gw.set_paused(true);
+    let cases = [
+        ("ack-without-run-id", json!({"runId": null})),
+        ("ack-run-id-not-a-string", json!({"runId": 42})),
+        ("ack-without-status", json!({"status": null})),
+        ("ack-not-an-object", json!("accepted")),
+        ("ack-of-another-session", json!({"sessionKey": "agent:main:clawmux:intruder.s.conversation"})),
+        ("ack-of-another-run", json!({"runId": "someone-elses-run"})),
+    ];
+    let mut runs = Vec::new();
+    for (i, (name, patch)) in cases.iter().enumerate() {
+        let m = unique(&format!("<{name}>"));
+        env.gw.script_runs(&m, RunScript { ack_patch: Some(patch.clone()), ..RunScript::default() });
+        let sse = env.sse(&body(&m, &format!("acct-ack-{i}"))).await;
+        runs.push((*name, m, sse));
+    }
+    let mut ended = Vec::new();
+    for (name, m, sse) in &mut runs {
+        let run_id = assert_protocol_error(&env, sse, m, false, name).await;
+        let gid = gw_run_of(&env, m).run_id;
+        eventually(WAIT, &format!("{name}: the gateway run is cancelled"), || {
+            let gid = gid.clone();
+            let e = &env;
+            async move { e.gw_run(&gid).aborted }
+        })
+        .await;
+        ended.push((*name, run_id, sse.events.len(), gid));
+    }
+    // The cancelled runs end on the gateway (abort sequence, final `res` to the old request).
+    env.gw.set_paused(false);
+    for (name, run_id, n, gid) in &ended {
+        let e = &env;
+        eventually(WAIT, &format!("{name}: the gateway run ended"), || async move {
+            !matches!(e.gw_run(gid).status, RunStatus::Queued | RunStatus::Running)
+        })
+        .await;
+        assert_nothing_after_the_end(&env, run_id, *n, name).await;
+    }
+    a_run_works(&env, "after wrong ACKs").await;
+    assert_eq!(env.disconnects().await, 0.0);
+    assert_no_panics("a malformed or foreign ack ends the run gateway protocol error and cancels its gateway run");
+}
+
+#[actix_rt::test]
+async fn a_malformed_or_foreign_final_res_ends_the_run_gateway_protocol_error() {
+    let env = env(fast()).await;
+    let foreign_payloads = json!({"payloads": [{"text": FOREIGN, "mediaUrl": null}]});
+    let cases = [
+        ("final-status-unknown", json!({"status": "exploded"})),
+        ("final-without-run-id", json!({"runId": null})),
+        ("final-payloads-not-a-list", json!({"result": {"payloads": "text"}})),
+        ("final-not-an-object", json!(["ok"])),
+        ("final-of-another-run", json!({"runId": "someone-elses-run", "result": foreign_payloads})),
+    ];
+    let mut runs = Vec::new();
+    for (i, (name, patch)) in cases.iter().enumerate() {
+        let m = unique(&format!("<{name}>"));
+        env.gw.script_runs(&m, RunScript { final_patch: Some(patch.clone()), ..RunScript::default() });
+        let sse = env.sse(&body(&m, &format!("acct-final-{i}"))).await;
+        runs.push((*name, m, sse));
+    }
+    for (name, m, sse) in &mut runs {
+        // The ACK was fine: the run was accepted and streamed; its answer cannot be trusted.
+        let run_id = assert_protocol_error(&env, sse, m, true, name).await;
+        assert_nothing_after_the_end(&env, &run_id, sse.events.len(), name).await;
+    }
+    a_run_works(&env, "after wrong finals").await;
+    assert_eq!(env.disconnects().await, 0.0);
+    assert_no_panics("a malformed or foreign final res ends the run gateway protocol error");
+}
+
+#[actix_rt::test]
+async fn a_malformed_or_foreign_agent_wait_answer_in_recovery_ends_the_run_gateway_protocol_error_and_cancels_it() {
+    let env = env(fast()).await;
+    env.gw.set_paused(true);
+    let cases = [
+        ("wait-status-not-a-string", json!({"status": 7})),
+        ("wait-status-unknown", json!({"status": "sideways", "endedAt": 5})),
+        ("wait-not-an-object", json!("ok")),
+        ("wait-ended-at-not-a-number", json!({"status": "ok", "endedAt": "yesterday"})),
+        (
+            "wait-of-another-run",
+            json!({"runId": "someone-elses-run", "status": "ok", "endedAt": 5, "terminalReply": {"text": FOREIGN}}),
+        ),
+    ];
+    let mut runs = Vec::new();
+    for (i, (name, reply)) in cases.iter().enumerate() {
+        let m = unique(&format!("<{name}>"));
+        env.gw.script_runs(&m, RunScript { wait_reply: Some(reply.clone()), ..RunScript::default() });
+        let mut sse = env.sse(&body(&m, &format!("acct-wait-{i}"))).await;
+        sse.accepted().await;
+        runs.push((*name, m, sse));
+    }
+    // The connection drops; clawmux reconnects to the same gateway process and asks `agent.wait`.
+    env.gw.drop_connections(false);
+    for (name, m, sse) in &mut runs {
+        let run_id = assert_protocol_error(&env, sse, m, true, name).await;
+        let gid = gw_run_of(&env, m).run_id;
+        let e = &env;
+        eventually(WAIT, &format!("{name}: the gateway run is cancelled"), || {
+            let gid = gid.clone();
+            async move { e.gw_run(&gid).aborted }
+        })
+        .await;
+        assert_nothing_after_the_end(&env, &run_id, sse.events.len(), name).await;
+    }
+    assert!(env.requests("agent.wait") >= cases.len() as u64);
+    env.gw.set_paused(false);
+    a_run_works(&env, "after wrong agent.wait answers").await;
+    assert_no_panics("a malformed or foreign agent wait answer in recovery ends the run gateway protocol error and cancels it");
+}
+
+#[actix_rt::test]
+async fn an_agent_wait_answered_at_once_as_not_ended_is_not_asked_again_in_a_tight_loop() {
+    // A gateway that answers every `agent.wait` at once with "the wait timed out" (the real one
+    // waits up to `timeoutMs` first). clawmux asks again while the run has time: at a bounded rate,
+    // not as fast as the answers come, and the run still ends at its own timeout, cancelled.
+    let env = env_with(fast(), |s| s.abort_grace = Duration::from_secs(1)).await;
+    env.gw.set_paused(true);
+    let m = unique("<instant-wait>");
+    env.gw.script_runs(&m, RunScript { wait_reply: Some(json!({"status": "timeout"})), ..RunScript::default() });
+    let mut b = body(&m, "acct-instant-wait");
+    b["timeoutSec"] = json!(4);
+    let mut sse = env.sse(&b).await;
+    let acc = sse.accepted().await;
+    let before = env.requests("agent.wait");
+    env.gw.drop_connections(false);
+    let fin = finish(&mut sse, WAIT, "instant agent.wait answers").await;
+    assert_error(&fin, "timeout", "instant agent.wait answers");
+    let asked = env.requests("agent.wait") - before;
+    // About one per second over the run's remaining ~4 s (plus the abort grace); unbounded, it
+    // was thousands.
+    assert!((1..=12).contains(&asked), "agent.wait asked {asked} times within the run's 4 s");
+    let gid = acc.gateway_run_id.clone();
+    let e = &env;
+    eventually(WAIT, "the timed-out run is cancelled on the gateway", || {
+        let gid = gid.clone();
+        async move { e.gw_run(&gid).aborted }
+    })
+    .await;
+    env.gw.set_paused(false);
+    assert_no_panics("an agent wait answered at once as not ended is not asked again in a tight loop");
 }

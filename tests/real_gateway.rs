@@ -472,10 +472,114 @@ async fn proxied_calls_that_no_running_run_owns_are_refused() {
     let _ = std::fs::remove_dir_all(audit_dir);
 }
 
+// ------------------------------------------------------------------------------------------------
+// An operator connection of the test's own: what the gateway itself reports, not what clawmux says
+// ------------------------------------------------------------------------------------------------
+
+/// What the observer's connection task reports.
+enum Seen {
+    /// hello-ok: requests go to this sender.
+    Up(tokio::sync::mpsc::UnboundedSender<String>),
+    /// The handshake failed, and why.
+    Failed(String),
+    /// A decoded frame.
+    Frame(clawmux_protocol::Frame),
+    /// The connection ended, and why.
+    Closed(String),
+}
+
+/// clawmux's own connection task reports into this channel (the same code clawmux connects with,
+/// so the observer connects exactly as clawmux does, only without the session-scoped-events cap).
+struct ObserverEvents(tokio::sync::mpsc::UnboundedSender<Seen>);
+
+impl clawmux_actors::connection::ConnEvents for ObserverEvents {
+    fn up(&self, _hello: clawmux_protocol::HelloOk, tx: tokio::sync::mpsc::UnboundedSender<String>) {
+        let _ = self.0.send(Seen::Up(tx));
+    }
+    fn failed(&self, failure: clawmux_actors::connection::ConnectFailure) {
+        let _ = self.0.send(Seen::Failed(failure.reason));
+    }
+    fn frame(&self, frame: Result<clawmux_protocol::Frame, String>, _received: std::time::Instant) {
+        if let Ok(f) = frame {
+            let _ = self.0.send(Seen::Frame(f));
+        }
+    }
+    fn closed(&self, reason: String) {
+        let _ = self.0.send(Seen::Closed(reason));
+    }
+}
+
+/// A second operator connection to the gateway, with a device identity of its own (protocol 3
+/// grants scopes only to one) and WITHOUT `session-scoped-events`: the gateway then sends it every
+/// session's `chat`/`agent` events, each with the session key the gateway itself put the run in.
+struct Observer {
+    /// Outbound frames (the connection task writes them).
+    out: tokio::sync::mpsc::UnboundedSender<String>,
+    /// What the connection task reports; read only while a call waits for its answer.
+    rx: tokio::sync::mpsc::UnboundedReceiver<Seen>,
+    /// `(sessionKey, runId)` of every run event seen so far.
+    events: Vec<(Option<String>, Option<String>)>,
+    /// Makes request ids unique on the connection.
+    next_id: u64,
+}
+
+impl Observer {
+    async fn connect(g: &Gateway) -> Self {
+        let key = temp_dir("observer-device").join("device.json");
+        let device = clawmux_actors::device::DeviceIdentity::load_or_create(&key).expect("observer device key");
+        let mut params = clawmux_protocol::ConnectParams::multiplexer("observer", Some(g.token.clone()));
+        params.caps.clear();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let run = clawmux_actors::connection::run(
+            g.url.clone(),
+            params,
+            Some(std::sync::Arc::new(device)),
+            Duration::from_secs(30),
+            ObserverEvents(tx),
+        );
+        actix_rt::spawn(run);
+        let out = match tokio::time::timeout(Duration::from_secs(40), rx.recv()).await {
+            Ok(Some(Seen::Up(out))) => out,
+            Ok(Some(Seen::Failed(reason) | Seen::Closed(reason))) => panic!("observer connection failed: {reason}"),
+            _ => panic!("observer connection: no hello-ok within 40 s"),
+        };
+        Self { out, rx, events: Vec::new(), next_id: 0 }
+    }
+
+    /// Calls `method` and returns its payload; run events that arrive meanwhile are kept.
+    async fn call(&mut self, method: &str, params: Value) -> Value {
+        self.next_id += 1;
+        let id = format!("obs-{}", self.next_id);
+        let frame = clawmux_protocol::encode_request(&id, method, &params, None).expect("encode");
+        self.out.send(frame).expect("observer connection open");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let seen = tokio::time::timeout_at(deadline, self.rx.recv()).await;
+            match seen {
+                Ok(Some(Seen::Frame(clawmux_protocol::Frame::Res(res)))) if res.id == id => {
+                    assert!(res.ok, "{method}: {:?}", res.error);
+                    return serde_json::from_str(res.payload.expect("payload").get()).expect("json payload");
+                }
+                Ok(Some(Seen::Frame(clawmux_protocol::Frame::Event(ev)))) => {
+                    if let Some((k, r)) = ev.event.route_key() {
+                        self.events.push((k.map(str::to_owned), r.map(str::to_owned)));
+                    }
+                }
+                Ok(Some(Seen::Frame(_))) => {}
+                Ok(Some(Seen::Closed(reason) | Seen::Failed(reason))) => panic!("observer connection lost: {reason}"),
+                Ok(Some(Seen::Up(_))) => {}
+                Ok(None) | Err(_) => panic!("{method}: no answer within 30 s"),
+            }
+        }
+    }
+}
+
 /// Regression (cross-tenant): ids that collided under the old key rule get separate sessions on
-/// the REAL gateway. The key the gateway reports back for each run (its `agent` ACK, the session of
-/// every event) is the one clawmux computed (clawmux ends a run whose ACK names another session),
-/// and the second tenant's conversation does not contain the first tenant's message.
+/// the REAL gateway, as the gateway itself reports them to a connection of the test's own: every
+/// `chat`/`agent` event of each run carries the key clawmux computed (and no other run's events
+/// carry it), and the gateway's transcript under that key (`chat.history`) holds this run's
+/// message (and on protocol 4 its run id) and no other tenant's. The second tenant's LLM context
+/// does not contain the first tenant's message.
 #[actix_rt::test]
 async fn live_session_keys_are_injective_on_the_real_gateway() {
     let Some(g) = gateway() else { return };
@@ -483,6 +587,7 @@ async fn live_session_keys_are_injective_on_the_real_gateway() {
     let base = base(&running);
     let c = client();
     wait_ready(&c, &base, Duration::from_secs(30)).await;
+    let mut observer = Observer::connect(&g).await;
     let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     // (account, stateKey, expected key): the first two were one session under plain
     // concatenation + lower-casing, and so were the last two.
@@ -492,6 +597,7 @@ async fn live_session_keys_are_injective_on_the_real_gateway() {
         ("t-a:x", "y", "agent:main:clawmux:t-a_1x.s.y"),
         ("t-a", "x:y", "agent:main:clawmux:t-a.s.x_1y"),
     ];
+    let mut runs = Vec::new();
     for (i, (account, state, expected)) in cases.iter().enumerate() {
         let marker = format!("KEY{tag}T{i}X");
         let state = format!("{state}-{tag}");
@@ -511,6 +617,36 @@ async fn live_session_keys_are_injective_on_the_real_gateway() {
             assert_eq!(r["n_messages"].as_u64().map(|n| n <= 3), Some(true), "{marker}: a fresh session has no history: {r}");
             assert!(!earlier.iter().any(|m| r.to_string().contains(m.as_str())), "{marker} saw another tenant's message: {r}");
         }
+        let gateway_run_id = accepted.data["gatewayRunId"].as_str().expect("gatewayRunId").to_owned();
+        runs.push((marker, expected, gateway_run_id));
+    }
+    let markers: Vec<&str> = runs.iter().map(|(m, _, _)| m.as_str()).collect();
+    for (marker, expected, gid) in &runs {
+        // The gateway's transcript under the expected key: this run's message, nobody else's.
+        let history = observer.call("chat.history", json!({"sessionKey": expected})).await;
+        assert_eq!(history["sessionKey"].as_str(), Some(expected.as_str()), "{marker}: the gateway resolved the key to another session");
+        let messages = history["messages"].as_array().cloned().unwrap_or_default();
+        let text = Value::Array(messages.clone()).to_string();
+        assert!(text.contains(marker.as_str()), "{marker}: its message is not in the gateway's session {expected}: {text}");
+        for other in markers.iter().filter(|m| *m != marker) {
+            assert!(!text.contains(other), "{marker}: the gateway's session {expected} holds {other}'s message");
+        }
+        if !g.v3() {
+            // 2026.9.x stamps each assistant message with the run that wrote it.
+            let run_ids: Vec<&str> = messages.iter().filter_map(|m| m.pointer("/__openclaw/runId").and_then(Value::as_str)).collect();
+            assert!(!run_ids.is_empty() && run_ids.iter().all(|r| r == gid), "{marker}: runs {run_ids:?} wrote to {expected}, expected only {gid}");
+        }
+    }
+    // Every run event the gateway broadcast (all read once the answer to a request sent after the
+    // runs' ends is): a run's events carry its expected key, and the expected key carries only
+    // that run.
+    observer.call("health", json!({})).await;
+    for (marker, expected, gid) in &runs {
+        let of_run: Vec<&Option<String>> = observer.events.iter().filter(|(_, r)| r.as_deref() == Some(gid.as_str())).map(|(k, _)| k).collect();
+        assert!(!of_run.is_empty(), "{marker}: the observer saw no event of run {gid}");
+        assert!(of_run.iter().all(|k| k.as_deref() == Some(expected.as_str())), "{marker}: the gateway reported run {gid} in sessions {of_run:?}, not {expected}");
+        let in_session: Vec<&Option<String>> = observer.events.iter().filter(|(k, _)| k.as_deref() == Some(expected.as_str())).map(|(_, r)| r).collect();
+        assert!(in_session.iter().all(|r| r.as_deref() == Some(gid.as_str())), "{marker}: other runs {in_session:?} in session {expected}");
     }
     clawmux::server::shutdown(&running).await;
 }

@@ -46,15 +46,34 @@ pub fn reconnect_hint(hint: Duration, min: Duration, max: Duration) -> Duration 
 /// A gateway-provided text (summary, error message) as it goes into a run's error: bounded, so a
 /// hostile gateway cannot blow up run documents, logs and SSE streams.
 pub fn clip(text: &str) -> String {
-    const MAX: usize = 1024;
-    if text.len() <= MAX {
+    clip_to(text, 1024)
+}
+
+fn clip_to(text: &str, max: usize) -> String {
+    if text.len() <= max {
         return text.to_owned();
     }
-    let mut end = MAX;
+    let mut end = max;
     while !text.is_char_boundary(end) {
         end -= 1;
     }
     format!("{}… ({} bytes cut)", &text[..end], text.len() - end)
+}
+
+/// Most scopes `/readyz` lists as refused: a gateway has a handful; one that names a new "scope"
+/// in every refusal (one per run) must not grow the list for as long as the connection lives.
+pub const MAX_MISSING_SCOPES: usize = 16;
+
+/// Longest scope name kept (real ones are like `operator.admin`).
+const MAX_SCOPE_NAME: usize = 128;
+
+/// Adds a scope the gateway refused to the list `/readyz` shows: clipped, once, and only while the
+/// list has room (the first refusals are the ones that explain the problem).
+pub fn note_missing_scope(list: &mut Vec<String>, scope: &str) {
+    let scope = clip_to(scope, MAX_SCOPE_NAME);
+    if list.len() < MAX_MISSING_SCOPES && !list.contains(&scope) {
+        list.push(scope);
+    }
 }
 
 #[cfg(test)]
@@ -74,6 +93,20 @@ mod tests {
         assert_eq!(reconnect_hint(Duration::from_millis(u64::MAX), min, max), max);
         assert_eq!(reconnect_hint(Duration::ZERO, min, max), min);
         assert_eq!(reconnect_hint(Duration::from_millis(300), min, max), Duration::from_millis(300));
+    }
+
+    #[test]
+    fn refused_scopes_are_listed_once_clipped_and_at_most_a_few() {
+        let mut list = Vec::new();
+        note_missing_scope(&mut list, "operator.admin");
+        note_missing_scope(&mut list, "operator.admin");
+        assert_eq!(list, ["operator.admin"]);
+        for n in 0..1000 {
+            note_missing_scope(&mut list, &format!("scope-{n}-{}", "x".repeat(n)));
+        }
+        assert_eq!(list.len(), MAX_MISSING_SCOPES);
+        assert!(list.iter().all(|s| s.len() <= MAX_SCOPE_NAME + 32), "{list:?}");
+        assert_eq!(list[1], "scope-0-", "the first refusals are kept");
     }
 
     #[test]

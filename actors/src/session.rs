@@ -112,9 +112,11 @@ const TAG_RESUBSCRIBE: u64 = 6;
 /// How many times a call answered `UNAVAILABLE` is repeated.
 const MAX_UNAVAILABLE_RETRIES: u32 = 5;
 
-/// How long to wait before asking `agent.wait` again when the gateway says the run is still
-/// queued (it answers `pending` at once, without waiting).
-const PENDING_RECHECK: Duration = Duration::from_secs(1);
+/// How long to wait before asking `agent.wait` again after an answer that the run has not ended:
+/// the gateway answers `pending` (still queued) at once, without waiting, and a faulty gateway may
+/// answer anything at once; asking again straight away would be a busy loop for as long as the
+/// run may run.
+const NOT_ENDED_RECHECK: Duration = Duration::from_secs(1);
 
 /// One run.
 pub struct SessionActor {
@@ -771,6 +773,11 @@ impl SessionActor {
                 }
             }
             Ok(AgentReply::Final(fin)) => {
+                // Another run's result is not this run's answer (nor is any of its text).
+                if fin.run_id != self.spec.gateway_run_id {
+                    let msg = format!("the gateway answered the run's agent request with the result of run {:?}; the run was cancelled", clip(&fin.run_id));
+                    return self.finish(ctx, protocol_error(msg));
+                }
                 // A cached final without ACK (repeated key): still report acceptance first.
                 self.accept(fin.run_id.clone());
                 self.finish_from_final(ctx, fin);
@@ -785,6 +792,11 @@ impl SessionActor {
     /// The answer to the recovery `agent.wait`.
     fn on_wait_answer(&mut self, ctx: &mut Context<Self>, raw: &str) {
         let wait = serde_json::from_str::<AgentWaitResult>(raw).ok();
+        if let Some(other) = wait.as_ref().and_then(|w| w.run_id.as_deref()).filter(|r| *r != self.spec.gateway_run_id) {
+            // Another run's snapshot (and reply text) says nothing about this run.
+            let msg = format!("the gateway answered the run's agent.wait with the state of run {:?}; the run was cancelled", clip(other));
+            return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
+        }
         let Some(outcome) = wait.as_ref().and_then(AgentWaitResult::outcome) else {
             let msg = format!("the gateway's agent.wait answer could not be understood: {}", clip(raw));
             return self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayProtocolError, msg, String::new()));
@@ -825,19 +837,15 @@ impl SessionActor {
                         return;
                     }
                 }
-                let budget = match self.cancelling {
-                    Some(_) => self.cfg.abort_grace,
-                    None => self.deadline.saturating_duration_since(Instant::now()),
-                };
-                if wait.is_some_and(|w| w.status == "pending") {
-                    ctx.run_later(PENDING_RECHECK, move |act, ctx| {
-                        if act.stage == Stage::Waiting {
-                            act.send_wait(ctx, budget);
-                        }
-                    });
-                } else {
-                    self.send_wait(ctx, budget);
-                }
+                ctx.run_later(NOT_ENDED_RECHECK, |act, ctx| {
+                    if act.stage == Stage::Waiting {
+                        let budget = match act.cancelling {
+                            Some(_) => act.cfg.abort_grace,
+                            None => act.deadline.saturating_duration_since(Instant::now()),
+                        };
+                        act.send_wait(ctx, budget);
+                    }
+                });
             }
         }
     }

@@ -153,7 +153,25 @@ pub type StatusHandle = Arc<RwLock<GatewayStatus>>;
 
 /// Gateway runs remembered at most for cancelling after a reconnect (oldest forgotten first, with
 /// a warning): a long outage must not grow memory without bound.
-const MAX_ABANDONED: usize = 10_000;
+pub const MAX_ABANDONED: usize = 10_000;
+
+/// What the supervisor holds, for checking its bounds (tests, diagnostics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SupervisorStats {
+    /// Requests waiting for their answer: bounded by the callers alive (an `agent` request, which
+    /// has no deadline of its own, is dropped once its caller is gone) plus the calls of the last
+    /// request timeout.
+    pub pending: usize,
+    /// Runs whose frames are routed (one per live run; frames never add any).
+    pub routes: usize,
+    /// Gateway runs remembered for cancelling once their gateway is back (at most [`MAX_ABANDONED`]).
+    pub abandoned: usize,
+}
+
+/// Asks the supervisor for its [`SupervisorStats`].
+#[derive(Message, Debug, Clone, Copy)]
+#[rtype(result = "SupervisorStats")]
+pub struct Stats;
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -514,6 +532,10 @@ impl Supervisor {
                 return;
             }
         }
+        // A caller that is gone waits for nothing. An `agent` request has no deadline here (its run
+        // owns it): without this, every run that ended before its final `res` came (a gateway that
+        // never sends it) would be held for as long as the connection lives.
+        self.pending.retain(|_, p| p.deadline.is_some() || p.reply_to.as_ref().is_some_and(Recipient::connected));
         let expired: Vec<String> =
             self.pending.iter().filter(|(_, p)| p.deadline.is_some_and(|d| d <= now)).map(|(id, _)| id.clone()).collect();
         for id in expired {
@@ -744,6 +766,13 @@ impl Handler<Abandon> for Supervisor {
     }
 }
 
+impl Handler<Stats> for Supervisor {
+    type Result = MessageResult<Stats>;
+    fn handle(&mut self, _msg: Stats, _ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(SupervisorStats { pending: self.pending.len(), routes: self.routes.len(), abandoned: self.abandoned.len() })
+    }
+}
+
 impl Handler<ListenLink> for Supervisor {
     type Result = ();
     fn handle(&mut self, msg: ListenLink, _ctx: &mut Context<Self>) {
@@ -803,11 +832,7 @@ impl Handler<ScopeMissing> for Supervisor {
     fn handle(&mut self, msg: ScopeMissing, _ctx: &mut Context<Self>) {
         let scope = scope_of(&msg.0);
         tracing::error!(scope = %scope, message = %msg.0.message, "the gateway refused a write for a missing scope");
-        self.set_status(|s| {
-            if !s.missing_scopes.contains(&scope) {
-                s.missing_scopes.push(scope);
-            }
-        });
+        self.set_status(|s| crate::limits::note_missing_scope(&mut s.missing_scopes, &scope));
     }
 }
 

@@ -17,8 +17,9 @@ pub struct ErrorShape {
     /// Set on `UNAVAILABLE`: the call may be repeated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retryable: Option<bool>,
-    /// How long to wait before repeating a retryable call.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How long to wait before repeating a retryable call (bounded where it is used; a value that
+    /// is not a whole number of ms is absent, so the refusal itself is still understood).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "crate::num::lenient_u64")]
     pub retry_after_ms: Option<u64>,
 }
 

@@ -88,8 +88,9 @@ pub struct ChatEvent {
     /// Canonical session key.
     #[serde(default)]
     pub session_key: Option<String>,
-    /// Per-run sequence number (shared with `agent` events; resets to 1 after an abort).
-    #[serde(default)]
+    /// Per-run sequence number (shared with `agent` events; resets to 1 after an abort). Unused
+    /// by clawmux; a bad one is absent rather than costing the run its text.
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     pub seq: Option<u64>,
     /// Delta, final, aborted or error.
     pub state: ChatState,
@@ -181,8 +182,8 @@ pub struct AgentEvent {
     /// Canonical session key.
     #[serde(default)]
     pub session_key: Option<String>,
-    /// Per-run sequence number.
-    #[serde(default)]
+    /// Per-run sequence number (unused by clawmux; a bad one is absent).
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     pub seq: Option<u64>,
     /// `lifecycle`, `assistant`, `tool`, `usage`, `item`, `command_output`, `compaction`, ...
     pub stream: String,
@@ -215,9 +216,9 @@ struct SignalData {
     phase: Option<String>,
     #[serde(default)]
     name: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     output_tokens: Option<u64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     input_tokens: Option<u64>,
 }
 
@@ -247,8 +248,8 @@ impl AgentEvent {
 /// `tick` payload.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Tick {
-    /// Gateway time in ms.
-    #[serde(default)]
+    /// Gateway time in ms (unused; a bad one is absent, and the tick still counts).
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     pub ts: Option<u64>,
 }
 
@@ -259,8 +260,9 @@ pub struct Shutdown {
     /// Why the gateway is going away.
     #[serde(default)]
     pub reason: Option<String>,
-    /// When it expects to be back.
-    #[serde(default)]
+    /// When it expects to be back: a hint, clamped to clawmux's backoff range where it is used; a
+    /// bad one is absent (the shutdown is still one).
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     pub restart_expected_ms: Option<u64>,
 }
 

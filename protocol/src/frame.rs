@@ -74,6 +74,8 @@ struct WireFrame<'a> {
     payload: Option<&'a RawValue>,
     error: Option<ErrorShape>,
     event: Option<String>,
+    // Unused by clawmux: a bad one must not cost the frame (a `res` carrying it would be lost).
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     seq: Option<u64>,
     traceparent: Option<String>,
 }
@@ -247,6 +249,53 @@ mod tests {
         ] {
             assert!(decode_frame(text, MAX).is_err(), "{text}");
         }
+    }
+
+    /// Every number clawmux only reads as a hint: a negative, fractional, too large or mistyped
+    /// one is absent, and the frame around it is still understood (a refusal of a run's `agent`
+    /// request lost to its `retryAfterMs` would leave the run waiting for its whole timeout).
+    #[test]
+    fn a_bad_hint_number_does_not_cost_the_frame() {
+        for bad in ["-1", "1.5", "18446744073709551616", "1e300", "\"soon\"", "{}"] {
+            let res = format!(
+                r#"{{"type":"res","id":"cm-3","ok":false,"seq":{bad},"error":{{"code":"UNAVAILABLE","message":"busy","retryable":true,"retryAfterMs":{bad}}}}}"#
+            );
+            let Ok(Frame::Res(r)) = decode_frame(&res, MAX) else { panic!("{res}") };
+            let e = r.error.expect("the refusal");
+            assert_eq!((r.id.as_str(), e.code.as_str(), e.retry_after_ms), ("cm-3", "UNAVAILABLE", None), "{res}");
+            let events = [
+                format!(r#"{{"type":"event","event":"chat","seq":{bad},"payload":{{"runId":"r","sessionKey":"s","seq":{bad},"state":"delta","message":{{"role":"assistant","content":"Hi"}}}}}}"#),
+                format!(r#"{{"type":"event","event":"agent","payload":{{"runId":"r","sessionKey":"s","seq":{bad},"stream":"usage","data":{{"outputTokens":{bad}}}}}}}"#),
+                format!(r#"{{"type":"event","event":"tick","seq":{bad},"payload":{{"ts":{bad}}}}}"#),
+                format!(r#"{{"type":"event","event":"shutdown","payload":{{"reason":"restart","restartExpectedMs":{bad}}}}}"#),
+                format!(r#"{{"type":"event","event":"connect.challenge","payload":{{"nonce":"n","ts":{bad}}}}}"#),
+            ];
+            for text in &events {
+                let Ok(Frame::Event(ev)) = decode_frame(text, MAX) else { panic!("{text}") };
+                assert_eq!(ev.seq, None, "{text}");
+                match ev.event {
+                    GatewayEvent::Chat(c) => assert_eq!((c.seq, c.text().as_deref()), (None, Some("Hi"))),
+                    GatewayEvent::Agent(a) => {
+                        assert_eq!(a.seq, None);
+                        let usage = crate::events::AgentSignal::Usage { output_tokens: None, input_tokens: None };
+                        assert_eq!(a.signal(), Some(usage), "{text}");
+                    }
+                    GatewayEvent::Tick(t) => assert_eq!(t.ts, None),
+                    GatewayEvent::Shutdown(s) => assert_eq!((s.reason.as_deref(), s.restart_expected_ms), (Some("restart"), None)),
+                    GatewayEvent::ConnectChallenge(c) => assert_eq!((c.nonce.as_str(), c.ts), ("n", None)),
+                    GatewayEvent::Other { name } => panic!("{name}: {text}"),
+                }
+            }
+            let ack = format!(r#"{{"runId":"k","sessionKey":"s","status":"accepted","acceptedAt":{bad}}}"#);
+            let Ok(crate::methods::AgentReply::Ack(a)) = crate::methods::decode_agent_reply(&ack) else { panic!("{ack}") };
+            assert_eq!((a.run_id.as_str(), a.accepted_at), ("k", None));
+        }
+        // In range, the values are kept as sent (bounded later, where they are used).
+        let max = u64::MAX;
+        let text = format!(r#"{{"type":"event","event":"shutdown","seq":{max},"payload":{{"restartExpectedMs":{max}}}}}"#);
+        let Ok(Frame::Event(ev)) = decode_frame(&text, MAX) else { panic!("{text}") };
+        assert_eq!(ev.seq, Some(max));
+        assert!(matches!(ev.event, GatewayEvent::Shutdown(s) if s.restart_expected_ms == Some(max)));
     }
 
     #[test]

@@ -42,8 +42,9 @@ pub const KNOWN_CLIENT_MODES: [&str; 8] = ["webchat", "cli", "ui", "backend", "n
 pub struct ConnectChallenge {
     /// Random nonce, signed by device identities. Never logged or recorded.
     pub nonce: String,
-    /// Gateway time in ms.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Gateway time in ms (signed by device identities; a bad value is absent, and clawmux's own
+    /// clock is signed instead).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "crate::num::lenient_u64")]
     pub ts: Option<u64>,
 }
 
@@ -173,12 +174,8 @@ pub struct Snapshot {
     /// How long the gateway process has been up. Protocol 3 has no `server.bootId`, so this is how
     /// clawmux tells a restarted gateway process from the same one after a reconnect.
     /// A value that is not a whole number of ms is ignored, not a failed handshake.
-    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "lenient_u64")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "crate::num::lenient_u64")]
     pub uptime_ms: Option<u64>,
-}
-
-fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    Ok(serde_json::Value::deserialize(d)?.as_u64())
 }
 
 /// `hello-ok.server`.

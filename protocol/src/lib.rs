@@ -8,6 +8,7 @@
 //!   `sessions.messages.subscribe`, `agent`, `agent.wait`, `chat.abort`, `sessions.abort`).
 //! - [`events`]: the events a multiplexer routes (`chat`, `agent`) or acts on (`tick`, `shutdown`).
 //! - [`error`]: the gateway's error shape and the codes seen in the field.
+//! - [`num`]: numbers clawmux only reads as hints, decoded leniently (a bad one is absent).
 //! - [`session_key`]: canonical session keys (the gateway lower-cases them).
 //! - [`trace`]: W3C `traceparent` values (protocol 4 forwards them to the LLM).
 //!
@@ -20,6 +21,7 @@ pub mod events;
 pub mod frame;
 pub mod handshake;
 pub mod methods;
+pub mod num;
 pub mod session_key;
 pub mod trace;
 

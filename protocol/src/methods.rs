@@ -121,8 +121,8 @@ pub struct AgentAck {
     pub session_key: Option<String>,
     /// `accepted`, or `in_flight` for a repeated idempotency key of a run still running.
     pub status: String,
-    /// Gateway time in ms.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Gateway time in ms (unused; a bad one is absent rather than a malformed ACK).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "crate::num::lenient_u64")]
     pub accepted_at: Option<u64>,
 }
 

@@ -238,3 +238,36 @@ async fn a_lost_agent_request_is_never_seen_and_the_next_one_runs() {
     assert_eq!(gw.stats().requests_received.get("agent"), Some(&2));
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn a_script_patches_the_ack_answers_agent_wait_and_aborts_are_counted() {
+    let gw = start(ReplayConfig::default().speed(0.0));
+    let script = RunScript {
+        ack_patch: Some(json!({"runId": null, "sessionKey": "agent:main:someone-else"})),
+        wait_reply: Some(json!({"status": 7})),
+        ..RunScript::default()
+    };
+    gw.script_runs("<ack>", script);
+    gw.set_paused(true);
+    let (mut ws, _) = connect(&gw).await;
+    let params = json!({"message": "<ack> [track:short]", "agentId": "main", "sessionKey": "agent:main:s1", "idempotencyKey": "run-1"});
+    send(&mut ws, "a", "agent", params).await;
+    let ack = next_where(&mut ws, |f| f["id"] == "a").await;
+    assert_eq!(ack["payload"]["status"], "accepted", "{ack}");
+    assert!(ack["payload"].get("runId").is_none(), "null removes the key: {ack}");
+    assert_eq!(ack["payload"]["sessionKey"], "agent:main:someone-else");
+    // The scripted answer comes at once, not after the minute the wait may take.
+    send(&mut ws, "w", "agent.wait", json!({"runId": "run-1", "timeoutMs": 60_000})).await;
+    let wait = next_where(&mut ws, |f| f["id"] == "w").await;
+    assert_eq!(wait["payload"], json!({"status": 7}));
+    // Aborts naming the run (and its session) are counted; one naming another session is not.
+    send(&mut ws, "x", "chat.abort", json!({"sessionKey": "agent:main:s2", "runId": "run-1"})).await;
+    next_where(&mut ws, |f| f["id"] == "x").await;
+    assert_eq!(gw.runs()[0].abort_requests, 0);
+    send(&mut ws, "y", "chat.abort", json!({"sessionKey": "AGENT:MAIN:S1", "runId": "run-1"})).await;
+    let res = next_where(&mut ws, |f| f["id"] == "y").await;
+    assert_eq!(res["payload"]["aborted"], true, "{res}");
+    let rec = gw.runs().pop().unwrap();
+    assert_eq!((rec.abort_requests, rec.aborted), (1, true));
+    gw.stop().await;
+}

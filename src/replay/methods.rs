@@ -290,6 +290,10 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
                 obj.insert("acceptedAt".to_owned(), json!(now_ms()));
             }
         }
+        if let Some(patch) = script.as_ref().and_then(|s| s.ack_patch.as_ref()) {
+            super::script::merge(&mut ack, patch);
+        }
+        let wait_reply = script.as_ref().and_then(|s| s.wait_reply.clone());
         let (done_tx, done_rx) = watch::channel(false);
         let prev = session.tail.replace(done_rx);
         let (abort_tx, abort_rx) = if protocol >= 4 {
@@ -314,6 +318,7 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
             aborted: false,
             accepted_at: std::time::Instant::now(),
             finished_at: None,
+            abort_requests: 0,
         });
         let record = st.records.len() - 1;
         st.runs.insert(
@@ -329,6 +334,7 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
                 ended_at: None,
                 started_at: None,
                 task: None,
+                wait_reply,
             },
         );
         let mut rendered = rendered;
@@ -362,6 +368,10 @@ fn agent_wait(shared: &Arc<Shared>, conn: ConnKey, id: String, raw: &Value) {
         Ok(p) => p,
         Err(e) => return respond(shared, conn, &id, Err(e)),
     };
+    let scripted = shared.lock().runs.get(&p.run_id).and_then(|r| r.wait_reply.clone());
+    if let Some(reply) = scripted {
+        return respond(shared, conn, &id, Ok(reply));
+    }
     let shared = Arc::clone(shared);
     tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(p.timeout_ms.unwrap_or(AGENT_WAIT_DEFAULT_MS));
@@ -413,12 +423,18 @@ fn abort(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
         }
     };
     let request = AbortRequest { conn, request_id: req.id.clone(), kind };
+    let key = SessionKey::canonicalize(&session_key).as_str().to_owned();
+    let mut st = shared.lock();
+    if let Some(idx) = run_id.as_ref().and_then(|id| st.runs.get(id)).filter(|r| r.session_key == key).map(|r| r.record) {
+        if let Some(rec) = st.records.get_mut(idx) {
+            rec.abort_requests += 1;
+        }
+    }
     // Protocol 3 cannot abort `agent` runs (only `chat.send` ones, which this gateway lacks).
     if protocol == 3 {
+        drop(st);
         return answer_abort(shared, &request, kind.nothing());
     }
-    let key = SessionKey::canonicalize(&session_key).as_str().to_owned();
-    let st = shared.lock();
     let target = match &run_id {
         Some(id) => st.runs.get(id).filter(|r| r.session_key == key && r.abort_tx.is_some()).map(|_| id.clone()),
         None => st.active_run_of(&key),

@@ -1,12 +1,15 @@
-//! Scripted misbehaviour at the end of a run: what a faulty (or hostile) gateway could send around
-//! the final `res` that a recorded run never shows. Chaos tests use it to check that clawmux keeps
-//! the `agent` final `res` as the one truth and ends every run exactly once.
+//! Scripted misbehaviour of a run: what a faulty (or hostile) gateway could answer to the run's
+//! `agent` request (a malformed ACK, one naming another session or run), send around the final
+//! `res`, or answer to `agent.wait`, that a recorded run never shows. Chaos tests use it to check
+//! that clawmux keeps the `agent` final `res` as the one truth, ends a run the gateway answers
+//! wrongly as `gateway_protocol_error` (and cancels its gateway run), and ends every run exactly once.
 //!
 //! A script is registered on the handle ([`ReplayHandle::script_runs`](super::ReplayHandle::script_runs))
 //! for every run whose message contains a marker; the run replays its track as usual and the
-//! script changes only its ACK (which it can lose) and its end:
+//! script changes only its ACK (which it can lose or patch), its end and its `agent.wait` answers:
 //!
 //! ```text
+//! ACK (+ ack_patch)
 //! … recorded events due before the final …
 //! before_final frames          (e.g. a chat `final` with other text, a chat `aborted`)
 //! final `res` (+ final_patch)  (the authoritative answer)
@@ -16,9 +19,13 @@
 
 use serde_json::{json, Value};
 
-/// How a scripted run ends. The default changes nothing.
+/// How a scripted run answers and ends. The default changes nothing.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RunScript {
+    /// Merged into the ACK payload like [`Self::final_patch`] (a non-object replaces it): e.g.
+    /// `{"runId": null}` (malformed), `{"sessionKey": "agent:main:other"}` (another session).
+    /// Repeated requests of the same key (`in_flight`) get the patched ACK too.
+    pub ack_patch: Option<Value>,
     /// Merged into the final `res` payload: objects key by key (recursively), anything else
     /// replaced; a `null` removes the key. E.g. `{"result":{"payloads":[{"text":"other"}]}}`.
     pub final_patch: Option<Value>,
@@ -30,6 +37,9 @@ pub struct RunScript {
     /// client that died between sending `agent` and reading the answer. The run itself is taken
     /// (and deduped) and plays on as usual.
     pub lose_ack: bool,
+    /// The answer to every `agent.wait` for the run, verbatim and at once, instead of the real
+    /// wait: e.g. a malformed snapshot, or `{"status":"timeout"}` without waiting at all.
+    pub wait_reply: Option<Value>,
 }
 
 /// One scripted frame of a run.

@@ -201,6 +201,9 @@ pub struct RunRecord {
     pub accepted_at: std::time::Instant,
     /// See [`RunRecord::accepted_at`]; `None` while running (or lost in a simulated crash).
     pub finished_at: Option<std::time::Instant>,
+    /// `chat.abort` requests that named this run (and its session), whether or not they found it
+    /// still running: whoever stops waiting for a run must cancel it, even one that looks over.
+    pub abort_requests: u32,
 }
 
 /// Who asked to abort, so that the run task answers in the gateway's order (after the `aborted`
@@ -285,6 +288,8 @@ pub(crate) struct RunEntry {
     pub started_at: Option<i64>,
     /// The task, to cancel it when the gateway "crashes" and forgets runs.
     pub task: Option<tokio::task::AbortHandle>,
+    /// The scripted answer to `agent.wait` ([`RunScript::wait_reply`]).
+    pub wait_reply: Option<Value>,
 }
 
 /// Gateway-wide totals.

@@ -363,6 +363,17 @@ pub fn assert_stream_shape(sse: &Sse, what: &str) {
     assert!(last.event == "final" || last.event == "error", "{what}: the terminal event is not last: {events:?}");
 }
 
+/// Exactly one terminal event, and it is the last one (ids 1..=n). For runs that may end before
+/// the gateway acknowledged them (no `accepted` event).
+pub fn assert_one_terminal_last(sse: &Sse, what: &str) {
+    let events = &sse.events;
+    let ids: Vec<u64> = events.iter().map(|e| e.id).collect();
+    assert_eq!(ids, (1..=events.len() as u64).collect::<Vec<_>>(), "{what}: ids");
+    let terminals = events.iter().filter(|e| e.event == "final" || e.event == "error").count();
+    assert_eq!(terminals, 1, "{what}: {terminals} terminal events: {events:?}");
+    assert!(events.last().is_some_and(|l| l.event == "final" || l.event == "error"), "{what}: the terminal event is not last: {events:?}");
+}
+
 /// Reads a run to its end (bounded) and checks the stream's shape; returns the terminal event.
 pub async fn finish(sse: &mut Sse, within: Duration, what: &str) -> SseEvent {
     let fin = sse.terminal(within).await.unwrap_or_else(|| panic!("{what}: no terminal event within {within:?}: {:?}", sse.events));
