@@ -22,8 +22,9 @@
 //! - `testkit` (tests only): a probe in place of the supervisor and the registry, a recording run
 //!   sink, a workspace whose steps the test ends; `session/tests.rs` and `registry/tests.rs` use it.
 //!
-//! Module dependencies point one way: `registry` → `session` → `messages`/`run`/`branch`;
-//! `supervisor` → `messages`; nothing points back.
+//! Module dependencies point one way: `registry` → `session`/`supervisor` →
+//! `messages`/`run`/`branch` and the pure modules; `registry` uses only the supervisor's
+//! `StatusHandle`, `supervisor` only the session's config types; nothing points back.
 
 pub mod backoff;
 pub mod branch;

@@ -78,6 +78,10 @@ pub(crate) async fn sse_response(
             None => loop {
                 let rx = st.rx.as_mut()?;
                 let next = tokio::select! {
+                    // Events first: in cancel mode the runs' terminal events are already in the
+                    // channel when `stopping` fires, and a fair choice could end the stream
+                    // before them (found as a flaky restart test).
+                    biased;
                     r = rx.recv() => r,
                     _ = st.stopping.wait_for(|s| *s) => {
                         // Shutdown: end the stream cleanly, without a terminal event; the client
