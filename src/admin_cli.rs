@@ -2,7 +2,7 @@
 //! same store a running `clawmux serve` uses: it sees a key change at once (keys are looked up on
 //! every request) and a limit change within 10 s (or at once through `/v1/admin/*`).
 
-use crate::cli::exit;
+use crate::exit;
 use crate::config::Config;
 use crate::store::tenants::{Limits, TenantStore};
 use crate::store::{now_ms, Retention, RunStore, StoreUrl};

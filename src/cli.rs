@@ -172,15 +172,7 @@ pub enum DirectDesign {
     PerCall,
 }
 
-/// Process exit codes.
-pub mod exit {
-    /// Success.
-    pub const OK: i32 = 0;
-    /// Runtime failure.
-    pub const FAILURE: i32 = 1;
-    /// Configuration error (one clear line on stderr).
-    pub const CONFIG: i32 = 2;
-}
+pub use crate::exit;
 
 fn load_config(path: Option<&PathBuf>) -> Result<Config, i32> {
     Config::load(path.map(PathBuf::as_path), &|k| std::env::var(k).ok()).map_err(|e| {

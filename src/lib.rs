@@ -23,7 +23,7 @@
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
 //!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
 //!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`);
-//!     [`admin_cli`]: `keys` and `limits`, on the store directly.
+//!     [`admin_cli`]: `keys` and `limits`, on the store directly; [`exit`]: the exit codes.
 
 pub mod admin_cli;
 pub mod agents;
@@ -33,6 +33,7 @@ pub mod audit;
 pub mod cli;
 
 pub mod config;
+pub mod exit;
 pub mod load;
 pub mod record;
 pub mod relay;
