@@ -104,6 +104,32 @@ pub fn branch_exists(p: &Paths) -> Vec<String> {
     git(&p.repo, &["rev-parse", "--verify", "--quiet", "--end-of-options", &r])
 }
 
+/// The first part of a key (`a` of `a/b/c`): every branch that can conflict with `sandbox/<key>`
+/// shares it.
+pub fn key_root(key: &str) -> &str {
+    key.split('/').next().unwrap_or(key)
+}
+
+/// `for-each-ref --format=%(refname) refs/heads/sandbox/<root>` in the main repository: the
+/// branches that could conflict with the key's (for-each-ref matches the name and what is below it).
+pub fn sandbox_branches(p: &Paths, key: &str) -> Vec<String> {
+    let pattern = format!("refs/heads/sandbox/{}", key_root(key));
+    git(&p.repo, &["for-each-ref", "--format=%(refname)", &pattern])
+}
+
+/// `ls-remote` patterns (tail matches) for the remote branches that could conflict with the key's.
+pub fn remote_conflict_patterns(key: &str) -> [String; 2] {
+    let root = key_root(key);
+    [format!("refs/heads/sandbox/{root}"), format!("refs/heads/sandbox/{root}/*")]
+}
+
+/// Whether `git push --porcelain` output says the remote ref was not what the push expected: a
+/// lease that no longer holds (`[rejected] (stale info)`) or, without one, a non-fast-forward.
+/// Rejections by the remote itself (`[remote rejected]`, hooks) are not this.
+pub fn push_was_stale(porcelain: &str) -> bool {
+    porcelain.lines().any(|l| l.starts_with("!\t") && l.contains("\t[rejected] "))
+}
+
 /// `symbolic-ref --quiet HEAD` in the worktree: which branch it is on.
 pub fn head_ref(p: &Paths) -> Vec<String> {
     git(&p.worktree, &["symbolic-ref", "--quiet", "HEAD"])
@@ -407,6 +433,17 @@ mod tests {
         assert_eq!(m.iter().filter(|x| x.as_str() == evil).count(), 1);
         assert_eq!(m[m.len() - 2], evil);
         assert_eq!(m[m.len() - 3], "--end-of-options");
+    }
+
+    #[test]
+    fn conflicts_and_push_status() {
+        let p = Paths::new("/workspace", "a/b");
+        assert_eq!(sandbox_branches(&p, "a/b").last().map(String::as_str), Some("refs/heads/sandbox/a"));
+        assert_eq!(remote_conflict_patterns("a/b/c"), ["refs/heads/sandbox/a".to_owned(), "refs/heads/sandbox/a/*".to_owned()]);
+        assert!(push_was_stale("To /o.git\n!\tHEAD:refs/heads/sandbox/x\t[rejected] (stale info)\nDone\n"));
+        assert!(push_was_stale("!\tHEAD:refs/heads/sandbox/x\t[rejected] (non-fast-forward)\n"));
+        assert!(!push_was_stale("To /o.git\n!\tHEAD:refs/heads/sandbox/x\t[remote rejected] (pre-receive hook declined)\nDone\n"));
+        assert!(!push_was_stale("To /o.git\n*\tHEAD:refs/heads/sandbox/x\t[new branch]\nDone\n"));
     }
 
     #[test]
