@@ -6,7 +6,8 @@
 //!   routing, reconnects) and the per-run session actors.
 //! - This crate, the binary's half:
 //!   - [`config`]: the configuration table (TOML file + environment).
-//!   - [`request`]: `POST /v1/runs` bodies: decoding and validation (pure).
+//!   - [`request`]: `POST /v1/runs` bodies: decoding and validation (pure); [`refname`]: branch
+//!     keys and base refs, git's own ref-name rules plus clawmux's stricter ones (pure).
 //!   - [`store`]: the durable run store (SQLite by default): run documents, events, idempotency,
 //!     history, retention, and what a restart continues.
 //!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit → respond.
@@ -36,6 +37,7 @@ pub mod config;
 pub mod exit;
 pub mod load;
 pub mod record;
+pub mod refname;
 pub mod relay;
 pub mod proxy;
 pub mod replay;

@@ -141,29 +141,10 @@ pub fn is_valid_id(s: &str) -> bool {
     (1..=128).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
-/// Branch-key rule: `[A-Za-z0-9._/-]{1,100}`, no `..`, no leading `/` or `-`, no `.lock` suffix;
-/// also none of git's other refname traps (`//`, trailing `/` or `.`, `@{`), and not a protected name.
+/// A branch key: git's ref-name rules on `sandbox/<key>` and clawmux's stricter ones
+/// ([`crate::refname`]); the message names the rule.
 pub fn validate_branch_key(key: &str, base_ref: &str) -> Result<(), String> {
-    if !(1..=100).contains(&key.len()) {
-        return Err("must be 1 to 100 characters".to_owned());
-    }
-    if !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'/' | b'-')) {
-        return Err("may contain only letters, digits, '.', '_', '/' and '-'".to_owned());
-    }
-    if key.contains("..") {
-        return Err("must not contain '..'".to_owned());
-    }
-    if key.starts_with('/') || key.starts_with('-') {
-        return Err("must not start with '/' or '-'".to_owned());
-    }
-    if key.ends_with(".lock") || key.ends_with('/') || key.ends_with('.') || key.contains("//") || key.contains("/.") || key.starts_with('.') {
-        return Err("is not a valid git branch name".to_owned());
-    }
-    let protected = ["main", "master", "head", base_ref];
-    if protected.iter().any(|p| key.eq_ignore_ascii_case(p)) {
-        return Err(format!("{key:?} is a protected name"));
-    }
-    Ok(())
+    crate::refname::validate_branch_key(key, base_ref).map_err(|r| r.to_string())
 }
 
 /// A validated request with defaults applied.
@@ -234,9 +215,7 @@ pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -
         Some(b) => {
             let base_ref = b.base_ref.as_deref().unwrap_or("main");
             if let Some(r) = &b.base_ref {
-                if validate_branch_key(r, "").is_err() && !matches!(r.as_str(), "main" | "master") {
-                    return invalid("field `branch.baseRef`: is not a valid git ref name".to_owned());
-                }
+                crate::refname::validate_base_ref(r).map_err(|rule| RequestError::Invalid(format!("field `branch.baseRef`: {rule}")))?;
             }
             let key = b
                 .branch_name
@@ -254,7 +233,7 @@ pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -
                 } else {
                     "stateKey"
                 };
-                validate_branch_key(k, base_ref).map_err(|m| RequestError::Invalid(format!("field `{field}`: branch key {m}")))?;
+                validate_branch_key(k, base_ref).map_err(|m| RequestError::Invalid(format!("field `{field}`: branch key: {m}")))?;
             }
             key
         }
@@ -356,7 +335,7 @@ mod tests {
     #[test]
     fn hostile_branch_keys_are_refused() {
         let long = "a".repeat(300);
-        for key in ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "/abs", "main", "MASTER", "HEAD", "a//b", "a/", ".hidden", "a@{1}"] {
+        for key in ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "/abs", "main", "MASTER", "HEAD", "a//b", "a/", ".hidden", "a@{1}", "x.lock/y", "x/y.lock/z"] {
             let body = format!(r#"{{"message":"m","billingAccountId":"a","branch":{{"branchName":{}}}}}"#, serde_json::json!(key));
             assert!(matches!(err(&body), RequestError::Invalid(m) if m.contains("branchName")), "{key}");
         }

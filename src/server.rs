@@ -142,7 +142,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
     };
     let relay = workspace.is_some();
     let run_registry =
-        Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace).start();
+        Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone()).start();
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
     {
         // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
@@ -170,6 +170,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         agents: AgentRegistry::builtin(),
         attributions,
         relay,
+        workspace,
         tenants,
         stopping,
     });

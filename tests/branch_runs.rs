@@ -8,6 +8,9 @@
 //! (`aborted: true`, terminal `aborted`) and the next run of the branch proceeds once the step under
 //! way is over; a run that was publishing when clawmux stopped publishes again after a restart on
 //! the same store, without asking the gateway anything about it (the gateway restarted meanwhile).
+//! A caller's mistake the relay can see before the run (an unknown base ref, a conflicting branch
+//! key) is a `422` and no run; one it finds only when preparing ends the run `relay_rejected`; a
+//! check that cannot be made admits the run.
 
 #![allow(clippy::unwrap_used)]
 
@@ -15,7 +18,7 @@ mod common;
 
 use clawmux::replay::{ReplayConfig, ReplayGateway, ReplayHandle};
 use clawmux::server::{self, Running, StartOptions};
-use clawmux_actors::branch::{BranchPlan, Prepared, Published, Workspace};
+use clawmux_actors::branch::{BranchPlan, Prepared, Published, Workspace, WorkspaceError};
 use common::*;
 use futures_util::future::BoxFuture;
 use serde_json::{json, Value};
@@ -117,10 +120,30 @@ impl FakeWorkspace {
     }
 }
 
+/// The repository the fake pretends to have: base ref `nope` does not exist, keys starting with
+/// `taken/` conflict with an existing branch, checks of keys starting with `unchecked` cannot be
+/// made, and `late/…` keys conflict only once the run prepares (a branch created meanwhile).
 impl Workspace for FakeWorkspace {
-    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, String>> {
-        let prepared = Prepared { path: format!("/workspace/wt/{}", plan.key), branch: plan.branch() };
-        self.step(Kind::Prepare, &plan.key, Ok(prepared))
+    fn check(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<(), WorkspaceError>> {
+        let r = if plan.base_ref == "nope" {
+            Err(WorkspaceError::UnknownBaseRef("base ref \"nope\" not found".to_owned()))
+        } else if plan.key.starts_with("taken/") {
+            Err(WorkspaceError::KeyConflict(format!("{} cannot be created: sandbox/taken exists", plan.branch())))
+        } else if plan.key.starts_with("unchecked") {
+            Err(WorkspaceError::Failed("docker: connection refused".to_owned()))
+        } else {
+            Ok(())
+        };
+        Box::pin(async move { r })
+    }
+
+    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, WorkspaceError>> {
+        let r = if plan.key.starts_with("late/") {
+            Err(WorkspaceError::KeyConflict(format!("{} cannot be created: sandbox/late exists", plan.branch())))
+        } else {
+            Ok(Prepared { path: format!("/workspace/wt/{}", plan.key), branch: plan.branch() })
+        };
+        self.step(Kind::Prepare, &plan.key, r)
     }
 
     fn publish(&self, plan: &BranchPlan) -> BoxFuture<'static, Published> {
@@ -319,5 +342,46 @@ async fn branch_run_that_was_publishing_publishes_again_after_a_restart() {
     assert_eq!((asked.get("agent"), asked.get("agent.wait")), (Some(&1), None), "nothing asked of the gateway about it after the restart: {asked:?}");
     assert_eq!(in_flight(&app2).await, 0);
     server::shutdown(&app2).await;
+    gw.stop().await;
+}
+
+/// A caller's mistake is not `internal`: an unknown base ref or a conflicting key the relay's
+/// check finds is `422` (`unknown_base_ref` naming `branch.baseRef`, `branch_conflict` naming the
+/// key's field) and no run exists; a conflict found only when preparing ends the run
+/// `relay_rejected` before it reaches the gateway; a check that cannot be made admits the run.
+#[actix_rt::test]
+async fn branch_caller_mistakes_are_422_at_post_or_relay_rejected() {
+    let gw = gateway();
+    let (ws, _held) = FakeWorkspace::new();
+    let (app, base, http) = clawmux(&gw, &ws, &temp_dir("branch-mistakes").join("runs.db")).await;
+    let cases = [
+        (json!({"workItemId": "fine", "baseRef": "nope"}), "unknown_base_ref", "field `branch.baseRef`: base ref \"nope\" not found"),
+        (json!({"workItemId": "taken/x"}), "branch_conflict", "field `branch.workItemId`: sandbox/taken/x cannot be created"),
+        (json!({"branchName": "taken/y"}), "branch_conflict", "field `branch.branchName`: sandbox/taken/y cannot be created"),
+    ];
+    for (i, (branch, code, says)) in cases.into_iter().enumerate() {
+        let run_id = format!("mistake-{i}");
+        let body = json!({"runId": run_id, "message": "m", "billingAccountId": "acct-branch", "branch": branch});
+        let r = http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!((status, v["error"]["code"].as_str()), (422, Some(code)), "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap_or_default().starts_with(says), "{v}");
+        assert_eq!(http.get(format!("{base}/v1/runs/{run_id}")).send().await.unwrap().status(), 404, "no run was kept");
+    }
+    assert!(ws.log().is_empty(), "nothing prepared: {:?}", ws.log());
+
+    let mut late = post(&http, &base, &branch_body("late-a", "late/x")).await;
+    let t = late.terminal(WAIT).await.unwrap_or_else(|| panic!("ended: {:?}", names(&late)));
+    assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("relay_rejected")), "{}", t.data);
+    assert!(t.data["message"].as_str().unwrap_or_default().contains("sandbox/late exists"), "{}", t.data);
+    assert!(!names(&late).contains(&"accepted".to_owned()), "never reached the gateway: {:?}", names(&late));
+    assert_eq!(doc(&http, &base, "late-a").await["error"]["code"], "relay_rejected");
+
+    let mut unchecked = post(&http, &base, &branch_body("unchecked-a", "unchecked-1")).await;
+    assert_relayed(&mut unchecked, "unchecked-1").await;
+    assert_eq!(gw.runs().len(), 1, "only the unchecked run reached the gateway");
+    assert_eq!(in_flight(&app).await, 0);
+    server::shutdown(&app).await;
     gw.stop().await;
 }

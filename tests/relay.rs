@@ -23,7 +23,12 @@
 //! `CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1`): relayed run and PR update, one key serialized and two
 //! keys overlapping, no commits, waiting runs timed out / aborted, the GitHub token nowhere (also
 //! with the `clawmux serve` binary configured by its environment). `docker_api_hostile_branch_keys_are_refused`
-//! needs Docker only.
+//! and `docker_api_caller_mistakes_are_422_before_the_run` need Docker only.
+//!
+//! `docker_relay_push_is_conditional_on_the_remote_head_it_observed` interferes with the remote
+//! between the relay's look at it and its push through `RelayConfig::git_program` (a wrapper that
+//! writes to the remote before running the real `git push`); the binary test puts a recording `git`
+//! first on clawmux's `PATH` and checks the environment of every host git call.
 
 #![allow(clippy::unwrap_used)]
 
@@ -78,6 +83,63 @@ fn git(dir: &Path) -> Command {
     let mut c = Command::new("git");
     c.arg("-C").arg(dir).env("GIT_CONFIG_GLOBAL", "/dev/null").env("GIT_CONFIG_NOSYSTEM", "1").args(["-c", "user.name=Host Seed", "-c", "user.email=seed@example.invalid", "-c", "init.defaultBranch=main"]);
     c
+}
+
+/// The real git on this machine's `PATH`.
+fn real_git() -> PathBuf {
+    let path = std::env::var("PATH").unwrap_or_default();
+    path.split(':').map(|d| Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH")
+}
+
+fn write_script(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    sh(Command::new("chmod").arg("755").arg(path));
+}
+
+/// A `git` (for `RelayConfig::git_program`) that, before the first `push` it runs, runs the shell
+/// script `<dir>/on-push` once: someone else's write to the remote, between the relay's look at the
+/// remote and its push.
+fn interfering_git(dir: &Path) -> PathBuf {
+    let wrapper = dir.join("git");
+    let d = dir.display();
+    write_script(
+        &wrapper,
+        &format!(
+            "#!/bin/sh\nfor a in \"$@\"; do\n  if [ \"$a\" = push ] && mv '{d}/on-push' '{d}/on-push.ran' 2>/dev/null; then sh -e '{d}/on-push.ran' || exit 99; fi\ndone\nexec '{}' \"$@\"\n",
+            real_git().display()
+        ),
+    );
+    wrapper
+}
+
+/// A `git` first on `PATH` (in `dir/bin`) that records the environment it was started with
+/// (`/proc/$$/environ`) and its argv in `dir/log`, then runs the real git.
+fn recording_git(dir: &Path) -> (PathBuf, PathBuf) {
+    let (bin, log) = (dir.join("bin"), dir.join("log"));
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&log).unwrap();
+    let l = log.display();
+    write_script(
+        &bin.join("git"),
+        &format!("#!/bin/sh\nn=$$-$(date +%s%N)\ncat /proc/$$/environ > '{l}/'$n.env\nprintf '%s\\0' \"$@\" > '{l}/'$n.argv\nexec '{}' \"$@\"\n", real_git().display()),
+    );
+    (bin, log)
+}
+
+/// What [`recording_git`] recorded: (argv, environment) per call.
+fn recorded_git_calls(log: &Path) -> Vec<(Vec<String>, std::collections::BTreeMap<String, String>)> {
+    let split = |b: Vec<u8>| b.split(|c| *c == 0).filter(|x| !x.is_empty()).map(|x| String::from_utf8_lossy(x).into_owned()).collect::<Vec<_>>();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(log).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().and_then(|x| x.to_str()) != Some("env") {
+            continue;
+        }
+        let env = split(std::fs::read(&p).unwrap()).into_iter().filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned()))).collect();
+        let argv = split(std::fs::read(p.with_extension("argv")).unwrap_or_default());
+        out.push((argv, env));
+    }
+    out
 }
 
 /// A container removed (by id) on drop.
@@ -458,11 +520,12 @@ async fn docker_relay_pushes_branch_creates_then_updates_one_pr() {
     assert_eq!(w.ctr.try_sh("test -e /tmp/hook-ran").status.code(), Some(1), "the relay's git ran no repository hook");
     w.ctr.sh("git -C /workspace/repo worktree add -q -b plain /workspace/plain main && test -e /tmp/hook-ran"); // the hook is real
 
-    // nothing new: no push, the existing PR is found and left alone
+    // nothing new: no push (`pushed` means "this call pushed"), the existing PR is found and left alone
     let before = w.remote(&["rev-parse", "sandbox/task.0022"]);
     let o = relay.publish("task.0022", "main", None, None).await;
     assert_eq!(o.error, None, "{o:?}");
-    assert_eq!((o.commit_count, o.pushed, o.pushed_commits, o.pr_number), (2, true, 0, Some(1)));
+    assert_eq!((o.commit_count, o.pushed, o.pushed_commits, o.pr_number), (2, false, 0, Some(1)));
+    assert_eq!(o.remote_head.as_deref(), Some(before.as_str()), "the head it found");
     assert_eq!(w.remote(&["rev-parse", "sandbox/task.0022"]), before);
     assert_eq!(w.api.methods(), ["GET", "POST", "GET", "PATCH", "GET"]);
 
@@ -555,7 +618,7 @@ async fn docker_relay_failing_api_is_retried_and_reported() {
     w.api.set_failing(false);
     let o = relay.publish("api", "main", Some("t"), None).await;
     assert_eq!(o.error, None, "{o:?}");
-    assert_eq!((o.pushed, o.pushed_commits, o.pr_number), (true, 0, Some(1)));
+    assert_eq!((o.pushed, o.pushed_commits, o.pr_number), (false, 0, Some(1)), "already pushed by the first call");
     assert_eq!(w.api.prs().len(), 1);
     // an unreachable API is reported the same way
     let mut cfg = w.config();
@@ -588,8 +651,9 @@ async fn docker_relay_diverged_remote_is_refused_unless_force_push() {
     let o = relay.publish("shared", "main", None, None).await;
     let e = o.error.clone().expect("error");
     assert_eq!(e.stage, RelayStage::Apply);
-    assert!(e.message.contains("diverged"), "{e}");
+    assert!(e.message.contains("someone else pushed") && e.message.contains(&human), "{e}");
     assert!(!o.pushed);
+    assert_eq!(o.remote_head.as_deref(), Some(human.as_str()), "the other writer's head");
     assert_eq!(w.remote(&["rev-parse", "sandbox/shared"]), human, "the remote branch is untouched");
     assert_eq!(w.ctr.count("shared"), 1);
     assert!(w.api.calls().is_empty());
@@ -602,6 +666,82 @@ async fn docker_relay_diverged_remote_is_refused_unless_force_push() {
     assert!(o.pushed);
     assert_eq!(w.remote(&["rev-parse", "sandbox/shared^{tree}"]), w.ctr.tree("shared"));
     assert_eq!(w.remote(&["rev-list", "--count", "main..sandbox/shared"]), "1");
+}
+
+/// Every push is conditional on the remote head the publish observed (compare-and-swap). Someone
+/// else's write to `sandbox/<key>` while a publish works (here: between its look at the remote and
+/// its push) is detected and reported, never overwritten, even when a plain push would be a
+/// fast-forward over it (the branch moved back; the branch created meanwhile); a push by someone
+/// else between two runs is reported too. The commits stay on the container's branch every time.
+#[actix_rt::test]
+async fn docker_relay_push_is_conditional_on_the_remote_head_it_observed() {
+    if !docker_or_skip("docker_relay_push_is_conditional_on_the_remote_head_it_observed") {
+        return;
+    }
+    let w = World::new("cas").await;
+    let hooks = tempfile::tempdir().unwrap();
+    let mut cfg = w.config();
+    cfg.git_program = interfering_git(hooks.path());
+    let (relay, _) = w.relay_with(cfg).await;
+    let on_push = |script: String| std::fs::write(hooks.path().join("on-push"), script).unwrap();
+    let update_ref = |branch: &str, to: &str| format!("'{}' -C '{}' update-ref refs/heads/{branch} {to}\n", real_git().display(), w.origin.display());
+
+    relay.prepare("cas", "main").await.expect("prepare");
+    w.ctr.commit("cas", "one");
+    w.ctr.commit("cas", "two");
+    let o = relay.publish("cas", "main", None, None).await;
+    assert_eq!((o.error.clone(), o.pushed, o.pushed_commits), (None, true, 2), "{o:?}");
+    let (r2, r1) = (w.remote(&["rev-parse", "sandbox/cas"]), w.remote(&["rev-parse", "sandbox/cas~1"]));
+
+    // while the next publish works, someone moves the branch back to r1 (drops a commit)
+    w.ctr.commit("cas", "three");
+    on_push(update_ref("sandbox/cas", &r1));
+    let o = relay.publish("cas", "main", None, None).await;
+    eprintln!("concurrent push during a publish: {}", serde_json::to_string(&o).unwrap());
+    assert!(hooks.path().join("on-push.ran").exists(), "the other write happened");
+    let e = o.error.clone().expect("refused");
+    assert_eq!(e.stage, RelayStage::Push, "{e}");
+    assert!(e.message.contains("changed on the remote while this run published") && e.message.contains(&format!("from {r2} to {r1}")), "{e}");
+    assert!(e.message.contains("nothing overwritten") && e.message.contains("the commits stay on the container's branch"), "{e}");
+    assert_eq!((o.pushed, o.pushed_commits, o.remote_head.as_deref()), (false, 0, Some(r1.as_str())));
+    assert_eq!(w.remote(&["rev-parse", "sandbox/cas"]), r1, "not overwritten");
+    assert_eq!(w.ctr.count("cas"), 3, "the commits stay on the container's branch");
+    assert_eq!(w.api.methods(), ["GET", "POST"], "no PR call after a refused push");
+
+    // between two runs, someone pushes a commit of theirs on top of the branch
+    sh(git(&w.seed).args(["fetch", "-q"]).arg(&w.origin).arg("sandbox/cas"));
+    sh(git(&w.seed).args(["checkout", "-q", "-B", "human", "FETCH_HEAD"]));
+    std::fs::write(w.seed.join("human.txt"), "mine\n").unwrap();
+    sh(git(&w.seed).args(["add", "human.txt"]));
+    sh(git(&w.seed).args(["commit", "-q", "-m", "a human's commit"]));
+    sh(git(&w.seed).arg("push").arg("-q").arg(&w.origin).arg("human:sandbox/cas"));
+    let theirs = w.remote(&["rev-parse", "sandbox/cas"]);
+    w.ctr.commit("cas", "four");
+    let o = relay.publish("cas", "main", None, None).await;
+    eprintln!("a push by someone else between two runs: {}", serde_json::to_string(&o).unwrap());
+    let e = o.error.clone().expect("refused");
+    assert_eq!(e.stage, RelayStage::Apply, "{e}");
+    assert!(e.message.contains("someone else pushed") && e.message.contains(&theirs) && e.message.contains("nothing overwritten"), "{e}");
+    assert_eq!((o.pushed, o.remote_head.as_deref()), (false, Some(theirs.as_str())));
+    assert_eq!(w.remote(&["rev-parse", "sandbox/cas"]), theirs, "not overwritten");
+    assert_eq!(w.ctr.count("cas"), 4);
+
+    // a new branch that someone else creates while the publish works: the push may only create it
+    relay.prepare("cas-new", "main").await.expect("prepare");
+    w.ctr.commit("cas-new", "n1");
+    let main = w.remote(&["rev-parse", "main"]);
+    on_push(update_ref("sandbox/cas-new", &main));
+    let o = relay.publish("cas-new", "main", None, None).await;
+    let e = o.error.clone().expect("refused");
+    assert_eq!(e.stage, RelayStage::Push, "{e}");
+    assert!(e.message.contains(&format!("from no branch to {main}")), "{e}");
+    assert_eq!((o.pushed, o.remote_head.as_deref()), (false, Some(main.as_str())));
+    assert_eq!(w.remote(&["rev-parse", "sandbox/cas-new"]), main, "not overwritten");
+    assert_eq!(w.ctr.count("cas-new"), 1);
+    // with nobody interfering, the same publish goes through
+    sh(git(&w.origin).args(["update-ref", "-d", "refs/heads/sandbox/cas-new"]));
+    let o = relay.publish("cas-new", "main", None, None).await;
+    assert_eq!((o.error.clone(), o.pushed, o.pushed_commits), (None, true, 1), "{o:?}");
 }
 
 /// Two keys at once (worktrees side by side, parallel publishes); one key under a branch lock
@@ -1119,7 +1259,8 @@ async fn docker_api_run_without_commits_pushes_nothing() {
     let (relay, _) = finish_branch_run(&w, &mut sse, &key).await;
     eprintln!("{test}: relay event of a later run without commits: {}", serde_json::to_string(&relay).unwrap());
     assert!(relay.get("error").is_none(), "{relay}");
-    assert_eq!((relay["commitCount"].as_u64(), relay["pushedCommits"].as_u64()), (Some(1), Some(0)), "{relay}");
+    assert_eq!((relay["commitCount"].as_u64(), relay["pushedCommits"].as_u64(), relay["pushed"].as_bool()), (Some(1), Some(0), Some(false)), "this run pushed nothing: {relay}");
+    assert_eq!(relay["remoteHead"].as_str(), Some(head.as_str()), "{relay}");
     assert_eq!(w.remote(&["rev-parse", &branch]), head, "no new push");
     let later: Vec<String> = w.api.methods().into_iter().skip(calls).collect();
     assert!(later.iter().all(|m| m == "GET"), "the PR is only looked up, never created or updated: {later:?}");
@@ -1199,7 +1340,7 @@ async fn docker_api_hostile_branch_keys_are_refused() {
     let base = common::base(&app);
     let http = reqwest::Client::new();
     let long = "k".repeat(300);
-    let hostile = ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "main", "MAIN", "master", "HEAD", "/abs", "x/", "a//b", ".hidden", "x/.y", "a:b", "a~1", "a^b", "x\ny", "", "$(id)", "`id`", "a;b", "--upload-pack=touch /tmp/pwned"];
+    let hostile = ["x.lock/y", "x/y.lock/z", "../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "main", "MAIN", "master", "HEAD", "/abs", "x/", "a//b", ".hidden", "x/.y", "a:b", "a~1", "a^b", "x\ny", "", "$(id)", "`id`", "a;b", "--upload-pack=touch /tmp/pwned"];
     for key in hostile {
         for field in ["workItemId", "branchName"] {
             let body = json!({"message": "m", "billingAccountId": "acct", "branch": {field: key}});
@@ -1235,10 +1376,65 @@ async fn docker_api_hostile_branch_keys_are_refused() {
     app.server.stop(true).await;
 }
 
+/// A caller's mistakes the repositories show before the run are `422`, not a run that fails later:
+/// an unknown `baseRef` (`unknown_base_ref`), a key whose branch cannot exist next to a branch of
+/// the container's repository or of the remote (`branch_conflict`: `a/b` when `a` exists and the
+/// reverse). Each names the field; nothing is created and no run is kept. Keys that pass go on to
+/// admission (here `503`: the gateway of this test is down). Needs Docker only.
+#[actix_rt::test]
+async fn docker_api_caller_mistakes_are_422_before_the_run() {
+    let test = "docker_api_caller_mistakes_are_422_before_the_run";
+    if !docker_or_skip(test) {
+        return;
+    }
+    let w = World::new("mistakes").await;
+    w.ctr.sh("git -C /workspace/repo branch sandbox/taken main && git -C /workspace/repo branch sandbox/deep/x main");
+    sh(git(&w.seed).arg("push").arg("-q").arg(&w.origin).arg("main:refs/heads/sandbox/far/x"));
+    let before = w.ctr.sh("find /workspace -not -path '*/logs/*' | sort; git -C /workspace/repo for-each-ref");
+    let remote_before = w.remote(&["for-each-ref"]);
+    let (ctr, origin) = (w.ctr.id.clone(), w.origin.to_string_lossy().into_owned());
+    let app = common::start_clawmux("ws://127.0.0.1:9", None, move |c| {
+        c.relay_container = Some(ctr);
+        c.relay_remote_url = Some(origin);
+        c.github_api_url = String::new();
+    })
+    .await;
+    let base = common::base(&app);
+    let http = reqwest::Client::new();
+    let cases = [
+        (json!({"workItemId": "fine", "baseRef": "nope"}), 422, "unknown_base_ref", "field `branch.baseRef`: base ref \"nope\" not found"),
+        (json!({"workItemId": "taken/x"}), 422, "branch_conflict", "field `branch.workItemId`: sandbox/taken/x cannot be created: sandbox/taken exists in the container's repository"),
+        (json!({"branchName": "deep"}), 422, "branch_conflict", "field `branch.branchName`: sandbox/deep cannot be created: sandbox/deep/x exists in the container's repository"),
+        (json!({"branchName": "far"}), 422, "branch_conflict", "field `branch.branchName`: sandbox/far cannot be created: sandbox/far/x exists on the remote"),
+        (json!({"workItemId": "far/x/y"}), 422, "branch_conflict", "field `branch.workItemId`: sandbox/far/x/y cannot be created: sandbox/far/x exists on the remote"),
+        (json!({"workItemId": "taken"}), 503, "gateway_unavailable", ""),
+        (json!({"workItemId": "fine", "baseRef": "main"}), 503, "gateway_unavailable", ""),
+    ];
+    for (branch, status, code, says) in cases {
+        let body = json!({"message": "m", "billingAccountId": "acct", "branch": branch});
+        let r = http.post(format!("{base}/v1/runs")).json(&body).send().await.unwrap();
+        let got = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!((got, v["error"]["code"].as_str()), (status, Some(code)), "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap_or_default().starts_with(says), "{body}: {v}");
+        if status == 422 {
+            assert!(v["error"]["message"].as_str().unwrap_or_default().len() > says.len(), "says what to do: {v}");
+        }
+    }
+    assert_eq!(w.ctr.sh("find /workspace -not -path '*/logs/*' | sort; git -C /workspace/repo for-each-ref"), before, "nothing was created in the container");
+    assert_eq!(w.remote(&["for-each-ref"]), remote_before, "nor on the remote");
+    let q = clawmux::store::ListQuery { limit: 10, ..Default::default() };
+    assert!(app.state.store.list(&q).await.unwrap().0.is_empty(), "no run was kept");
+    app.server.stop(true).await;
+}
+
 /// The clawmux BINARY (`clawmux serve`), configured only through its environment as in production
 /// (`CLAWMUX_RELAY_CONTAINER`, `CLAWMUX_RELAY_REMOTE_URL`, `CLAWMUX_GITHUB_API_URL`,
-/// `CLAWMUX_GITHUB_TOKEN`, `CLAWMUX_LOG=debug`): a branch run is relayed and its PR created with the
-/// token, and the token is in none of its stderr; `clawmux doctor` shows it redacted.
+/// `CLAWMUX_GITHUB_TOKEN`, `CLAWMUX_LOG=debug`, and its other secrets: `CLAWMUX_API_TOKEN`,
+/// `CLAWMUX_LLM_UPSTREAM_KEY`, `CLAWMUX_WEBHOOK_SECRET`): a branch run is relayed and its PR
+/// created with the token, and the token is in none of its stderr; `clawmux doctor` shows it
+/// redacted. Every host git call it makes (recorded by a `git` first on its `PATH`) gets an
+/// environment of the relay's own: no variable of clawmux's but `PATH`, none of its secrets.
 #[actix_rt::test]
 async fn docker_api_binary_keeps_the_github_token_out_of_its_logs() {
     let test = "docker_api_binary_keeps_the_github_token_out_of_its_logs";
@@ -1253,11 +1449,20 @@ async fn docker_api_binary_keeps_the_github_token_out_of_its_logs() {
     let dir = tempfile::Builder::new().prefix("clawmux-api-bin-").tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let stderr_path = dir.path().join("clawmux.stderr");
+    let (git_bin, git_log) = recording_git(dir.path());
+    let api_token = format!("api-{}", uuid::Uuid::new_v4().simple());
+    let secrets = [
+        ("CLAWMUX_API_TOKEN", api_token.clone()),
+        ("CLAWMUX_LLM_UPSTREAM_KEY", format!("llm-{}", uuid::Uuid::new_v4().simple())),
+        ("CLAWMUX_WEBHOOK_SECRET", format!("whs-{}", uuid::Uuid::new_v4().simple())),
+        ("CLAWMUX_GATEWAY_TOKEN", get("GATEWAY_TOKEN")),
+        ("CLAWMUX_GITHUB_TOKEN", token.clone()),
+    ];
     let command = |args: &[&str]| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_clawmux"));
         c.args(args)
             .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("PATH", format!("{}:{}", git_bin.display(), std::env::var("PATH").unwrap_or_default()))
             .env("HOME", dir.path())
             .env("CLAWMUX_LISTEN", format!("127.0.0.1:{port}"))
             .env("CLAWMUX_GATEWAY_URL", get("GATEWAY_URL"))
@@ -1269,6 +1474,9 @@ async fn docker_api_binary_keeps_the_github_token_out_of_its_logs() {
             .env("CLAWMUX_GITHUB_API_URL", &api.base)
             .env("CLAWMUX_GITHUB_TOKEN", &token)
             .env("CLAWMUX_LOG", "debug");
+        for (k, v) in &secrets {
+            c.env(k, v);
+        }
         if let Ok(h) = std::env::var("DOCKER_HOST") {
             c.env("DOCKER_HOST", h);
         }
@@ -1284,7 +1492,9 @@ async fn docker_api_binary_keeps_the_github_token_out_of_its_logs() {
     }
     let pid = child.id();
     let started = Instant::now();
-    let http = reqwest::Client::new();
+    let mut auth = reqwest::header::HeaderMap::new();
+    auth.insert(reqwest::header::AUTHORIZATION, format!("Bearer {api_token}").parse().unwrap());
+    let http = reqwest::Client::builder().default_headers(auth).build().unwrap();
     let base = format!("http://127.0.0.1:{port}");
     loop {
         if let Ok(r) = http.get(format!("{base}/readyz")).send().await {
@@ -1312,6 +1522,25 @@ async fn docker_api_binary_keeps_the_github_token_out_of_its_logs() {
         assert_eq!(c.auth.as_deref(), Some(format!("Bearer {token}").as_str()), "the token from CLAWMUX_GITHUB_TOKEN reaches the API");
     }
     assert!(!doc.to_string().contains(&token));
+
+    // every host git call: only the relay's own environment
+    let calls = recorded_git_calls(&git_log);
+    let own: Vec<_> = calls.iter().filter(|(argv, _)| argv.first().map(String::as_str) == Some("-c") && argv.get(1).map(String::as_str) == Some("credential.helper=")).collect();
+    assert!(own.len() >= 5 && own.iter().any(|(a, _)| a.contains(&"clone".to_owned())) && own.iter().any(|(a, _)| a.contains(&"push".to_owned())), "the relay's host git calls were recorded: {:?}", calls.iter().map(|c| &c.0).collect::<Vec<_>>());
+    let allowed = ["PATH", "HOME", "LC_ALL", "GIT_TERMINAL_PROMPT", "GIT_CONFIG_NOSYSTEM", "GIT_CONFIG_GLOBAL", "GIT_ATTR_NOSYSTEM"];
+    for (argv, env) in &own {
+        let keys: Vec<&str> = env.keys().map(String::as_str).collect();
+        assert!(keys.iter().all(|k| allowed.contains(k)), "host git {argv:?} got {keys:?}");
+        assert!(env.get("HOME").is_some_and(|h| h.contains("clawmux-relay-") && !h.starts_with(&dir.path().display().to_string())), "a HOME of the relay's own: {env:?}");
+        assert_eq!((env.get("GIT_TERMINAL_PROMPT").map(String::as_str), env.get("GIT_CONFIG_NOSYSTEM").map(String::as_str)), (Some("0"), Some("1")));
+    }
+    for (argv, env) in &calls {
+        for (k, v) in env {
+            assert!(!secrets.iter().any(|(_, s)| v.contains(s.as_str())), "host git {argv:?} got a secret of clawmux's in {k}");
+        }
+    }
+    let shown: Vec<String> = own[0].1.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    eprintln!("{test}: {} host git calls; the environment of one ({:?}):\n  {}", own.len(), own[0].0.iter().rev().take(3).collect::<Vec<_>>(), shown.join("\n  "));
 
     // a clean stop (SIGTERM), then the whole stderr
     sh(Command::new("kill").args(["-TERM", &pid.to_string()]));
@@ -1373,5 +1602,45 @@ async fn docker_api_waiting_runs_time_out_or_abort_without_reaching_the_gateway(
     assert!(!next.waited());
     assert_eq!((relay["commitCount"].as_u64(), relay["pushedCommits"].as_u64()), (Some(2), Some(1)), "{relay}");
     assert_eq!(w.app.state.registry.send(clawmux_actors::messages::InFlight).await.unwrap(), 0, "every run (and its locks) released");
+    w.stop().await;
+}
+
+/// Mistakes the relay can only find when the run prepares (the repository changed after the
+/// `POST` checked it) end the run `relay_rejected`, not `internal`, before it reaches the gateway:
+/// its base ref deleted while it queued, a branch that blocks its key created meanwhile.
+#[actix_rt::test]
+async fn docker_api_mistakes_found_when_preparing_end_relay_rejected() {
+    let test = "docker_api_mistakes_found_when_preparing_end_relay_rejected";
+    let Some(w) = ApiWorld::start(test).await else { return };
+    let tag = unique_key("late");
+    let state_key = format!("{tag}-s");
+    let base_ref = format!("{tag}-base");
+    let (k1, k2) = (format!("{tag}-1"), format!("{tag}-2/x"));
+    sh(Command::new("docker").args(["exec", &w.ctr, "git", "-C", "/workspace/repo", "branch", &base_ref, "main"]));
+    // a plain run holds the session key; the branch runs queue behind it, checked and admitted
+    let mut holder = w.post(&json!({"message": "SLOW hold the session", "billingAccountId": "acct-relay-api", "stateKey": state_key, "runId": format!("{tag}-holder")})).await;
+    holder.until(Duration::from_secs(60), |e| e.event == "accepted").await.unwrap_or_else(|| panic!("holder accepted: {:?}", holder.names()));
+    let run = |key: &str, extra: Value| {
+        let mut b = json!({"workItemId": key});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        json!({"message": commit_msg(key, "never"), "billingAccountId": "acct-relay-api", "stateKey": state_key, "timeoutSec": 120, "branch": b})
+    };
+    let mut r1 = w.post(&run(&k1, json!({"baseRef": base_ref}))).await;
+    let mut r2 = w.post(&run(&k2, json!({}))).await;
+    // meanwhile: the base ref is deleted, a branch blocking k2 is created
+    sh(Command::new("docker").args(["exec", &w.ctr, "git", "-C", "/workspace/repo", "branch", "-D", &base_ref]));
+    sh(Command::new("docker").args(["exec", &w.ctr, "git", "-C", "/workspace/repo", "branch", &format!("sandbox/{tag}-2"), "main"]));
+    let r = w.http.post(format!("{}/v1/runs/{tag}-holder/abort", w.base)).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    for (sse, says) in [(&mut r1, format!("base ref \"{base_ref}\" not found")), (&mut r2, format!("sandbox/{tag}-2 exists in the container's repository"))] {
+        let t = sse.read_to_terminal(Duration::from_secs(60)).await;
+        eprintln!("{test}: {}", t.data);
+        assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("relay_rejected")), "{}", t.data);
+        assert!(t.data["message"].as_str().unwrap_or_default().contains(&says), "{}", t.data);
+        assert!(!sse.names().iter().any(|n| n == "accepted" || n == "relay"), "never reached the gateway: {:?}", sse.names());
+    }
+    let llm = std::fs::read_to_string(&w.llm_log).unwrap_or_default();
+    assert!(!llm.contains(&format!("{k1}:never")) && !llm.contains(&format!("{k2}:never")), "the rejected runs never reached the LLM");
+    assert_eq!(w.app.state.registry.send(clawmux_actors::messages::InFlight).await.unwrap(), 0);
     w.stop().await;
 }

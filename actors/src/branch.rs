@@ -40,17 +40,51 @@ pub struct Prepared {
     pub branch: String,
 }
 
+/// Why a workspace step did not work out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkspaceError {
+    /// The base ref does not exist in the repository (the caller names another one).
+    UnknownBaseRef(String),
+    /// The branch key's branch cannot exist next to an existing one (`sandbox/a` blocks
+    /// `sandbox/a/b` and the reverse: git stores them as a file and a directory of one name).
+    KeyConflict(String),
+    /// Anything else: the container, the engine, git failing.
+    Failed(String),
+}
+
+impl WorkspaceError {
+    /// A caller's mistake (the run ends `relay_rejected`), not a failure of clawmux's.
+    pub fn is_rejection(&self) -> bool {
+        !matches!(self, Self::Failed(_))
+    }
+}
+
+impl std::fmt::Display for WorkspaceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::UnknownBaseRef(m) | Self::KeyConflict(m) | Self::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
 /// What publishing did: the `relay` event's data, and whether it failed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Published {
-    /// `{"branch","commitCount","pushed","pushedCommits","prUrl","prNumber","error"?}`.
+    /// `{"branch","commitCount","pushed","pushedCommits","remoteHead"?,"prUrl"?,"prNumber"?,"error"?}`
+    /// (`docs/API.md`).
     pub relay: serde_json::Value,
 }
 
 /// The host-side git relay, as the session actor needs it.
 pub trait Workspace: Send + Sync + 'static {
+    /// Before a run is admitted: what can be known now about a caller's mistake (an unknown base
+    /// ref, a key conflicting with an existing branch), so that the `POST` answers it instead of
+    /// the run failing later. `Err(Failed)` means "could not check", not "refused".
+    fn check(&self, _plan: &BranchPlan) -> BoxFuture<'static, Result<(), WorkspaceError>> {
+        Box::pin(async { Ok(()) })
+    }
     /// Creates (or reuses) the worktree of `plan`'s branch in the gateway container.
-    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, String>>;
+    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, WorkspaceError>>;
     /// Takes the branch's new commits out of the container, pushes them and opens or updates the
     /// pull request. Idempotent: a second call after a crash finds nothing new or pushes the rest.
     fn publish(&self, plan: &BranchPlan) -> BoxFuture<'static, Published>;

@@ -213,6 +213,9 @@ pub enum ErrorCode {
     GatewayProtocolError,
     /// The billing account's budget is spent.
     BudgetExceeded,
+    /// The git relay cannot work on the run's branch as asked, and the caller can fix it (an
+    /// unknown base ref, a branch key conflicting with an existing branch).
+    RelayRejected,
     /// A bug in clawmux.
     Internal,
 }
@@ -228,6 +231,7 @@ impl ErrorCode {
             ErrorCode::GatewayDisconnected => "gateway_disconnected",
             ErrorCode::GatewayProtocolError => "gateway_protocol_error",
             ErrorCode::BudgetExceeded => "budget_exceeded",
+            ErrorCode::RelayRejected => "relay_rejected",
             ErrorCode::Internal => "internal",
         }
     }

@@ -290,8 +290,13 @@ impl SessionActor {
                     act.begin(ctx);
                 }
                 Err(e) => {
-                    let msg = format!("preparing the workspace for {} failed: {}", plan.branch(), clip(&e));
-                    act.finish(ctx, RunOutcome::failed(ErrorCode::Internal, msg, String::new()));
+                    let why = clip(&e.to_string());
+                    let outcome = if e.is_rejection() {
+                        RunOutcome::failed(ErrorCode::RelayRejected, format!("cannot work on {}: {why}", plan.branch()), String::new())
+                    } else {
+                        RunOutcome::failed(ErrorCode::Internal, format!("preparing the workspace for {} failed: {why}", plan.branch()), String::new())
+                    };
+                    act.finish(ctx, outcome);
                 }
             }
         }));

@@ -4,7 +4,7 @@
 //! builders for specs and gateway answers.
 #![allow(clippy::unwrap_used)]
 
-use crate::branch::{BranchPlan, Prepared, Published, Workspace};
+use crate::branch::{BranchPlan, Prepared, Published, Workspace, WorkspaceError};
 use crate::messages::{
     Abandon, AddRoute, Call, CallError, GatewayPort, GatewayUp, OutboundHeadersUnsupported, RegistryPort, Release, RemoveRoute, Reply,
     Routed, RunEnded, ScopeMissing,
@@ -321,7 +321,7 @@ pub struct Step<T> {
 /// A workspace whose `prepare` and `publish` finish when the test says so.
 pub struct HandWorkspace {
     /// `prepare` calls, in order.
-    prepares: mpsc::UnboundedSender<Step<Result<Prepared, String>>>,
+    prepares: mpsc::UnboundedSender<Step<Result<Prepared, WorkspaceError>>>,
     /// `publish` calls, in order.
     publishes: mpsc::UnboundedSender<Step<Published>>,
 }
@@ -329,7 +329,7 @@ pub struct HandWorkspace {
 /// The test's side of a [`HandWorkspace`].
 pub struct WorkspaceSteps {
     /// `prepare` calls.
-    pub prepares: mpsc::UnboundedReceiver<Step<Result<Prepared, String>>>,
+    pub prepares: mpsc::UnboundedReceiver<Step<Result<Prepared, WorkspaceError>>>,
     /// `publish` calls.
     pub publishes: mpsc::UnboundedReceiver<Step<Published>>,
 }
@@ -356,7 +356,7 @@ fn step<T: Send + 'static>(to: &mpsc::UnboundedSender<Step<T>>, plan: &BranchPla
 }
 
 impl Workspace for HandWorkspace {
-    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, String>> {
+    fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, WorkspaceError>> {
         step(&self.prepares, plan)
     }
     fn publish(&self, plan: &BranchPlan) -> BoxFuture<'static, Published> {
@@ -366,7 +366,7 @@ impl Workspace for HandWorkspace {
 
 impl WorkspaceSteps {
     /// The next `prepare`; fails the test after [`WAIT`].
-    pub async fn prepare(&mut self) -> Step<Result<Prepared, String>> {
+    pub async fn prepare(&mut self) -> Step<Result<Prepared, WorkspaceError>> {
         tokio::time::timeout(WAIT, self.prepares.recv()).await.ok().flatten().expect("a prepare call")
     }
 

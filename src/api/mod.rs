@@ -50,6 +50,8 @@ pub struct AppState {
     pub attributions: Option<Arc<crate::attribution::Attributions>>,
     /// True when `CLAWMUX_RELAY_CONTAINER` is set (branch runs are possible).
     pub relay: bool,
+    /// The relay, for the checks of a branch run before its admission (`None`: no relay).
+    pub workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>>,
     /// Keys, budgets, webhooks.
     pub tenants: Arc<Tenants>,
     /// Flips to true at shutdown: live SSE streams end (clients re-attach to the next process)

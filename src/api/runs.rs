@@ -192,6 +192,12 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
             ))
         }
     };
+    if let (Some(plan), Some(workspace)) = (&spec.branch, &state.workspace) {
+        if let Err(e) = check_branch(workspace.as_ref(), plan, branch_field(&run.request)).await {
+            state.store.forget(&run.run_id).await;
+            return Err(e);
+        }
+    }
     // Limits are counted exactly under a burst: the account's live runs and admissions of the
     // last minute are checked and counted under one lock.
     let account = run.request.billing_account_id.clone();
@@ -231,6 +237,37 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
         return Ok(HttpResponse::Accepted().json(doc));
     }
     respond(&req, &state, RunView::Live(log), wait_false, abort_on_disconnect).await
+}
+
+/// How long `POST` waits for the relay's checks of a branch run before admitting it unchecked.
+const BRANCH_CHECK_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The request field that named the branch key.
+fn branch_field(r: &request::RunRequest) -> &'static str {
+    match &r.branch {
+        Some(b) if b.branch_name.is_some() => "branch.branchName",
+        Some(b) if b.work_item_id.is_some() => "branch.workItemId",
+        _ => "stateKey",
+    }
+}
+
+/// A caller's mistake the relay can see before the run (`422`); a check that cannot be made
+/// (the engine, the remote) admits the run, whose own steps then report what fails.
+async fn check_branch(workspace: &dyn clawmux_actors::branch::Workspace, plan: &clawmux_actors::branch::BranchPlan, key_field: &str) -> Result<(), ApiError> {
+    use clawmux_actors::branch::WorkspaceError as W;
+    match tokio::time::timeout(BRANCH_CHECK_TIMEOUT, workspace.check(plan)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(W::UnknownBaseRef(m))) => Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown_base_ref", format!("field `branch.baseRef`: {m}"))),
+        Ok(Err(W::KeyConflict(m))) => Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "branch_conflict", format!("field `{key_field}`: {m}"))),
+        Ok(Err(W::Failed(m))) => {
+            tracing::warn!(branch = %plan.branch(), error = %m, "cannot check the branch before the run; admitting it");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::warn!(branch = %plan.branch(), "the branch checks took longer than {BRANCH_CHECK_TIMEOUT:?}; admitting the run");
+            Ok(())
+        }
+    }
 }
 
 /// Makes a stored run attributable and hands it to the registry (new runs and, with `resume`,

@@ -46,28 +46,16 @@ impl Paths {
     }
 }
 
-/// A branch key as the API defines it; `base_ref` and the protected names are refused too.
-/// Callers validate first (`400`); the relay checks again before it builds any command.
+/// A branch key as the API defines it ([`crate::refname`]); `base_ref` and the protected names are
+/// refused too. Callers validate first (`400`); the relay checks again before it builds any command.
 pub fn validate_key(key: &str, base_ref: &str) -> Result<(), String> {
-    crate::request::validate_branch_key(key, base_ref)
+    crate::refname::validate_branch_key(key, base_ref).map_err(|r| r.to_string())
 }
 
-/// A base ref: a branch or tag name (`[A-Za-z0-9._/-]{1,200}`, git's refname rules), or a full
-/// 40/64-hex commit id. Never starts with `-`.
+/// A base ref ([`crate::refname::validate_base_ref`]): a branch or tag name or a full commit id,
+/// never starting with `-`.
 pub fn validate_base_ref(r: &str) -> Result<(), String> {
-    if r.is_empty() || r.len() > 200 {
-        return Err("must be 1 to 200 characters".to_owned());
-    }
-    if !r.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'/' | b'-')) {
-        return Err("may contain only letters, digits, '.', '_', '/' and '-'".to_owned());
-    }
-    if r.starts_with('-') || r.starts_with('/') || r.starts_with('.') {
-        return Err("must not start with '-', '/' or '.'".to_owned());
-    }
-    if r.contains("..") || r.contains("//") || r.contains("/.") || r.ends_with('/') || r.ends_with('.') || r.ends_with(".lock") {
-        return Err("is not a valid git ref name".to_owned());
-    }
-    Ok(())
+    crate::refname::validate_base_ref(r).map_err(|r| r.to_string())
 }
 
 /// `git -C <dir> -c … <args…>`.
@@ -114,6 +102,32 @@ pub fn verify_commit(dir: &str, rev: &str) -> Vec<String> {
 pub fn branch_exists(p: &Paths) -> Vec<String> {
     let r = p.branch_ref();
     git(&p.repo, &["rev-parse", "--verify", "--quiet", "--end-of-options", &r])
+}
+
+/// The first part of a key (`a` of `a/b/c`): every branch that can conflict with `sandbox/<key>`
+/// shares it.
+pub fn key_root(key: &str) -> &str {
+    key.split('/').next().unwrap_or(key)
+}
+
+/// `for-each-ref --format=%(refname) refs/heads/sandbox/<root>` in the main repository: the
+/// branches that could conflict with the key's (for-each-ref matches the name and what is below it).
+pub fn sandbox_branches(p: &Paths, key: &str) -> Vec<String> {
+    let pattern = format!("refs/heads/sandbox/{}", key_root(key));
+    git(&p.repo, &["for-each-ref", "--format=%(refname)", &pattern])
+}
+
+/// `ls-remote` patterns (tail matches) for the remote branches that could conflict with the key's.
+pub fn remote_conflict_patterns(key: &str) -> [String; 2] {
+    let root = key_root(key);
+    [format!("refs/heads/sandbox/{root}"), format!("refs/heads/sandbox/{root}/*")]
+}
+
+/// Whether `git push --porcelain` output says the remote ref was not what the push expected: a
+/// lease that no longer holds (`[rejected] (stale info)`) or, without one, a non-fast-forward.
+/// Rejections by the remote itself (`[remote rejected]`, hooks) are not this.
+pub fn push_was_stale(porcelain: &str) -> bool {
+    porcelain.lines().any(|l| l.starts_with("!\t") && l.contains("\t[rejected] "))
 }
 
 /// `symbolic-ref --quiet HEAD` in the worktree: which branch it is on.
@@ -383,22 +397,12 @@ mod tests {
     #[test]
     fn hostile_keys_are_refused() {
         let long = "a".repeat(300);
-        for k in ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "", "/abs", "a//b", "a/", "main", "HEAD", "master", "a;rm -rf /", "$(id)", "a\nb", "-", ".hidden", "x/.y", "a@{1}", "a~1", "a^", "a:b"] {
+        for k in ["../x", "-f", "a..b", "x.lock", "with space", long.as_str(), "", "/abs", "a//b", "a/", "main", "HEAD", "master", "a;rm -rf /", "$(id)", "a\nb", "-", ".hidden", "x/.y", "a@{1}", "a~1", "a^", "a:b", "x.lock/y", "x/y.lock/z"] {
             assert!(validate_key(k, "main").is_err(), "{k:?} must be refused");
         }
         assert!(validate_key("develop", "develop").is_err(), "the base ref itself is protected");
         for k in ["task.0022", "feat/x-1", "a_b", "A1"] {
             assert!(validate_key(k, "main").is_ok(), "{k:?} is fine");
-        }
-    }
-
-    #[test]
-    fn base_refs() {
-        for r in ["main", "release/1.2", "v1.0.0", "0123456789abcdef0123456789abcdef01234567"] {
-            assert!(validate_base_ref(r).is_ok(), "{r}");
-        }
-        for r in ["", "-x", "--upload-pack=evil", "a..b", "a b", "a^", "a~1", "HEAD@{1}", "a.lock", "/a", ".a", "a/"] {
-            assert!(validate_base_ref(r).is_err(), "{r:?}");
         }
     }
 
@@ -429,6 +433,17 @@ mod tests {
         assert_eq!(m.iter().filter(|x| x.as_str() == evil).count(), 1);
         assert_eq!(m[m.len() - 2], evil);
         assert_eq!(m[m.len() - 3], "--end-of-options");
+    }
+
+    #[test]
+    fn conflicts_and_push_status() {
+        let p = Paths::new("/workspace", "a/b");
+        assert_eq!(sandbox_branches(&p, "a/b").last().map(String::as_str), Some("refs/heads/sandbox/a"));
+        assert_eq!(remote_conflict_patterns("a/b/c"), ["refs/heads/sandbox/a".to_owned(), "refs/heads/sandbox/a/*".to_owned()]);
+        assert!(push_was_stale("To /o.git\n!\tHEAD:refs/heads/sandbox/x\t[rejected] (stale info)\nDone\n"));
+        assert!(push_was_stale("!\tHEAD:refs/heads/sandbox/x\t[rejected] (non-fast-forward)\n"));
+        assert!(!push_was_stale("To /o.git\n!\tHEAD:refs/heads/sandbox/x\t[remote rejected] (pre-receive hook declined)\nDone\n"));
+        assert!(!push_was_stale("To /o.git\n*\tHEAD:refs/heads/sandbox/x\t[new branch]\nDone\n"));
     }
 
     #[test]

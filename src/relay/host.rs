@@ -1,18 +1,27 @@
 //! Host-side git: the relay's own clone of the remote, where the container's patches are applied
 //! with `git am` and pushed.
 //!
+//! The environment: a host git child gets only what it needs, built here, never clawmux's own
+//! environment (which holds `CLAWMUX_API_TOKEN`, `CLAWMUX_GATEWAY_TOKEN`, the LLM key, … that any
+//! hook, helper or config-driven command git runs could read). [`child_env`]: `PATH`, `HOME` (an
+//! empty directory of the relay's own, so no `~/.gitconfig`, `~/.git-credentials` or
+//! `~/.netrc` is read), `LC_ALL=C`, `GIT_TERMINAL_PROMPT=0`, no system or global config
+//! (`GIT_CONFIG_NOSYSTEM=1`, `GIT_CONFIG_GLOBAL=/dev/null`, `GIT_ATTR_NOSYSTEM=1`), the token
+//! variable for an `http(s)` remote, and the few variables of this process a remote of that kind
+//! needs to be reached ([`PASS_HTTP`]: proxies and CA bundles; [`PASS_SSH`]: the ssh agent and
+//! ssh command).
+//!
 //! The token path: for an `http(s)` remote the token is put in the child's environment
 //! (`CLAWMUX_RELAY_GIT_TOKEN`, this process's children only) and read by a credential helper given
 //! as `-c credential.helper=!…`, whose text names the variable, never the value. Before it,
-//! `-c credential.helper=` empties the helper list, so no configured helper (a `store` in some
-//! `~/.gitconfig`) is asked or told about the token; the global and system config files are not
-//! read at all (`GIT_CONFIG_GLOBAL=/dev/null`, `GIT_CONFIG_NOSYSTEM=1`), and git never prompts
-//! (`GIT_TERMINAL_PROMPT=0`, no askpass). So the token is in no argv, no URL, no file, and no
-//! process other than git's own helpers sees it. Local and ssh remotes get no token at all.
+//! `-c credential.helper=` empties the helper list, so no configured helper is asked or told about
+//! the token, and git never prompts (no terminal, no askpass). So the token is in no argv, no URL,
+//! no file, and no process other than git's own helpers sees it. Local and ssh remotes get no token.
 
 use super::git::HARDENING;
 use super::RelayError;
 use crate::config::Secret;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -24,27 +33,92 @@ pub const TOKEN_ENV: &str = "CLAWMUX_RELAY_GIT_TOKEN";
 /// The credential helper: answers `get` with the token from [`TOKEN_ENV`]; ignores `store`/`erase`.
 pub const CREDENTIAL_HELPER: &str = "!f() { test \"$1\" = get || exit 0; printf 'username=x-access-token\\npassword=%s\\n' \"$CLAWMUX_RELAY_GIT_TOKEN\"; }; f";
 
-/// Variables of this process that would redirect or reconfigure git: removed for the children.
-const SCRUBBED_ENV: &[&str] = &[
-    "GIT_DIR",
-    "GIT_WORK_TREE",
-    "GIT_INDEX_FILE",
-    "GIT_OBJECT_DIRECTORY",
-    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
-    "GIT_COMMON_DIR",
-    "GIT_NAMESPACE",
-    "GIT_CONFIG",
-    "GIT_CONFIG_PARAMETERS",
-    "GIT_CONFIG_COUNT",
-    "GIT_ASKPASS",
-    "SSH_ASKPASS",
-    "GIT_EXEC_PATH",
-    "GIT_TEMPLATE_DIR",
-    "GIT_TRACE",
-    "GIT_TRACE_CURL",
-    "GIT_TRACE_PACKET",
-    "GIT_CURL_VERBOSE",
+/// Variables of this process an `http(s)` remote may need: proxies and CA bundles.
+pub const PASS_HTTP: &[&str] = &[
+    "HTTPS_PROXY",
+    "https_proxy",
+    "HTTP_PROXY",
+    "http_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+    "NO_PROXY",
+    "no_proxy",
+    "GIT_SSL_CAINFO",
+    "GIT_SSL_CAPATH",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
 ];
+
+/// Variables of this process an ssh remote may need: the agent and an ssh command of the
+/// operator's (ssh itself finds `~/.ssh` through the user database, not `HOME`).
+pub const PASS_SSH: &[&str] = &["SSH_AUTH_SOCK", "GIT_SSH_COMMAND", "GIT_SSH"];
+
+/// Which kind of remote, for what its git children may be given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteKind {
+    /// `http://` or `https://`: the token, proxies, CA bundles.
+    Http,
+    /// `ssh://` or `user@host:path`: the ssh agent.
+    Ssh,
+    /// A path or `file://`: nothing more.
+    Local,
+}
+
+impl RemoteKind {
+    /// The kind of `url`.
+    pub fn of(url: &str) -> Self {
+        if url.starts_with("https://") || url.starts_with("http://") {
+            Self::Http
+        } else if url.starts_with("ssh://") || url.starts_with("git+ssh://") || url.starts_with("ssh+git://") {
+            Self::Ssh
+        } else if url.contains("://") || url.starts_with('/') || url.starts_with('.') {
+            Self::Local
+        } else {
+            // scp-like `host:path` (git's own rule: a colon before any slash)
+            match (url.find(':'), url.find('/')) {
+                (Some(c), Some(s)) if c < s => Self::Ssh,
+                (Some(_), None) => Self::Ssh,
+                _ => Self::Local,
+            }
+        }
+    }
+}
+
+/// The whole environment of a host git child: nothing of this process's but `PATH` and, by
+/// remote kind, [`PASS_HTTP`] or [`PASS_SSH`] (read through `parent`).
+pub fn child_env(kind: RemoteKind, home: &Path, token: Option<&Secret>, parent: impl Fn(&str) -> Option<OsString>) -> Vec<(String, OsString)> {
+    let mut env: Vec<(String, OsString)> = Vec::new();
+    let pass: &[&str] = match kind {
+        RemoteKind::Http => PASS_HTTP,
+        RemoteKind::Ssh => PASS_SSH,
+        RemoteKind::Local => &[],
+    };
+    for k in std::iter::once(&"PATH").chain(pass) {
+        if let Some(v) = parent(k) {
+            env.push(((*k).to_owned(), v));
+        }
+    }
+    for (k, v) in [("HOME", home.as_os_str()), ("LC_ALL", "C".as_ref()), ("GIT_TERMINAL_PROMPT", "0".as_ref()), ("GIT_CONFIG_NOSYSTEM", "1".as_ref()), ("GIT_CONFIG_GLOBAL", "/dev/null".as_ref()), ("GIT_ATTR_NOSYSTEM", "1".as_ref())] {
+        env.push((k.to_owned(), v.to_owned()));
+    }
+    if let (RemoteKind::Http, Some(t)) = (kind, token) {
+        env.push((TOKEN_ENV.to_owned(), t.expose().into()));
+    }
+    env
+}
+
+/// How host git runs: the same for every command of one publish.
+#[derive(Debug, Clone)]
+pub struct HostSettings {
+    /// The git binary (`git`: found on `PATH`).
+    pub program: PathBuf,
+    /// Bound on one command.
+    pub timeout: Duration,
+    /// Committer identity for `git am` (the author stays the agent's).
+    pub committer: (String, String),
+    /// `HOME` of the children: an empty directory of the relay's own.
+    pub home: PathBuf,
+}
 
 /// The output of one host git command.
 #[derive(Debug)]
@@ -68,24 +142,24 @@ impl HostOutput {
 pub struct HostGit {
     /// `-C` directory.
     dir: PathBuf,
+    /// What the remote is: decides what of this process's environment its children get.
+    kind: RemoteKind,
     /// The token for an `http(s)` remote; `None` otherwise.
     token: Option<Secret>,
-    /// Bound on one command.
-    timeout: Duration,
-    /// Committer identity for `git am` (the author stays the agent's).
-    committer: (String, String),
+    /// Program, bound, identity, `HOME`.
+    settings: HostSettings,
 }
 
 impl HostGit {
     /// A runner in `dir`. `token` is only used when `remote_url` is `http(s)`.
-    pub fn new(dir: &Path, remote_url: &str, token: Option<&Secret>, timeout: Duration, committer: (String, String)) -> Self {
-        let http = remote_url.starts_with("https://") || remote_url.starts_with("http://");
-        Self { dir: dir.to_owned(), token: if http { token.cloned() } else { None }, timeout, committer }
+    pub fn new(dir: &Path, remote_url: &str, token: Option<&Secret>, settings: HostSettings) -> Self {
+        let kind = RemoteKind::of(remote_url);
+        Self { dir: dir.to_owned(), kind, token: if kind == RemoteKind::Http { token.cloned() } else { None }, settings }
     }
 
     /// The same settings in another directory.
     pub fn in_dir(&self, dir: &Path) -> Self {
-        Self { dir: dir.to_owned(), token: self.token.clone(), timeout: self.timeout, committer: self.committer.clone() }
+        Self { dir: dir.to_owned(), kind: self.kind, token: self.token.clone(), settings: self.settings.clone() }
     }
 
     /// Replaces the token in `s` (defence in depth: git does not print it).
@@ -104,7 +178,7 @@ impl HostGit {
         if self.token.is_some() {
             v.extend(["-c".into(), format!("credential.helper={CREDENTIAL_HELPER}")]);
         }
-        v.extend(["-c".into(), format!("user.name={}", self.committer.0), "-c".into(), format!("user.email={}", self.committer.1)]);
+        v.extend(["-c".into(), format!("user.name={}", self.settings.committer.0), "-c".into(), format!("user.email={}", self.settings.committer.1)]);
         v.extend(["-C".into(), self.dir.to_string_lossy().into_owned()]);
         for h in HARDENING {
             v.extend(["-c".into(), (*h).to_owned()]);
@@ -115,19 +189,8 @@ impl HostGit {
 
     /// Runs `git <args>` with `stdin` (if any); any exit code is `Ok`.
     pub async fn run(&self, args: &[&str], stdin: Option<&[u8]>) -> Result<HostOutput, RelayError> {
-        let mut cmd = tokio::process::Command::new("git");
-        cmd.args(self.argv(args));
-        for k in SCRUBBED_ENV {
-            cmd.env_remove(k);
-        }
-        cmd.env("GIT_TERMINAL_PROMPT", "0")
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .env("GIT_CONFIG_GLOBAL", "/dev/null")
-            .env("LC_ALL", "C")
-            .env_remove(TOKEN_ENV);
-        if let Some(t) = &self.token {
-            cmd.env(TOKEN_ENV, t.expose());
-        }
+        let mut cmd = tokio::process::Command::new(&self.settings.program);
+        cmd.args(self.argv(args)).env_clear().envs(child_env(self.kind, &self.settings.home, self.token.as_ref(), |k| std::env::var_os(k)));
         cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
         let what = describe(args);
         let mut child = cmd.spawn().map_err(|e| RelayError::Io(format!("cannot run git on the host: {e}")))?;
@@ -142,9 +205,9 @@ impl HostGit {
             }
             _ => None,
         };
-        let out = match tokio::time::timeout(self.timeout, child.wait_with_output()).await {
+        let out = match tokio::time::timeout(self.settings.timeout, child.wait_with_output()).await {
             Ok(r) => r.map_err(|e| RelayError::Io(format!("{what}: {e}")))?,
-            Err(_) => return Err(RelayError::Timeout { what, after: self.timeout }),
+            Err(_) => return Err(RelayError::Timeout { what, after: self.settings.timeout }),
         };
         if let Some(f) = feeder {
             let _ = f.await;
@@ -180,8 +243,49 @@ pub fn truncate(s: &str, n: usize) -> String {
 mod tests {
     use super::*;
 
+    pub(super) fn settings(home: &Path, secs: u64) -> HostSettings {
+        HostSettings { program: "git".into(), timeout: Duration::from_secs(secs), committer: ("Relay".into(), "relay@x".into()), home: home.to_owned() }
+    }
+
     fn hg(url: &str) -> HostGit {
-        HostGit::new(Path::new("/tmp/x"), url, Some(&Secret::new("tok-SECRET-123")), Duration::from_secs(5), ("Relay".into(), "relay@x".into()))
+        HostGit::new(Path::new("/tmp/x"), url, Some(&Secret::new("tok-SECRET-123")), settings(Path::new("/tmp/h"), 5))
+    }
+
+    #[test]
+    fn remote_kinds() {
+        for (u, k) in [
+            ("https://github.com/a/b.git", RemoteKind::Http),
+            ("http://127.0.0.1:1/a", RemoteKind::Http),
+            ("ssh://git@ghe:2222/o/r.git", RemoteKind::Ssh),
+            ("git@github.com:a/b.git", RemoteKind::Ssh),
+            ("/srv/origin.git", RemoteKind::Local),
+            ("file:///srv/origin.git", RemoteKind::Local),
+            ("./rel/path:x", RemoteKind::Local),
+            ("dir/with:colon", RemoteKind::Local),
+        ] {
+            assert_eq!(RemoteKind::of(u), k, "{u}");
+        }
+    }
+
+    /// Only `PATH` and what the remote's kind needs come from this process; the rest is set.
+    #[test]
+    fn child_env_is_built_not_inherited() {
+        let parent = |k: &str| -> Option<OsString> {
+            match k {
+                "PATH" => Some("/usr/bin".into()),
+                "HTTPS_PROXY" => Some("http://proxy:3128".into()),
+                "SSH_AUTH_SOCK" => Some("/run/agent".into()),
+                "CLAWMUX_API_TOKEN" | "HOME" | "GIT_DIR" => Some("nope".into()),
+                _ => None,
+            }
+        };
+        let tok = Secret::new("t0k");
+        let names = |kind| child_env(kind, Path::new("/tmp/h"), Some(&tok), parent).into_iter().map(|(k, v)| format!("{k}={}", v.to_string_lossy())).collect::<Vec<_>>();
+        let base = ["HOME=/tmp/h", "LC_ALL=C", "GIT_TERMINAL_PROMPT=0", "GIT_CONFIG_NOSYSTEM=1", "GIT_CONFIG_GLOBAL=/dev/null", "GIT_ATTR_NOSYSTEM=1"];
+        let with = |pre: &[&str], post: &[&str]| pre.iter().chain(base.iter()).chain(post).map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(names(RemoteKind::Http), with(&["PATH=/usr/bin", "HTTPS_PROXY=http://proxy:3128"], &["CLAWMUX_RELAY_GIT_TOKEN=t0k"]));
+        assert_eq!(names(RemoteKind::Ssh), with(&["PATH=/usr/bin", "SSH_AUTH_SOCK=/run/agent"], &[]));
+        assert_eq!(names(RemoteKind::Local), with(&["PATH=/usr/bin"], &[]));
     }
 
     #[test]
@@ -234,7 +338,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let url = format!("http://127.0.0.1:{port}/acme/widgets.git");
         let token = Secret::new("tok-HTTP-7f3a");
-        let h = HostGit::new(dir.path(), &url, Some(&token), Duration::from_secs(30), ("R".into(), "r@x".into()));
+        let h = HostGit::new(dir.path(), &url, Some(&token), settings(dir.path(), 30));
         let out = h.run(&["ls-remote", "--", &url], None).await.expect("ran");
         assert_ne!(out.code, 0, "the fake remote refuses in the end");
         assert!(!out.stderr.contains("tok-HTTP-7f3a"));
@@ -249,7 +353,7 @@ mod tests {
     #[tokio::test]
     async fn runs_git_with_stdin_and_reports_failures() {
         let dir = tempfile::tempdir().expect("tmp");
-        let h = HostGit::new(dir.path(), "/nowhere", None, Duration::from_secs(20), ("R".into(), "r@x".into()));
+        let h = HostGit::new(dir.path(), "/nowhere", None, settings(dir.path(), 20));
         h.ok(&["init", "--quiet"], None).await.expect("init");
         // patch-id reads stdin
         let o = h.ok(&["hash-object", "--stdin"], Some(b"hello\n")).await.expect("hash-object");
@@ -262,5 +366,100 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod env_tests {
+    //! The environment of every host git call, recorded by a wrapper `git` first on PATH, in a child
+    //! test process whose own environment carries clawmux's secrets (a re-run of this test binary:
+    //! no environment of this process is changed).
+    use super::*;
+    use std::collections::BTreeMap;
+
+    const CHILD: &str = "CLAWMUX_TEST_HOST_ENV_LOG";
+    const SECRETS: &[(&str, &str)] = &[
+        ("CLAWMUX_API_TOKEN", "api-token-SECRET-1"),
+        ("CLAWMUX_GATEWAY_TOKEN", "gateway-token-SECRET-2"),
+        ("CLAWMUX_LLM_UPSTREAM_KEY", "llm-key-SECRET-3"),
+        ("CLAWMUX_WEBHOOK_SECRET", "webhook-SECRET-4"),
+        ("CLAWMUX_GITHUB_TOKEN", "tok-GITHUB-5"),
+        ("GIT_DIR", "/tmp/not-a-repo-SECRET-6"),
+    ];
+
+    fn read_env(path: &Path) -> BTreeMap<String, String> {
+        let raw = std::fs::read(path).expect("env file");
+        raw.split(|b| *b == 0)
+            .filter(|kv| !kv.is_empty())
+            .filter_map(|kv| String::from_utf8_lossy(kv).split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+            .collect()
+    }
+
+    #[test]
+    fn host_git_children_get_only_their_own_environment() {
+        if let Some(log) = std::env::var_os(CHILD) {
+            return child(Path::new(&log));
+        }
+        let dir = tempfile::tempdir().expect("tmp");
+        let (bin, log) = (dir.path().join("bin"), dir.path().join("log"));
+        std::fs::create_dir_all(&bin).expect("bin");
+        std::fs::create_dir_all(&log).expect("log");
+        let path = std::env::var("PATH").unwrap_or_default();
+        let real = path.split(':').map(|d| Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH");
+        let wrapper = bin.join("git");
+        // `/proc/$$/environ` is the environment the wrapper was started with, untouched by the shell
+        std::fs::write(&wrapper, format!("#!/bin/sh\ncat /proc/$$/environ > '{}/env-'$$\nexec '{}' \"$@\"\n", log.display(), real.display())).expect("wrapper");
+        let mut perm = std::fs::metadata(&wrapper).expect("meta").permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        std::fs::set_permissions(&wrapper, perm).expect("chmod");
+        let exe = std::env::current_exe().expect("test binary");
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(["--exact", "relay::host::env_tests::host_git_children_get_only_their_own_environment", "--test-threads=1", "--nocapture"])
+            .env(CHILD, &log)
+            .env("PATH", format!("{}:{path}", bin.display()));
+        for (k, v) in SECRETS {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("child test");
+        assert!(out.status.success(), "child: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let envs: Vec<BTreeMap<String, String>> = std::fs::read_dir(&log).expect("log").map(|e| read_env(&e.expect("entry").path())).collect();
+        assert!(envs.len() >= 3, "every host git call was recorded: {}", envs.len());
+        let shown: Vec<String> = envs[0].iter().map(|(k, v)| format!("{k}={}", if SECRETS.iter().any(|(_, s)| v.contains(s)) || k == TOKEN_ENV { "<secret>" } else { v })).collect();
+        eprintln!("environment of one host git call:\n  {}", shown.join("\n  "));
+        let own = ["PATH", "HOME", "LC_ALL", "GIT_TERMINAL_PROMPT", "GIT_CONFIG_NOSYSTEM", "GIT_CONFIG_GLOBAL", "GIT_ATTR_NOSYSTEM", TOKEN_ENV];
+        let allowed: Vec<&str> = own.iter().chain(PASS_HTTP).copied().collect();
+        let home = std::env::var("HOME").unwrap_or_default();
+        for env in &envs {
+            for (k, v) in env {
+                assert!(allowed.contains(&k.as_str()), "host git got {k} (only {allowed:?} are its own)");
+                if k != TOKEN_ENV {
+                    assert!(!SECRETS.iter().any(|(_, s)| v.contains(s)), "host git got a secret in {k}");
+                }
+            }
+            assert_eq!(env.get("GIT_TERMINAL_PROMPT").map(String::as_str), Some("0"));
+            assert_eq!(env.get("GIT_CONFIG_NOSYSTEM").map(String::as_str), Some("1"));
+            assert_eq!(env.get("GIT_CONFIG_GLOBAL").map(String::as_str), Some("/dev/null"));
+            let h = env.get("HOME").expect("HOME is set");
+            assert_ne!(h, &home, "HOME is a directory of the relay's own, not clawmux's");
+            assert!(h.contains("clawmux-relay-"), "{h}");
+        }
+        // the token only for the http remote's commands, and only the token
+        let with_token = envs.iter().filter(|e| e.get(TOKEN_ENV).map(String::as_str) == Some("tok-GITHUB-5")).count();
+        assert_eq!(with_token, 2, "the token goes to the http remote's git calls only");
+    }
+
+    /// In the child: host git calls for an http remote (with the token) and a local one (without).
+    fn child(_log: &Path) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        rt.block_on(async {
+            let tmp = tempfile::Builder::new().prefix("clawmux-relay-").tempdir().expect("tmp");
+            let token = Secret::new("tok-GITHUB-5");
+            let settings = super::tests::settings(&tmp.path().join("home"), 30);
+            let http = HostGit::new(tmp.path(), "http://127.0.0.1:9/a/b.git", Some(&token), settings.clone());
+            http.ok(&["init", "--quiet", "repo"], None).await.expect("init");
+            let _ = http.run(&["ls-remote", "--", "http://127.0.0.1:9/a/b.git"], None).await.expect("ran");
+            let local = HostGit::new(&tmp.path().join("repo"), "/srv/none.git", Some(&token), settings);
+            local.ok(&["hash-object", "--stdin"], Some(b"x\n")).await.expect("hash-object");
+        });
     }
 }

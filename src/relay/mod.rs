@@ -11,8 +11,11 @@
 //! from the base ref when missing, reused when present). [`GitRelay::publish`] counts
 //! `base..HEAD` in that worktree; with commits, it extracts them with `git format-patch`, applies
 //! the ones the remote branch does not have yet to a fresh host clone with `git am`, checks that
-//! the result has exactly the container's tree, pushes `sandbox/<key>` (never forced unless
-//! configured) and creates or updates the pull request. `docs/relay.md` has the whole story.
+//! the result has exactly the container's tree, pushes `sandbox/<key>` conditional on the remote
+//! head it observed (compare-and-swap: never over someone else's push; never forced unless
+//! configured) and creates or updates the pull request. [`GitRelay::check`] finds a caller's
+//! mistakes (an unknown base ref, a key whose branch conflicts with an existing one) before a run
+//! is admitted. `docs/relay.md` has the whole story.
 
 pub mod exec;
 pub mod git;
@@ -24,6 +27,7 @@ pub use exec::{ContainerExec, DockerExec, ExecOutput, RecordedExec, Recording};
 use crate::config::Secret;
 use git::{Paths, Plan};
 use serde::Serialize;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
@@ -71,9 +75,37 @@ pub enum RelayError {
     /// The container's workspace is not in the state the relay needs.
     #[error("workspace: {0}")]
     Workspace(String),
+    /// The request cannot be carried out in this repository, and the caller can fix it.
+    #[error("{message}")]
+    Rejected {
+        /// Which mistake.
+        kind: Rejection,
+        /// What to fix (no secret).
+        message: String,
+    },
     /// Local I/O (temp dir, spawning git).
     #[error("io: {0}")]
     Io(String),
+}
+
+/// A caller's mistake the relay finds in the repository (the API answers `422`, a run that finds
+/// it later ends `relay_rejected`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// The base ref does not exist in the container's repository.
+    UnknownBaseRef,
+    /// `sandbox/<key>` cannot exist next to an existing branch (`a` blocks `a/b` and the reverse).
+    KeyConflict,
+}
+
+fn key_conflict(branch: &str, with: &[String], place: &str) -> RelayError {
+    RelayError::Rejected {
+        kind: Rejection::KeyConflict,
+        message: format!(
+            "{branch} cannot be created: {} exists {place}, and git cannot hold a branch and another branch under it (like `a` and `a/b`); use another branch key",
+            with.join(", ")
+        ),
+    }
 }
 
 /// Where the relay works, and how.
@@ -113,6 +145,8 @@ pub struct RelayConfig {
     pub committer_name: String,
     /// Committer email.
     pub committer_email: String,
+    /// The host's git binary (`git`: found on `PATH`).
+    pub git_program: PathBuf,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -129,6 +163,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("retries", &self.retries)
             .field("force_push", &self.force_push)
+            .field("git_program", &self.git_program)
             .finish_non_exhaustive()
     }
 }
@@ -155,6 +190,7 @@ impl RelayConfig {
             api_timeout: Duration::from_secs(30),
             committer_name: "clawmux relay".to_owned(),
             committer_email: "relay@clawmux.invalid".to_owned(),
+            git_program: PathBuf::from("git"),
         }
     }
 
@@ -265,11 +301,14 @@ pub struct RelayOutcome {
     pub branch: String,
     /// Commits `base..HEAD` on the branch in the container (all of them, not only new ones).
     pub commit_count: usize,
-    /// The remote branch carries all of them now (pushed by this call or already before).
+    /// This call pushed (`false` when the remote branch already had every commit, or on an error
+    /// before the push).
     pub pushed: bool,
     /// Commits this call pushed.
     pub pushed_commits: usize,
-    /// The remote branch's head after the push.
+    /// The remote branch's head as this call left it (after its push) or found it (nothing
+    /// pushed, or someone else's head when the branch changed or diverged); absent when the
+    /// remote has no such branch or the call failed before looking.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_head: Option<String>,
     /// The pull request.
@@ -369,6 +408,9 @@ impl GitRelay {
         if !list.success() {
             return Err(RelayError::Workspace(format!("no git repository at {} in the container: {}", p.repo, list.stderr_text())));
         }
+        // every publish counts the commits from the base ref: a missing one is the caller's to
+        // fix, and better said before the agent works than after
+        self.require_base(&p, base_ref).await?;
         let entries = git::parse_worktree_list(&String::from_utf8_lossy(&list.stdout));
         let want_ref = p.branch_ref();
         let mut created = true;
@@ -402,11 +444,61 @@ impl GitRelay {
             self.run_ok(git::worktree_add_existing(p)).await?;
             return Ok(());
         }
+        self.require_no_conflict(p, key_of(p)).await?;
+        self.run_ok(git::worktree_add_new(p, base_ref)).await?;
+        Ok(())
+    }
+
+    /// The base ref resolves to a commit in the container's repository.
+    async fn require_base(&self, p: &Paths, base_ref: &str) -> Result<(), RelayError> {
         let base = self.run(git::verify_commit(&p.repo, base_ref)).await?;
         if !base.success() {
-            return Err(RelayError::Workspace(format!("base ref {base_ref:?} not found in {}", p.repo)));
+            return Err(RelayError::Rejected { kind: Rejection::UnknownBaseRef, message: format!("base ref {base_ref:?} not found in the repository ({} in the container)", p.repo) });
         }
-        self.run_ok(git::worktree_add_new(p, base_ref)).await?;
+        Ok(())
+    }
+
+    /// No branch of the container's repository blocks `sandbox/<key>`.
+    async fn require_no_conflict(&self, p: &Paths, key: &str) -> Result<(), RelayError> {
+        let out = self.run_ok(git::sandbox_branches(p, key)).await?;
+        let text = out.stdout_text();
+        let with = crate::refname::conflicting_branches(key, text.lines());
+        if !with.is_empty() {
+            return Err(key_conflict(&p.branch, &with, "in the container's repository"));
+        }
+        Ok(())
+    }
+
+    fn host_settings(&self, home: PathBuf, timeout: Duration) -> host::HostSettings {
+        host::HostSettings { program: self.cfg.git_program.clone(), timeout, committer: (self.cfg.committer_name.clone(), self.cfg.committer_email.clone()), home }
+    }
+
+    /// Before a run is admitted: the caller's mistakes the repositories show now. The base ref
+    /// must exist in the container's repository, and no branch there or on the remote may block
+    /// `sandbox/<key>`. The remote is asked with `git ls-remote` (bounded by 20 s); when it cannot
+    /// be reached it is not checked (a push would report the conflict later).
+    pub async fn check(&self, key: &str, base_ref: &str) -> Result<(), RelayError> {
+        self.validate(key, base_ref)?;
+        let p = Paths::new(&self.cfg.workspace_root, key);
+        self.require_base(&p, base_ref).await?;
+        self.require_no_conflict(&p, key).await?;
+        let tmp = tempfile::Builder::new().prefix("clawmux-relay-check-").tempdir().map_err(|e| RelayError::Io(format!("temp dir: {e}")))?;
+        let home = tmp.path().join("home");
+        std::fs::create_dir(&home).map_err(|e| RelayError::Io(format!("temp dir: {e}")))?;
+        let timeout = self.cfg.host_git_timeout.min(Duration::from_secs(20));
+        let hg = host::HostGit::new(tmp.path(), &self.cfg.remote_url, self.cfg.token.as_ref(), self.host_settings(home, timeout));
+        let [a, b] = git::remote_conflict_patterns(key);
+        match hg.run(&["ls-remote", "--heads", "--", &self.cfg.remote_url, &a, &b], None).await {
+            Ok(o) if o.code == 0 => {
+                let text = o.text();
+                let with = crate::refname::conflicting_branches(key, text.lines().filter_map(|l| l.split('\t').nth(1)));
+                if !with.is_empty() {
+                    return Err(key_conflict(&p.branch, &with, "on the remote"));
+                }
+            }
+            Ok(o) => warn!(branch = %p.branch, code = o.code, error = %host::truncate(&o.stderr, 500), "relay: cannot list the remote's branches; the key is not checked against them"),
+            Err(e) => warn!(branch = %p.branch, error = %e, "relay: cannot list the remote's branches; the key is not checked against them"),
+        }
         Ok(())
     }
 
@@ -472,8 +564,9 @@ impl GitRelay {
 
         // 3. a fresh host clone
         let tmp = tempfile::Builder::new().prefix("clawmux-relay-").tempdir().map_err(|e| RelayFailure::new(RelayStage::Clone, format!("temp dir: {e}"), 1))?;
-        let committer = (self.cfg.committer_name.clone(), self.cfg.committer_email.clone());
-        let outer = host::HostGit::new(tmp.path(), &self.cfg.remote_url, self.cfg.token.as_ref(), self.cfg.host_git_timeout, committer);
+        let home = tmp.path().join("home");
+        std::fs::create_dir(&home).map_err(|e| RelayFailure::new(RelayStage::Clone, format!("temp dir: {e}"), 1))?;
+        let outer = host::HostGit::new(tmp.path(), &self.cfg.remote_url, self.cfg.token.as_ref(), self.host_settings(home, self.cfg.host_git_timeout));
         let clone_dir = tmp.path().join("repo");
         let clone_dir_s = clone_dir.to_string_lossy().into_owned();
         let attempts = self.cfg.retries + 1;
@@ -498,8 +591,22 @@ impl GitRelay {
         let container_keys = git::change_keys(&patches, &git::parse_patch_ids(&ids.text()));
         let remote_ref = format!("refs/remotes/origin/{}", p.branch);
 
-        // 4. apply what the remote branch lacks, check the tree, push; a failed push is retried
-        // from a fresh fetch (someone may have pushed meanwhile)
+        // 4. the remote branch's head as this publish observes it: every push below is conditional
+        // on exactly that head (compare-and-swap), so what someone else pushes meanwhile is never
+        // overwritten; a change of it at any point stops the publish
+        let observed = remote_tip(&hg, &remote_ref).await?;
+        out.remote_head = observed.clone();
+        if observed.is_none() {
+            let pattern = format!("refs/remotes/origin/sandbox/{}", git::key_root(key));
+            let refs = hg.ok(&["for-each-ref", "--format=%(refname)", &pattern], None).await.map_err(fail(RelayStage::Push))?.text();
+            let with = crate::refname::conflicting_branches(key, refs.lines());
+            if !with.is_empty() {
+                return Err(RelayFailure::new(RelayStage::Push, format!("{}; nothing pushed, the commits stay on the container's branch", key_conflict(&p.branch, &with, "on the remote")), 1));
+            }
+        }
+
+        // 5. apply what the remote branch lacks, check the tree, push; a failed push is retried
+        // after a fresh fetch that must find the same head
         let mut n = 0;
         loop {
             n += 1;
@@ -512,21 +619,27 @@ impl GitRelay {
                     }
                     return Err(RelayFailure::new(RelayStage::Clone, e.to_string(), n));
                 }
+                let now = remote_tip(&hg, &remote_ref).await?;
+                if now != observed {
+                    out.remote_head = now.clone();
+                    return Err(moved(&p.branch, observed.as_deref(), now.as_deref(), n));
+                }
             }
-            let tip = hg.run(&["rev-parse", "--verify", "--quiet", &remote_ref], None).await.map_err(fail(RelayStage::Apply))?;
-            let tip = (tip.code == 0).then(|| tip.text()).filter(|t| git::is_object_id(t));
-            let (start, skip, lease) = match &tip {
-                None => (fork.clone(), 0, None),
+            let (start, skip, forced) = match &observed {
+                None => (fork.clone(), 0, false),
                 Some(tip) => match self.plan_against(&hg, &fork, tip, &container_keys).await? {
-                    Plan::Append { skip } => (tip.clone(), skip, None),
+                    Plan::Append { skip } => (tip.clone(), skip, false),
                     Plan::Diverged { common } if self.cfg.force_push => {
                         warn!(branch = %p.branch, common, "relay: remote branch diverged; force_push is on, overwriting it");
-                        (fork.clone(), 0, Some(tip.clone()))
+                        (fork.clone(), 0, true)
                     }
                     Plan::Diverged { common } => {
                         return Err(RelayFailure::new(
                             RelayStage::Apply,
-                            format!("the remote branch {} diverged from the container's ({common} commits in common); not pushed (force_push is off)", p.branch),
+                            format!(
+                                "the remote branch {} (head {tip}) has commits the container's branch does not have ({common} of its commits match the container's): someone else pushed to it, or the container's branch was rewritten; nothing pushed, nothing overwritten, the commits stay on the container's branch (force_push is off)",
+                                p.branch
+                            ),
                             n,
                         ));
                     }
@@ -547,34 +660,42 @@ impl GitRelay {
                 return Err(RelayFailure::new(RelayStage::Apply, format!("after applying, the tree {host_tree} differs from the container's {tree}; not pushed"), n));
             }
             let host_head = hg.ok(&["rev-parse", "HEAD"], None).await.map_err(fail(RelayStage::Apply))?.text();
-            if new.is_empty() && lease.is_none() {
-                // a retry after an earlier failure (e.g. of the API): the branch is up to date
-                out.pushed = true;
-                out.remote_head = Some(host_head);
+            if new.is_empty() && !forced {
+                // the remote branch has every commit already (a retry after a failed API call,
+                // or a run that added none): nothing to push
+                info!(branch = %p.branch, "relay: the remote branch is up to date, nothing pushed");
                 break;
             }
             let dest = format!("HEAD:{}", p.branch_ref());
-            let lease_arg = lease.as_ref().map(|t| format!("--force-with-lease={}:{t}", p.branch_ref()));
-            let mut args = vec!["push", "--quiet", "--porcelain"];
-            if let Some(l) = &lease_arg {
-                args.push(l);
+            // `<ref>:` (nothing after the colon): the branch must not exist yet
+            let lease = format!("--force-with-lease={}:{}", p.branch_ref(), observed.as_deref().unwrap_or(""));
+            let push = hg.run(&["push", "--quiet", "--porcelain", &lease, "origin", &dest], None).await.map_err(fail(RelayStage::Push))?;
+            if push.code == 0 {
+                out.pushed = true;
+                out.pushed_commits = new.len();
+                out.remote_head = Some(host_head);
+                info!(branch = %p.branch, pushed_commits = new.len(), forced, attempt = n, "relay: pushed");
+                break;
             }
-            args.extend(["origin", dest.as_str()]);
-            match hg.ok(&args, None).await {
-                Ok(_) => {
-                    out.pushed = true;
-                    out.pushed_commits = new.len();
-                    out.remote_head = Some(host_head);
-                    info!(branch = %p.branch, pushed_commits = new.len(), forced = lease.is_some(), attempt = n, "relay: pushed");
-                    break;
-                }
-                Err(e) if n < attempts => warn!(branch = %p.branch, attempt = n, error = %e, "relay: push failed, retrying"),
-                Err(e) => return Err(RelayFailure::new(RelayStage::Push, e.to_string(), n)),
+            let porcelain = push.text();
+            if git::push_was_stale(&porcelain) {
+                // the remote branch is no longer the head this publish observed
+                let _ = hg.run(&["fetch", "--quiet", "--prune", "--no-tags", "origin"], None).await;
+                let now = remote_tip(&hg, &remote_ref).await.unwrap_or(None);
+                out.remote_head = now.clone();
+                return Err(moved(&p.branch, observed.as_deref(), now.as_deref(), n));
             }
+            let status: Vec<&str> = porcelain.lines().filter(|l| l.starts_with('!')).collect();
+            let e = format!("host git push failed (exit {}): {} {}", push.code, host::truncate(&push.stderr, 2000), hg.redact(&status.join(" ")));
+            if n < attempts {
+                warn!(branch = %p.branch, attempt = n, error = %e, "relay: push failed, retrying");
+                continue;
+            }
+            return Err(RelayFailure::new(RelayStage::Push, e, n));
         }
         drop(tmp);
 
-        // 5. the pull request
+        // 6. the pull request
         if let Some(api) = &self.cfg.github_api_url {
             let pr = self.pull_request(api, &p.branch, base_ref, pr_title, pr_body).await?;
             out.pr_number = Some(pr.number);
@@ -637,16 +758,46 @@ impl GitRelay {
     }
 }
 
+/// The head of `remote_ref` in the host clone (`None`: the remote has no such branch).
+async fn remote_tip(hg: &host::HostGit, remote_ref: &str) -> Step<Option<String>> {
+    let tip = hg.run(&["rev-parse", "--verify", "--quiet", remote_ref], None).await.map_err(|e| RelayFailure::new(RelayStage::Apply, e.to_string(), 1))?;
+    Ok((tip.code == 0).then(|| tip.text()).filter(|t| git::is_object_id(t)))
+}
+
+/// The remote branch changed while a publish worked: someone else pushed.
+fn moved(branch: &str, observed: Option<&str>, now: Option<&str>, attempts: u32) -> RelayFailure {
+    RelayFailure::new(
+        RelayStage::Push,
+        format!(
+            "{branch} changed on the remote while this run published (from {} to {}): someone else pushed to it; nothing pushed, nothing overwritten, the commits stay on the container's branch",
+            observed.unwrap_or("no branch"),
+            now.unwrap_or("no branch"),
+        ),
+        attempts,
+    )
+}
+
+/// The key of `p` (`sandbox/<key>`).
+fn key_of(p: &Paths) -> &str {
+    p.branch.strip_prefix("sandbox/").unwrap_or(&p.branch)
+}
+
 /// The relay as the session actors use it.
 impl clawmux_actors::branch::Workspace for GitRelay {
-    fn prepare(&self, plan: &clawmux_actors::branch::BranchPlan) -> futures_util::future::BoxFuture<'static, Result<clawmux_actors::branch::Prepared, String>> {
+    fn check(&self, plan: &clawmux_actors::branch::BranchPlan) -> futures_util::future::BoxFuture<'static, Result<(), clawmux_actors::branch::WorkspaceError>> {
+        let relay = self.clone();
+        let plan = plan.clone();
+        Box::pin(async move { GitRelay::check(&relay, &plan.key, &plan.base_ref).await.map_err(workspace_error) })
+    }
+
+    fn prepare(&self, plan: &clawmux_actors::branch::BranchPlan) -> futures_util::future::BoxFuture<'static, Result<clawmux_actors::branch::Prepared, clawmux_actors::branch::WorkspaceError>> {
         let relay = self.clone();
         let plan = plan.clone();
         Box::pin(async move {
             GitRelay::prepare(&relay, &plan.key, &plan.base_ref)
                 .await
                 .map(|w| clawmux_actors::branch::Prepared { path: w.path, branch: w.branch })
-                .map_err(|e| e.to_string())
+                .map_err(workspace_error)
         })
     }
 
@@ -657,6 +808,16 @@ impl clawmux_actors::branch::Workspace for GitRelay {
             let outcome = GitRelay::publish(&relay, &plan.key, &plan.base_ref, plan.pr_title.as_deref(), plan.pr_body.as_deref()).await;
             clawmux_actors::branch::Published { relay: serde_json::to_value(&outcome).unwrap_or(serde_json::Value::Null) }
         })
+    }
+}
+
+/// A caller's mistake stays one; everything else is a failure.
+fn workspace_error(e: RelayError) -> clawmux_actors::branch::WorkspaceError {
+    use clawmux_actors::branch::WorkspaceError as W;
+    match e {
+        RelayError::Rejected { kind: Rejection::UnknownBaseRef, message } => W::UnknownBaseRef(message),
+        RelayError::Rejected { kind: Rejection::KeyConflict, message } => W::KeyConflict(message),
+        other => W::Failed(other.to_string()),
     }
 }
 
@@ -709,6 +870,7 @@ mod tests {
         f.on(&["worktree", "list"], 0, "worktree /workspace/repo\nHEAD x\nbranch refs/heads/main\n", "");
         f.on(&["rev-parse", "refs/heads/sandbox/t1"], 1, "", "");
         f.on(&["rev-parse", "main^{commit}"], 0, &format!("{SHA}\n"), "");
+        f.on(&["for-each-ref", "refs/heads/sandbox/t1"], 0, "refs/heads/sandbox/t10\n", "");
         f.on(&["worktree", "add"], 0, "", "");
         f.on(&["rev-parse", "HEAD^{commit}"], 0, &format!("{SHA}\n"), "");
         let r = relay(f.clone());
@@ -719,6 +881,7 @@ mod tests {
 
         let f = Arc::new(ScriptedExec::default());
         f.on(&["worktree", "list"], 0, "worktree /workspace/repo\nbranch refs/heads/main\n\nworktree /workspace/wt/t1\nbranch refs/heads/sandbox/t1\n", "");
+        f.on(&["rev-parse", "main^{commit}"], 0, &format!("{SHA}\n"), "");
         f.on(&["rev-parse", "HEAD^{commit}"], 0, &format!("{SHA}\n"), "");
         let w = relay(f.clone()).prepare("t1", "main").await.expect("prepare");
         assert!(!w.created);
@@ -736,14 +899,52 @@ mod tests {
         f.on(&["worktree", "list"], 0, "worktree /workspace/repo\n", "");
         f.on(&["rev-parse", "refs/heads/sandbox/t1"], 1, "", "");
         f.on(&["rev-parse", "main^{commit}"], 0, SHA, "");
+        f.on(&["for-each-ref"], 0, "", "");
         f.on(&["worktree", "add"], 128, "", "fatal: '/workspace/wt/t1' already exists");
         let e = relay(f).prepare("t1", "main").await.expect_err("add fails");
         assert!(matches!(e, RelayError::CommandFailed { ref what, exit_code: 128, ref stderr } if what == "git worktree" && stderr.contains("already exists")), "{e}");
 
         let f = Arc::new(ScriptedExec::default());
         f.on(&["worktree", "list"], 0, "worktree /workspace/wt/t1\nbranch refs/heads/other\n", "");
+        f.on(&["rev-parse", "main^{commit}"], 0, SHA, "");
         let e = relay(f).prepare("t1", "main").await.expect_err("wrong branch");
         assert!(matches!(e, RelayError::Workspace(_)), "{e}");
+    }
+
+    /// An unknown base ref and a key whose branch conflicts with an existing one are the caller's
+    /// to fix (`Rejected`, a run ends `relay_rejected`), found before anything is created; even
+    /// a reused worktree needs its base ref (every publish counts from it).
+    #[tokio::test]
+    async fn prepare_and_check_reject_the_caller_s_mistakes() {
+        use clawmux_actors::branch::WorkspaceError;
+        let plan = |key: &str, base: &str| clawmux_actors::branch::BranchPlan { key: key.into(), base_ref: base.into(), pr_title: None, pr_body: None };
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["worktree", "list"], 0, "worktree /workspace/repo\n\nworktree /workspace/wt/t1\nbranch refs/heads/sandbox/t1\n", "");
+        f.on(&["rev-parse", "nope^{commit}"], 1, "", "");
+        let e = relay(f.clone()).prepare("t1", "nope").await.expect_err("unknown base");
+        assert!(matches!(e, RelayError::Rejected { kind: Rejection::UnknownBaseRef, ref message } if message.contains("\"nope\" not found")), "{e}");
+        match clawmux_actors::branch::Workspace::prepare(&relay(f.clone()), &plan("t1", "nope")).await {
+            Err(WorkspaceError::UnknownBaseRef(m)) => assert!(m.contains("nope"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let r = relay(f.clone());
+        assert!(matches!(r.check("t1", "nope").await, Err(RelayError::Rejected { kind: Rejection::UnknownBaseRef, .. })));
+
+        for (key, existing) in [("a/b", "refs/heads/sandbox/a\n"), ("a", "refs/heads/sandbox/a/b\nrefs/heads/sandbox/a/c\n")] {
+            let f = Arc::new(ScriptedExec::default());
+            f.on(&["worktree", "list"], 0, "worktree /workspace/repo\n", "");
+            f.on(&["rev-parse", "main^{commit}"], 0, SHA, "");
+            f.on(&["rev-parse", &format!("refs/heads/sandbox/{key}")], 1, "", "");
+            f.on(&["for-each-ref", "refs/heads/sandbox/a"], 0, existing, "");
+            let e = relay(f.clone()).prepare(key, "main").await.expect_err("conflict");
+            assert!(matches!(e, RelayError::Rejected { kind: Rejection::KeyConflict, ref message } if message.contains("use another branch key")), "{e}");
+            assert!(!f.calls().iter().any(|c| c.contains(&"add".to_owned())), "nothing created");
+            match relay(f.clone()).check(plan(key, "main").key.as_str(), "main").await {
+                Err(RelayError::Rejected { kind: Rejection::KeyConflict, message }) => assert!(message.contains("in the container's repository"), "{message}"),
+                other => panic!("{other:?}"),
+            }
+            assert!(matches!(relay(f).check(plan(key, "main").key.as_str(), "main").await.map_err(workspace_error), Err(WorkspaceError::KeyConflict(_))));
+        }
     }
 
     #[tokio::test]

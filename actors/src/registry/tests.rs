@@ -265,7 +265,7 @@ async fn the_branch_key_is_held_from_the_workspace_to_the_end_of_publishing_in_o
     let prep3 = steps.prepare().await;
     assert!(s3.checkpoints().contains(&Checkpoint::Preparing));
     assert!(w.cancel("r3").await);
-    let _ = prep3.done.send(Err("late".to_owned()));
+    let _ = prep3.done.send(Err(crate::branch::WorkspaceError::Failed("late".to_owned())));
     w.live(0).await;
 }
 

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
-use crate::branch::Published;
+use crate::branch::{Published, WorkspaceError};
 use crate::messages::{CallError, Lock, Wait};
 use crate::run::{Checkpoint, ErrorCode, Phase, RunEvent, RunStatus};
 use crate::testkit::*;
@@ -405,7 +405,7 @@ async fn a_run_that_times_out_while_preparing_keeps_its_branch_until_the_prepare
     assert!(msg.contains("workspace"), "{msg}");
     assert!(matches!(h.probe.next().await, Sent::Release(_)));
     h.probe.quiet().await;
-    let _ = prep.done.send(Err("worktree add failed".to_owned()));
+    let _ = prep.done.send(Err(WorkspaceError::Failed("worktree add failed".to_owned())));
     let (sent, status) = h.ended().await;
     assert_eq!(status, Some(RunStatus::Timeout));
     assert!(sent.is_empty(), "{:?}", methods(&sent));
@@ -489,6 +489,30 @@ fn branch_run(timeout: Duration) -> (Harness, WorkspaceSteps) {
     s.branch = Some(plan("k1"));
     let (ws, steps) = HandWorkspace::new();
     (start(s, Some(up("A", false)), cfg(), Some(ws)), steps)
+}
+
+/// A caller's mistake the relay finds when preparing (an unknown base ref, a conflicting key)
+/// ends the run `relay_rejected` with the relay's reason; anything else stays `internal`. Neither
+/// reaches the gateway.
+#[actix_rt::test]
+async fn a_refused_workspace_ends_relay_rejected_a_failed_one_internal() {
+    for (err, code, says) in [
+        (WorkspaceError::UnknownBaseRef("base ref \"nope\" not found".to_owned()), "relay_rejected", "cannot work on sandbox/k1: base ref \"nope\" not found"),
+        (WorkspaceError::KeyConflict("sandbox/k1 conflicts with sandbox/k1/x".to_owned()), "relay_rejected", "cannot work on sandbox/k1: sandbox/k1 conflicts"),
+        (WorkspaceError::Failed("docker: connection refused".to_owned()), "internal", "preparing the workspace for sandbox/k1 failed"),
+    ] {
+        let (mut h, mut steps) = branch_run(Duration::from_secs(60));
+        h.addr.do_send(Turn::Go);
+        let prep = steps.prepare().await;
+        let _ = prep.done.send(Err(err));
+        let (sent, status) = h.ended().await;
+        assert_eq!(status, Some(RunStatus::Error));
+        assert!(!methods(&sent).iter().any(|m| m == name::AGENT), "{:?}", methods(&sent));
+        assert_eq!(h.sink.ended(), (RunStatus::Error, code));
+        let msg = h.sink.outcome().error.unwrap().message;
+        assert!(msg.contains(says), "{msg}");
+        h.settled(None).await;
+    }
 }
 
 #[actix_rt::test]
