@@ -1,5 +1,6 @@
-//! The HTTP API of `docs/API.md` (actix-web): validate → submit (`crate::admission`) → respond. A run's life belongs
-//! to the actors (`clawmux_actors::registry`); its events and document to the run store.
+//! The HTTP API of `docs/API.md` (actix-web): validate → submit (`crate::admission`) → respond. A
+//! run's life belongs to the actors (`clawmux_actors::registry`); its events and document to the
+//! run store.
 //!
 //! # Layout
 //! - this module: the shared state, routes, the error shape, authentication (the admin token or
