@@ -212,6 +212,50 @@ fn secs_until(end_ms: i64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemoryStore;
+    use crate::store::writer::StoreMetrics;
+
+    async fn budgets(account: &str, limits: Limits) -> Arc<Budgets> {
+        let store = Arc::new(MemoryStore::new());
+        let writer = Writer::start(store.clone(), StoreMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let b = Budgets::load(store, writer).await.expect("load");
+        b.set_limits(account, limits).await.expect("limits");
+        b
+    }
+
+    /// Every admission of a burst is polled before any of them completes (one thread, each
+    /// future in turn): a check and a count with an await between them would admit them all.
+    #[actix_rt::test]
+    async fn a_burst_is_counted_exactly() {
+        for (limits, admitted) in [
+            (Limits { max_concurrent: Some(23), ..Limits::default() }, 23),
+            (Limits { max_runs_per_minute: Some(37), ..Limits::default() }, 37),
+        ] {
+            let b = budgets("acct", limits).await;
+            let burst = (0..200).map(|i| {
+                let b = b.clone();
+                async move { b.admit("acct", &format!("run-{i}")).await.expect("store") }
+            });
+            let answers = futures_util::future::join_all(burst).await;
+            assert_eq!(answers.iter().filter(|a| a.is_ok()).count(), admitted, "{limits:?}");
+            assert!(answers.iter().all(|a| matches!(a, Ok(()) | Err(Refusal::RateLimited { .. }))));
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_released_run_frees_its_place_but_not_its_admission_of_the_minute() {
+        let b = budgets("acct", Limits { max_concurrent: Some(1), max_runs_per_minute: Some(2), ..Limits::default() }).await;
+        assert_eq!(b.admit("acct", "r1").await, Ok(Ok(())));
+        assert!(matches!(b.admit("acct", "r2").await, Ok(Err(Refusal::RateLimited { .. }))), "one at a time");
+        assert_eq!(b.admit("other", "r2").await, Ok(Ok(())), "another account has its own limits (none)");
+        b.release("acct", "r1");
+        assert_eq!(b.admit("acct", "r3").await, Ok(Ok(())));
+        b.release("acct", "r3");
+        match b.admit("acct", "r4").await {
+            Ok(Err(Refusal::RateLimited { retry_after_sec, .. })) => assert!((1..=60).contains(&retry_after_sec), "{retry_after_sec}"),
+            other => panic!("two admissions a minute: {other:?}"),
+        }
+    }
 
     #[test]
     fn windows_align_to_the_epoch() {
