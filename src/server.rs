@@ -145,9 +145,14 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
     {
         // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
+        // The registry queues the cancel for the run's session while handling this message.
         let r = run_registry.clone();
         budgets.on_exceeded(Box::new(move |run_id| {
-            r.do_send(clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded })
+            let cancel = clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded };
+            let sent = r.send(cancel).timeout(Duration::from_secs(5));
+            Box::pin(async move {
+                let _ = sent.await;
+            })
         }));
     }
     actix::spawn(crate::tenants::webhook::run_deliveries(

@@ -49,6 +49,9 @@ pub fn window(period_sec: u64, now_ms: i64) -> (i64, i64) {
     (start, start.saturating_add(p))
 }
 
+/// What ends a run past its budget.
+pub type Cancel = Box<dyn Fn(&str) -> futures_util::future::BoxFuture<'static, ()> + Send + Sync>;
+
 /// Limits and spend of every account.
 pub struct Budgets {
     store: Arc<dyn TenantStore>,
@@ -57,8 +60,9 @@ pub struct Budgets {
     /// Spend per (account, window start), loaded from the store on first use.
     spend: DashMap<(String, i64), u64>,
     accounts: DashMap<String, Account>,
-    /// Ends a run whose budget is spent (wired to the registry's cancel).
-    cancel: OnceLock<Box<dyn Fn(&str) + Send + Sync>>,
+    /// Ends a run whose budget is spent (wired to the registry's cancel); resolves once the run's
+    /// session has the cancel in its mailbox.
+    cancel: OnceLock<Cancel>,
 }
 
 impl Budgets {
@@ -81,7 +85,7 @@ impl Budgets {
     }
 
     /// Sets what ends a run past its budget.
-    pub fn on_exceeded(&self, cancel: Box<dyn Fn(&str) + Send + Sync>) {
+    pub fn on_exceeded(&self, cancel: Cancel) {
         let _ = self.cancel.set(cancel);
     }
 
@@ -197,10 +201,12 @@ impl Budgets {
         self.writer.submit(Write::Spend { account: account.to_owned(), window_start_ms: start, tokens }, None);
     }
 
-    /// Ends `run_id`: its account's budget is spent.
-    pub fn exceeded(&self, run_id: &str) {
+    /// Ends `run_id`: its account's budget is spent. Resolves once the run's session has the cancel
+    /// queued: the proxy answers the refused call only then, so the gateway's reaction to that
+    /// answer (a failed run) reaches the session after it and the run ends `budget_exceeded`.
+    pub async fn exceeded(&self, run_id: &str) {
         if let Some(cancel) = self.cancel.get() {
-            cancel(run_id);
+            cancel(run_id).await;
         }
     }
 }
