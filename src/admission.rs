@@ -59,7 +59,7 @@ pub enum Refused {
 
 fn limit_message(r: &Refusal) -> &str {
     match r {
-        Refusal::RateLimited { message, .. } | Refusal::BudgetExceeded { message, .. } => message,
+        Refusal::RateLimited { message, .. } | Refusal::BudgetExceeded { message, .. } | Refusal::Unmetered { message } => message,
     }
 }
 

@@ -102,7 +102,9 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), "run store open");
-    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer()).await.map_err(|e| std::io::Error::other(e.0))?;
+    // Without the LLM proxy nothing counts tokens: token budgets refuse their runs (fail-closed).
+    let metered = cfg.llm_upstream_url.is_some();
+    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer(), metered).await.map_err(|e| std::io::Error::other(e.0))?;
     let tenants = Arc::new(crate::tenants::Tenants {
         store: store.tenants(),
         budgets: budgets.clone(),

@@ -8,7 +8,8 @@
 //!   stream; the store holds only the secret's hash, and no secret reaches the log.
 //! - Budgets: the proxy refuses the first call that would start after the cap (the run ends
 //!   `budget_exceeded`, billed exactly for the calls it made), admission answers `402` with
-//!   `Retry-After`, another account goes on, and the spend survives a `kill -9`.
+//!   `Retry-After`, another account goes on, and the spend survives a `kill -9`; without the proxy
+//!   nothing counts tokens, so a budgeted account's runs are refused (`503 budget_unavailable`).
 //! - Rate and concurrency limits: exact counts of `429` under a burst of 200 `POST`s per account.
 //! - `ifBusy`: `reject` is `409 session_busy` at once; `interrupt` ends the running run `aborted`,
 //!   cuts its LLM stream, and the new run runs.
@@ -361,6 +362,23 @@ async fn a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_
     assert_eq!(env.llm_call(&other2, "OTHERCALL2 after the restart").await.status(), 200);
     env.gw.set_paused(false);
     assert_eq!(env.finished("run-other-3").await["status"], "ok");
+}
+
+#[actix_rt::test]
+async fn without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs() {
+    // Nothing would count the tokens: fail-closed.
+    let env = Env::start(&[("CLAWMUX_LLM_UPSTREAM_URL", "")]).await;
+    env.set_limits("acct-budgeted", json!({"maxTokens": 1_000_000, "periodSec": PERIOD_SEC})).await;
+    env.set_limits("acct-limited", json!({"maxConcurrent": 5})).await;
+    let r = env.post_run(ADMIN, &run_body("run-unmetered", "acct-budgeted"), None).await;
+    assert_eq!(r.status(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "budget_unavailable", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("CLAWMUX_LLM_UPSTREAM_URL"), "{body}");
+    assert_eq!(env.get(ADMIN, "/v1/runs/run-unmetered").await.0, 404);
+    // Limits that need no token count still admit.
+    env.start_run(ADMIN, &run_body("run-limited", "acct-limited"), None).await;
+    assert_eq!(env.finished("run-limited").await["status"], "ok");
 }
 
 /// Posts a run of `acct-capped`; returns the status, the error code and `Retry-After`.

@@ -27,6 +27,7 @@ fn refused(e: Refused, run_id: &str) -> ApiError {
         Refused::Limit(Refusal::BudgetExceeded { message, retry_after_sec }) => {
             ApiError { retry_after: Some(retry_after_sec), ..ApiError::new(StatusCode::PAYMENT_REQUIRED, "budget_exceeded", message) }
         }
+        Refused::Limit(Refusal::Unmetered { message }) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "budget_unavailable", message),
         e @ Refused::TraceInUse { .. } => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
         Refused::Registry(e) => admit_error(e, run_id),
         e @ Refused::Overloaded => ApiError::unavailable(e.to_string()),

@@ -32,6 +32,13 @@ pub enum Refusal {
         /// Seconds until the next period.
         retry_after_sec: u64,
     },
+    /// `503 budget_unavailable`: the account has a token budget, but no LLM proxy counts its
+    /// tokens (no `CLAWMUX_LLM_UPSTREAM_URL`): fail-closed, its runs are refused rather than run
+    /// unmetered.
+    Unmetered {
+        /// A sentence a person can act on.
+        message: String,
+    },
 }
 
 #[derive(Default)]
@@ -60,19 +67,24 @@ pub struct Budgets {
     /// Spend per (account, window start), loaded from the store on first use.
     spend: DashMap<(String, i64), u64>,
     accounts: DashMap<String, Account>,
+    /// True when the LLM proxy counts every call's tokens; without it a token budget cannot hold.
+    metered: bool,
     /// Ends a run whose budget is spent (wired to the registry's cancel); resolves once the run's
     /// session has the cancel in its mailbox.
     cancel: OnceLock<Cancel>,
 }
 
 impl Budgets {
-    /// Loads every account's limits.
-    pub async fn load(store: Arc<dyn TenantStore>, writer: Writer) -> Result<Arc<Self>, StoreError> {
+    /// Loads every account's limits; `metered`: an LLM proxy counts the tokens.
+    pub async fn load(store: Arc<dyn TenantStore>, writer: Writer, metered: bool) -> Result<Arc<Self>, StoreError> {
         let limits = DashMap::new();
         for (a, l) in store.all_limits().await? {
+            if !metered && l.max_tokens.is_some() {
+                tracing::warn!(account = %a, "this billing account has a token budget, but no LLM proxy counts tokens (CLAWMUX_LLM_UPSTREAM_URL is not set): its runs are refused");
+            }
             limits.insert(a, l);
         }
-        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), cancel: OnceLock::new() }))
+        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), metered, cancel: OnceLock::new() }))
     }
 
     /// Re-reads every account's limits (the CLI changes them in the store of a running clawmux).
@@ -120,6 +132,13 @@ impl Budgets {
     /// Admits a run of `account` (it counts as live until [`Budgets::release`]) or says why not.
     pub async fn admit(&self, account: &str, run_id: &str) -> Result<Result<(), Refusal>, StoreError> {
         let l = self.limits(account);
+        if l.max_tokens.is_some() && !self.metered {
+            return Ok(Err(Refusal::Unmetered {
+                message: format!(
+                    "billing account {account:?} has a token budget, but this clawmux has no LLM proxy (CLAWMUX_LLM_UPSTREAM_URL) to count its tokens; its runs are refused until one is configured or the budget is removed"
+                ),
+            }));
+        }
         if let (Some(max), Some((spent, (_, end)))) = (l.max_tokens, self.spent(account).await?) {
             if spent >= max {
                 return Ok(Err(Refusal::BudgetExceeded {
@@ -224,7 +243,7 @@ mod tests {
     async fn budgets(account: &str, limits: Limits) -> Arc<Budgets> {
         let store = Arc::new(MemoryStore::new());
         let writer = Writer::start(store.clone(), StoreMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-        let b = Budgets::load(store, writer).await.expect("load");
+        let b = Budgets::load(store, writer, true).await.expect("load");
         b.set_limits(account, limits).await.expect("limits");
         b
     }
