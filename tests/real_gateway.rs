@@ -509,7 +509,8 @@ async fn proxied_four_accounts_one_over_budget_mid_run_is_cut_and_billed_exactly
     let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     // Budget windows are aligned to the epoch: one of ~31 years has no boundary during the test.
     const PERIOD_SEC: u64 = 1_000_000_000;
-    // Smaller than one call of the real gateway (its system prompt alone is ~7500 tokens).
+    // Smaller than one call of the real gateway (~7500 tokens on 2026.9.6, ~4400 on 2026.4.12:
+    // its system prompt).
     const CAP: u64 = 1000;
     let accounts: Vec<String> = (0..4).map(|i| format!("acct-budget-{tag}-{i}")).collect();
     for (i, account) in accounts.iter().enumerate() {
