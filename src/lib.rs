@@ -10,7 +10,9 @@
 //!     keys and base refs, git's own ref-name rules plus clawmux's stricter ones (pure).
 //!   - [`store`]: the durable run store (SQLite by default): run documents, events, idempotency,
 //!     history, retention, and what a restart continues.
-//!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit → respond.
+//!   - [`admission`]: how a run gets into the registry (new or continued after a restart): stored,
+//!     its account's limits counted, made attributable, submitted; undone on refusal.
+//!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit (to [`admission`]) → respond.
 //!   - [`agents`]: the agent registry.
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
@@ -27,6 +29,7 @@
 //!     [`admin_cli`]: `keys` and `limits`, on the store directly; [`exit`]: the exit codes.
 
 pub mod admin_cli;
+pub mod admission;
 pub mod agents;
 pub mod api;
 pub mod attribution;

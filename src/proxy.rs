@@ -422,7 +422,7 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
 
     if let Some(budgets) = &state.budgets {
         if !budgets.allow_call(&billing.billing_account_id).await {
-            budgets.exceeded(&billing.run_id);
+            budgets.exceeded(&billing.run_id).await;
             return refuse(
                 &state,
                 "budget_exceeded",

@@ -5,20 +5,19 @@ use crate::agents::AgentRegistry;
 use crate::api::{self, AppState};
 use crate::config::{Config, OutboundHeaders};
 use crate::store::writer::StoreMetrics;
-use crate::store::{CheckpointRecord, Retention, RunLog, RunRow, RunStore};
+use crate::store::{Retention, RunStore};
 use actix::Actor;
 use actix_web::{web, App, HttpServer};
 use clawmux_actors::messages::{Drain, InFlight, ListenLink};
 use clawmux_actors::metrics::Metrics;
 use clawmux_actors::supervisor::Disconnect;
 use clawmux_actors::{
-    ErrorCode, OutboundHeadersMode, Registry, RegistryConfig, Resume, ResumeStage, RunEvent, RunOutcome, RunSink, RunSpec, ShutdownMode,
+    ErrorCode, OutboundHeadersMode, Registry, RegistryConfig, RunEvent, RunOutcome, RunSink, ShutdownMode,
     StatusHandle, Supervisor, SupervisorConfig,
 };
-use clawmux_protocol::{SessionKey, TraceParent};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// A running clawmux (the HTTP server and its actors).
 pub struct Running {
@@ -103,7 +102,9 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), "run store open");
-    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer()).await.map_err(|e| std::io::Error::other(e.0))?;
+    // Without the LLM proxy nothing counts tokens: token budgets refuse their runs (fail-closed).
+    let metered = cfg.llm_upstream_url.is_some();
+    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer(), metered).await.map_err(|e| std::io::Error::other(e.0))?;
     let tenants = Arc::new(crate::tenants::Tenants {
         store: store.tenants(),
         budgets: budgets.clone(),
@@ -146,9 +147,14 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
     {
         // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
+        // The registry queues the cancel for the run's session while handling this message.
         let r = run_registry.clone();
         budgets.on_exceeded(Box::new(move |run_id| {
-            r.do_send(clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded })
+            let cancel = clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded };
+            let sent = r.send(cancel).timeout(Duration::from_secs(5));
+            Box::pin(async move {
+                let _ = sent.await;
+            })
         }));
     }
     actix::spawn(crate::tenants::webhook::run_deliveries(
@@ -161,10 +167,12 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         },
     ));
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
+    let admission = crate::admission::Admission::new(store.clone(), run_registry.clone(), attributions.clone(), budgets.clone(), workspace.clone());
     let state = web::Data::new(AppState {
         cfg,
         store,
         registry: run_registry,
+        admission,
         status,
         metrics: registry,
         agents: AgentRegistry::builtin(),
@@ -206,39 +214,6 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
     Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed })
 }
 
-/// The spec of a stored run.
-fn spec_of(row: &RunRow) -> Result<RunSpec, String> {
-    let traceparent = TraceParent::parse(&row.spec.traceparent).map_err(|e| format!("stored traceparent: {e}"))?;
-    let created = UNIX_EPOCH + Duration::from_millis(u64::try_from(row.created_at_ms).unwrap_or(0));
-    Ok(RunSpec {
-        run_id: row.run_id.clone(),
-        gateway_run_id: row.spec.gateway_run_id.clone(),
-        session_key: SessionKey::canonicalize(&row.session_key),
-        agent_id: row.spec.agent_id.clone(),
-        message: row.spec.message.clone(),
-        model: row.spec.model.clone(),
-        billing_account_id: row.billing_account_id.clone(),
-        graph_id: row.spec.graph_id.clone(),
-        admitted_at: created.min(SystemTime::now()),
-        timeout: Duration::from_millis(row.spec.timeout_ms),
-        traceparent,
-        attribution_token: row.spec.attribution_token.clone(),
-        branch: row.spec.branch.clone(),
-    })
-}
-
-/// Where a stored run picks up.
-fn resume_of(row: &RunRow, log: &RunLog) -> Resume {
-    let stage = match &row.checkpoint {
-        None | Some(CheckpointRecord::Running | CheckpointRecord::Preparing) => ResumeStage::Start,
-        Some(CheckpointRecord::Sending { boot_id }) => ResumeStage::Sent { boot_id: boot_id.clone() },
-        Some(CheckpointRecord::Publishing { content, gateway_usage }) => {
-            ResumeStage::Publishing { content: content.clone(), gateway_usage: *gateway_usage }
-        }
-    };
-    Resume { stage, emitted: log.emitted_text(), accepted: log.was_accepted() }
-}
-
 /// Continues every unfinished run of the store, in admission order (so each session key's and
 /// branch key's queue is what it was). Returns how many.
 async fn resume(state: &web::Data<AppState>) -> usize {
@@ -252,12 +227,7 @@ async fn resume(state: &web::Data<AppState>) -> usize {
     let started = std::time::Instant::now();
     let mut resumed = 0;
     for (log, row) in stored {
-        let resume = resume_of(&row, &log);
-        let outcome = match spec_of(&row) {
-            Ok(spec) => api::admit(state, &log, spec, Some(resume), clawmux_actors::IfBusy::Enqueue).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e),
-        };
-        match outcome {
+        match state.admission.resume(&log, &row).await {
             Ok(_) => resumed += 1,
             Err(e) => {
                 // Ended, not lost: the run gets its terminal event and says why.

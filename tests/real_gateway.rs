@@ -472,6 +472,100 @@ async fn proxied_calls_that_no_running_run_owns_are_refused() {
     let _ = std::fs::remove_dir_all(audit_dir);
 }
 
+/// Tokens (prompt + completion) the fake LLM reported for its calls billed to `run_id`, and those
+/// calls' replies (`tool_call`, `after_tool`, ...).
+fn upstream_bill(g: &Gateway, run_id: &str) -> (u64, Vec<String>) {
+    let log = llm_log(g);
+    let calls: Vec<&Value> = log.iter().filter(|e| e["headers"]["x-cogni-run-id"] == run_id).collect();
+    let ids: Vec<&str> = calls.iter().filter_map(|e| e["id"].as_str()).collect();
+    let tokens = log
+        .iter()
+        .filter(|e| e["event"] == "usage" && e["id"].as_str().is_some_and(|id| ids.contains(&id)))
+        .map(|e| e["prompt_tokens"].as_u64().unwrap_or(0) + e["completion_tokens"].as_u64().unwrap_or(0))
+        .sum();
+    (tokens, calls.iter().map(|e| e["reply"].as_str().unwrap_or_default().to_owned()).collect())
+}
+
+/// Budgets on the real gateway: four accounts run a tool round trip each (a tool call, then a
+/// follow-up: two LLM calls). One account's budget is smaller than one call: its first call starts
+/// under the cap and is served and billed; its second would start past the cap and is refused by
+/// the proxy, so that run ends `budget_exceeded` mid-run, billed exactly what the upstream served
+/// it. The other three finish, each billed exactly its calls.
+#[actix_rt::test]
+async fn proxied_four_accounts_one_over_budget_mid_run_is_cut_and_billed_exactly_the_others_finish() {
+    let Some(b) = billing_gateway() else { return };
+    let audit_dir = std::env::temp_dir().join(format!("clawmux-audit-{}", uuid::Uuid::new_v4().simple()));
+    let proxy_port = b.proxy_port.expect("proxy port");
+    let running = start_clawmux(&b.url, Some(&b.token), |cfg| {
+        cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], proxy_port));
+        cfg.llm_upstream_url = Some(format!("http://127.0.0.1:{}", b.llm_port));
+        cfg.audit_dir = audit_dir.clone();
+    })
+    .await;
+    let base = base(&running);
+    let c = client();
+    wait_ready(&c, &base, Duration::from_secs(30)).await;
+
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    // Budget windows are aligned to the epoch: one of ~31 years has no boundary during the test.
+    const PERIOD_SEC: u64 = 1_000_000_000;
+    // Smaller than one call of the real gateway (~7500 tokens on 2026.9.6, ~4400 on 2026.4.12:
+    // its system prompt).
+    const CAP: u64 = 1000;
+    let accounts: Vec<String> = (0..4).map(|i| format!("acct-budget-{tag}-{i}")).collect();
+    for (i, account) in accounts.iter().enumerate() {
+        let max = if i == 0 { CAP } else { 1_000_000_000 };
+        let r = c
+            .put(format!("{base}/v1/admin/accounts/{account}/limits"))
+            .json(&json!({"maxTokens": max, "periodSec": PERIOD_SEC}))
+            .send()
+            .await
+            .expect("set limits");
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let mut runs = Vec::new();
+    for (i, account) in accounts.iter().enumerate() {
+        let marker = format!("BUDGET{tag}R{i}X");
+        let run_id = format!("run-{marker}").to_lowercase();
+        let body = json!({"message": format!("TOOL:{marker} budget check {marker}"), "billingAccountId": account, "runId": run_id});
+        let (c, base, account) = (c.clone(), base.clone(), account.clone());
+        runs.push(tokio::spawn(async move {
+            let mut sse = SseReader::new(post_sse(&c, &base, &body, &[]).await);
+            let t = sse.terminal(Duration::from_secs(120)).await.expect("terminal");
+            (account, run_id, t)
+        }));
+    }
+    for (i, r) in runs.into_iter().enumerate() {
+        let (account, run_id, t) = r.await.expect("run");
+        let (billed, replies) = upstream_bill(&b, &run_id);
+        let doc: Value = c.get(format!("{base}/v1/runs/{run_id}")).send().await.expect("get").json().await.expect("doc");
+        let limits: Value = c.get(format!("{base}/v1/admin/accounts/{account}/limits")).send().await.expect("get").json().await.expect("limits");
+        let usage = doc["usage"]["inputTokens"].as_u64().unwrap_or(0) + doc["usage"]["outputTokens"].as_u64().unwrap_or(0);
+        assert_eq!(doc["usage"]["source"], "proxy", "{doc}");
+        assert_eq!(usage, billed, "{run_id}: the run's usage is what the upstream served it: {doc}\n{}", calls_billed_to(&b, &run_id));
+        assert_eq!(limits["spentTokens"].as_u64(), Some(billed), "{account}: the account's spend is its run's calls: {limits}");
+        if i == 0 {
+            assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("budget_exceeded")), "{t:?}\n{}", calls_billed_to(&b, &run_id));
+            assert_eq!(replies, ["tool_call"], "only the call started under the cap reached the upstream\n{}", calls_billed_to(&b, &run_id));
+            assert!(billed >= CAP, "the served call crossed the cap: {billed}");
+            assert_eq!(doc["usage"]["llmCalls"], 1, "{doc}");
+            assert_eq!(doc["error"]["code"], "budget_exceeded", "{doc}");
+        } else {
+            assert_eq!(t.event, "final", "{run_id}: {t:?}\n{}", calls_billed_to(&b, &run_id));
+            assert!(t.data["content"].as_str().unwrap_or_default().contains("after-tool"), "{t:?}");
+            assert!(replies.iter().any(|r| r == "after_tool"), "{run_id}: {replies:?}");
+        }
+    }
+    assert!(metric(&c, &base, "clawmux_proxy_refusals_total{reason=\"budget_exceeded\"}").await >= 1.0);
+    // The account's next run is refused at admission.
+    let r = c.post(format!("{base}/v1/runs?wait=false")).json(&json!({"message": "more", "billingAccountId": accounts[0]})).send().await.expect("post");
+    assert_eq!(r.status(), 402);
+    assert!(r.headers().contains_key("retry-after"));
+    clawmux::server::shutdown(&running).await;
+    let _ = std::fs::remove_dir_all(audit_dir);
+}
+
+
 // ------------------------------------------------------------------------------------------------
 // An operator connection of the test's own: what the gateway itself reports, not what clawmux says
 // ------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ CLAWMUX_CHAOS_GATEWAY_ENV="$CHAOS_DIR/env" CLAWMUX_REQUIRE_CHAOS_GATEWAY=1 \
   cargo test --locked --test real_chaos -- --test-threads=1 live_chaos_
 tests/support/gateway.sh stop "$CHAOS_DIR"
 
-say "billing attribution through clawmux's LLM proxy, real OpenClaw gateway"
+say "billing attribution and budgets through clawmux's LLM proxy, real OpenClaw gateway"
 # The gateway's model provider points at the proxy; the fake LLM is the proxy's upstream.
 PROXY_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" tests/support/gateway.sh start "$BILLING_DIR" v4

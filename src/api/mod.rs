@@ -1,5 +1,6 @@
-//! The HTTP API of `docs/API.md` (actix-web): validate → submit → respond. A run's life belongs
-//! to the actors (`clawmux_actors::registry`); its events and document to the run store.
+//! The HTTP API of `docs/API.md` (actix-web): validate → submit (`crate::admission`) → respond. A
+//! run's life belongs to the actors (`clawmux_actors::registry`); its events and document to the
+//! run store.
 //!
 //! # Layout
 //! - this module: the shared state, routes, the error shape, authentication (the admin token or
@@ -11,8 +12,6 @@
 mod admin;
 mod runs;
 mod sse;
-
-pub use runs::admit;
 
 use crate::agents::AgentRegistry;
 use crate::config::Config;
@@ -38,8 +37,10 @@ pub struct AppState {
     pub cfg: Config,
     /// Runs: live logs, stored documents and events, history.
     pub store: Arc<RunStore>,
-    /// The registry of live runs (admission, cancels).
+    /// The registry of live runs (cancels).
     pub registry: Addr<Registry>,
+    /// Where new runs go (`POST /v1/runs`) and stored ones continue (the restart path).
+    pub admission: crate::admission::Admission,
     /// Gateway status for `/readyz`.
     pub status: StatusHandle,
     /// Prometheus registry for `/metrics`.

@@ -2,19 +2,39 @@
 
 use super::sse::{sse_response, DisconnectGuard};
 use super::{authorize, query_wait_false, read_body, store_unavailable, wants_sse, new_trace, ApiError, AppState, ADMIT_TIMEOUT, BODY_OVERHEAD};
+use crate::admission::{NewRun, Refused, Submitted};
 use crate::request::{self, Limits, OnDisconnect, RequestError};
 use crate::store::query;
-use crate::store::{Insert, RunLog, RunRow, RunView, SpecRecord};
+use crate::store::RunView;
+use crate::tenants::budget::Refusal;
 use crate::tenants::keys::{Action, Principal};
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
-use crate::tenants::budget::Refusal;
-use clawmux_actors::messages::{AdmitError, Cancel, IfBusy, Submit};
-use clawmux_actors::{CancelReason, RunSink, RunSpec};
-use clawmux_protocol::session_key::Conversation;
-use clawmux_protocol::{SessionKey, TraceParent};
-use std::sync::Arc;
-use std::time::Duration;
+use clawmux_actors::messages::{AdmitError, Cancel};
+use clawmux_actors::CancelReason;
+use clawmux_protocol::TraceParent;
+
+/// The HTTP answer to a refused admission.
+fn refused(e: Refused, run_id: &str) -> ApiError {
+    match e {
+        Refused::Invalid(m) => ApiError::invalid(m),
+        Refused::Store(e) => store_unavailable(e),
+        e @ Refused::RunIdConflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        e @ Refused::IdempotencyMismatch => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_mismatch", e.to_string()),
+        Refused::Limit(Refusal::RateLimited { message, retry_after_sec }) => {
+            ApiError { retry_after: Some(retry_after_sec), ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message) }
+        }
+        Refused::Limit(Refusal::BudgetExceeded { message, retry_after_sec }) => {
+            ApiError { retry_after: Some(retry_after_sec), ..ApiError::new(StatusCode::PAYMENT_REQUIRED, "budget_exceeded", message) }
+        }
+        Refused::Limit(Refusal::Unmetered { message }) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "budget_unavailable", message),
+        e @ Refused::TraceInUse { .. } => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        Refused::Registry(e) => admit_error(e, run_id),
+        e @ Refused::Overloaded => ApiError::unavailable(e.to_string()),
+        e @ Refused::UnknownBaseRef(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown_base_ref", e.to_string()),
+        e @ Refused::BranchConflict { .. } => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "branch_conflict", e.to_string()),
+    }
+}
 
 fn admit_error(e: AdmitError, run_id: &str) -> ApiError {
     match e {
@@ -27,17 +47,6 @@ fn admit_error(e: AdmitError, run_id: &str) -> ApiError {
             "session_busy",
             "another run of this session (stateKey) is in flight and the request asked for ifBusy: reject",
         ),
-    }
-}
-
-fn refusal_error(r: Refusal) -> ApiError {
-    match r {
-        Refusal::RateLimited { message, retry_after_sec } => {
-            ApiError { retry_after: Some(retry_after_sec), ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message) }
-        }
-        Refusal::BudgetExceeded { message, retry_after_sec } => {
-            ApiError { retry_after: Some(retry_after_sec), ..ApiError::new(StatusCode::PAYMENT_REQUIRED, "budget_exceeded", message) }
-        }
     }
 }
 
@@ -108,125 +117,21 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
             _ => return Err(ApiError::invalid("header `Idempotency-Key`: must be 1 to 256 visible ASCII characters")),
         },
     };
-    let conversation = match run.request.state_key.as_deref() {
-        Some(state) => Conversation::State(state),
-        None => Conversation::Run(&run.run_id),
-    };
-    let session_key = SessionKey::for_run(&run.agent_id, &run.request.billing_account_id, conversation)
-        .map_err(|e| ApiError::invalid(format!("cannot name the run's session: {e}")))?;
-    let branch = run.branch_key.as_ref().map(|key| {
-        let b = run.request.branch.clone().unwrap_or_default();
-        clawmux_actors::branch::BranchPlan {
-            key: key.clone(),
-            base_ref: b.base_ref.unwrap_or_else(|| state.cfg.relay_base_ref.clone()),
-            pr_title: b.pr_title,
-            pr_body: b.pr_body,
-        }
-    });
     let abort_on_disconnect = run.on_disconnect == OnDisconnect::Abort;
-    let spec = RunSpec {
-        run_id: run.run_id.clone(),
-        // Fixed at admission and stored: a restart sends the same idempotency key, never a new one.
-        gateway_run_id: uuid::Uuid::new_v4().to_string(),
-        session_key,
-        agent_id: run.agent_id.clone(),
-        message: run.request.message.clone(),
-        model: run.request.model.clone(),
-        billing_account_id: run.request.billing_account_id.clone(),
-        graph_id: run.graph_id.clone(),
-        admitted_at: std::time::SystemTime::now(),
-        timeout: Duration::from_secs(run.timeout_sec),
+    let run_id = run.run_id.clone();
+    let new = NewRun {
+        run,
         traceparent,
-        attribution_token: state.attributions.as_ref().map(|_| crate::attribution::new_token()),
-        branch,
-    };
-    let row = RunRow {
-        seq: 0,
-        run_id: run.run_id.clone(),
-        idempotency_key: idempotency_key.clone(),
-        fingerprint: request::fingerprint(&run.request),
-        billing_account_id: run.request.billing_account_id.clone(),
-        state_key: run.request.state_key.clone(),
-        session_key: spec.session_key.as_str().to_owned(),
-        spec: SpecRecord {
-            gateway_run_id: spec.gateway_run_id.clone(),
-            agent_id: spec.agent_id.clone(),
-            message: spec.message.clone(),
-            model: spec.model.clone(),
-            graph_id: spec.graph_id.clone(),
-            timeout_ms: u64::try_from(spec.timeout.as_millis()).unwrap_or(u64::MAX),
-            traceparent: spec.traceparent.to_string(),
-            attribution_token: spec.attribution_token.clone(),
-            branch: spec.branch.clone(),
-            abort_on_disconnect,
-        },
-        status: "queued".to_owned(),
-        checkpoint: None,
-        gateway_run_id: None,
-        content: String::new(),
-        error: None,
-        gateway_usage: None,
-        usage: state.attributions.as_ref().map(|_| crate::attribution::Usage::default()),
-        relay: None,
-        created_at_ms: crate::store::now_ms(),
-        finished_at_ms: None,
-        last_event_id: 0,
+        idempotency_key,
         key_id: principal.key_id().map(str::to_owned),
         webhook_url,
+        default_base_ref: state.cfg.relay_base_ref.clone(),
     };
-    let log = match state.store.insert(row).await.map_err(store_unavailable)? {
-        Insert::New(log) => log,
-        Insert::Existing(view) => return respond(&req, &state, view, wait_false, false).await,
-        Insert::Conflict => {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict",
-                format!("run {:?} already exists with a different request body", run.run_id),
-            ))
-        }
-        Insert::IdempotencyMismatch => {
-            return Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency_mismatch",
-                "this Idempotency-Key was used with a different request body",
-            ))
-        }
+    let (log, admitted) = match state.admission.submit(new).await.map_err(|e| refused(e, &run_id))? {
+        Submitted::New { log, admitted } => (log, admitted),
+        Submitted::Existing(view) => return respond(&req, &state, view, wait_false, false).await,
     };
-    if let (Some(plan), Some(workspace)) = (&spec.branch, &state.workspace) {
-        if let Err(e) = check_branch(workspace.as_ref(), plan, branch_field(&run.request)).await {
-            state.store.forget(&run.run_id).await;
-            return Err(e);
-        }
-    }
-    // Limits are counted exactly under a burst: the account's live runs and admissions of the
-    // last minute are checked and counted under one lock.
-    let account = run.request.billing_account_id.clone();
-    let budgets = &state.tenants.budgets;
-    match budgets.admit(&account, &run.run_id).await {
-        Ok(Ok(())) => {}
-        Ok(Err(refusal)) => {
-            state.store.forget(&run.run_id).await;
-            return Err(refusal_error(refusal));
-        }
-        Err(e) => {
-            state.store.forget(&run.run_id).await;
-            return Err(store_unavailable(e));
-        }
-    }
-    let if_busy = match run.request.if_busy {
-        None | Some(request::IfBusy::Enqueue) => IfBusy::Enqueue,
-        Some(request::IfBusy::Reject) => IfBusy::Reject,
-        Some(request::IfBusy::Interrupt) => IfBusy::Interrupt,
-    };
-    let admitted = match admit(&state, &log, spec, None, if_busy).await {
-        Ok(a) => a,
-        Err(e) => {
-            budgets.release(&account, &run.run_id);
-            state.store.forget(&run.run_id).await;
-            return Err(e);
-        }
-    };
-    tracing::info!(run_id = %run.run_id, session_key = %log.doc().session_key, ?admitted, "run admitted");
+    tracing::info!(run_id = %log.run_id, session_key = %log.doc().session_key, ?admitted, "run admitted");
     if wait_false && !wants_sse(&req) {
         // The document as stored may not show the start yet (its write is in the group commit
         // queue); the registry's answer is what holds now.
@@ -237,100 +142,6 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
         return Ok(HttpResponse::Accepted().json(doc));
     }
     respond(&req, &state, RunView::Live(log), wait_false, abort_on_disconnect).await
-}
-
-/// How long `POST` waits for the relay's checks of a branch run before admitting it unchecked.
-const BRANCH_CHECK_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// The request field that named the branch key.
-fn branch_field(r: &request::RunRequest) -> &'static str {
-    match &r.branch {
-        Some(b) if b.branch_name.is_some() => "branch.branchName",
-        Some(b) if b.work_item_id.is_some() => "branch.workItemId",
-        _ => "stateKey",
-    }
-}
-
-/// A caller's mistake the relay can see before the run (`422`); a check that cannot be made
-/// (the engine, the remote) admits the run, whose own steps then report what fails.
-async fn check_branch(workspace: &dyn clawmux_actors::branch::Workspace, plan: &clawmux_actors::branch::BranchPlan, key_field: &str) -> Result<(), ApiError> {
-    use clawmux_actors::branch::WorkspaceError as W;
-    match tokio::time::timeout(BRANCH_CHECK_TIMEOUT, workspace.check(plan)).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(W::UnknownBaseRef(m))) => Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown_base_ref", format!("field `branch.baseRef`: {m}"))),
-        Ok(Err(W::KeyConflict(m))) => Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "branch_conflict", format!("field `{key_field}`: {m}"))),
-        Ok(Err(W::Failed(m))) => {
-            tracing::warn!(branch = %plan.branch(), error = %m, "cannot check the branch before the run; admitting it");
-            Ok(())
-        }
-        Err(_) => {
-            tracing::warn!(branch = %plan.branch(), "the branch checks took longer than {BRANCH_CHECK_TIMEOUT:?}; admitting the run");
-            Ok(())
-        }
-    }
-}
-
-/// Makes a stored run attributable and hands it to the registry (new runs and, with `resume`,
-/// runs a restart continues).
-pub async fn admit(
-    state: &AppState,
-    log: &Arc<RunLog>,
-    spec: RunSpec,
-    resume: Option<clawmux_actors::Resume>,
-    if_busy: IfBusy,
-) -> Result<clawmux_actors::Admitted, ApiError> {
-    let trace_id = spec.traceparent.trace_id().to_owned();
-    let budgets = state.tenants.budgets.clone();
-    let account = spec.billing_account_id.clone();
-    if resume.is_some() {
-        // A continued run counts as live for its account's limits, without the checks.
-        budgets.resume(&account, &spec.run_id);
-    }
-    {
-        let (budgets, account, run_id) = (budgets.clone(), account.clone(), spec.run_id.clone());
-        log.on_end(Box::new(move || budgets.release(&account, &run_id)));
-    }
-    if let Some(registry) = &state.attributions {
-        // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
-        let mut billing = crate::attribution::RunBilling::new(
-            &spec.run_id,
-            &spec.billing_account_id,
-            &spec.graph_id,
-            spec.session_key.as_str(),
-            &trace_id,
-        );
-        if let Some(t) = &spec.attribution_token {
-            billing = billing.with_token(t.clone());
-        }
-        if let Some(usage) = log.stored_usage() {
-            billing = billing.with_usage(usage);
-        }
-        let billing = Arc::new(billing);
-        if let Err(owner) = registry.register(billing.clone()) {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict",
-                format!("the traceparent's trace id is in use by live run {owner:?}; concurrent runs need distinct trace ids"),
-            ));
-        }
-        let (b, a) = (budgets.clone(), account.clone());
-        log.set_billing(billing, registry.clone(), Some(Box::new(move |tokens| b.record(&a, tokens))));
-    }
-    let run_id = spec.run_id.clone();
-    let registry = state.registry.clone();
-    let cancel_id = run_id.clone();
-    log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));
-    let sink: Arc<dyn RunSink> = log.clone();
-    let admitted = state.registry.send(Submit { spec, sink, resume, if_busy }).timeout(ADMIT_TIMEOUT).await;
-    let refusal = match admitted {
-        Ok(Ok(admitted)) => return Ok(admitted),
-        Ok(Err(e)) => admit_error(e, &run_id),
-        Err(_) => ApiError::unavailable("clawmux is overloaded; retry shortly"),
-    };
-    if let Some(registry) = &state.attributions {
-        registry.unregister(&trace_id, &run_id);
-    }
-    Err(refusal)
 }
 
 /// Answers a POST for a run: SSE, 202 at once, or the document at the end.

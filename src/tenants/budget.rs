@@ -32,6 +32,13 @@ pub enum Refusal {
         /// Seconds until the next period.
         retry_after_sec: u64,
     },
+    /// `503 budget_unavailable`: the account has a token budget, but no LLM proxy counts its
+    /// tokens (no `CLAWMUX_LLM_UPSTREAM_URL`): fail-closed, its runs are refused rather than run
+    /// unmetered.
+    Unmetered {
+        /// A sentence a person can act on.
+        message: String,
+    },
 }
 
 #[derive(Default)]
@@ -49,6 +56,9 @@ pub fn window(period_sec: u64, now_ms: i64) -> (i64, i64) {
     (start, start.saturating_add(p))
 }
 
+/// What ends a run past its budget.
+pub type Cancel = Box<dyn Fn(&str) -> futures_util::future::BoxFuture<'static, ()> + Send + Sync>;
+
 /// Limits and spend of every account.
 pub struct Budgets {
     store: Arc<dyn TenantStore>,
@@ -57,18 +67,24 @@ pub struct Budgets {
     /// Spend per (account, window start), loaded from the store on first use.
     spend: DashMap<(String, i64), u64>,
     accounts: DashMap<String, Account>,
-    /// Ends a run whose budget is spent (wired to the registry's cancel).
-    cancel: OnceLock<Box<dyn Fn(&str) + Send + Sync>>,
+    /// True when the LLM proxy counts every call's tokens; without it a token budget cannot hold.
+    metered: bool,
+    /// Ends a run whose budget is spent (wired to the registry's cancel); resolves once the run's
+    /// session has the cancel in its mailbox.
+    cancel: OnceLock<Cancel>,
 }
 
 impl Budgets {
-    /// Loads every account's limits.
-    pub async fn load(store: Arc<dyn TenantStore>, writer: Writer) -> Result<Arc<Self>, StoreError> {
+    /// Loads every account's limits; `metered`: an LLM proxy counts the tokens.
+    pub async fn load(store: Arc<dyn TenantStore>, writer: Writer, metered: bool) -> Result<Arc<Self>, StoreError> {
         let limits = DashMap::new();
         for (a, l) in store.all_limits().await? {
+            if !metered && l.max_tokens.is_some() {
+                tracing::warn!(account = %a, "this billing account has a token budget, but no LLM proxy counts tokens (CLAWMUX_LLM_UPSTREAM_URL is not set): its runs are refused");
+            }
             limits.insert(a, l);
         }
-        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), cancel: OnceLock::new() }))
+        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), metered, cancel: OnceLock::new() }))
     }
 
     /// Re-reads every account's limits (the CLI changes them in the store of a running clawmux).
@@ -81,7 +97,7 @@ impl Budgets {
     }
 
     /// Sets what ends a run past its budget.
-    pub fn on_exceeded(&self, cancel: Box<dyn Fn(&str) + Send + Sync>) {
+    pub fn on_exceeded(&self, cancel: Cancel) {
         let _ = self.cancel.set(cancel);
     }
 
@@ -116,6 +132,13 @@ impl Budgets {
     /// Admits a run of `account` (it counts as live until [`Budgets::release`]) or says why not.
     pub async fn admit(&self, account: &str, run_id: &str) -> Result<Result<(), Refusal>, StoreError> {
         let l = self.limits(account);
+        if l.max_tokens.is_some() && !self.metered {
+            return Ok(Err(Refusal::Unmetered {
+                message: format!(
+                    "billing account {account:?} has a token budget, but this clawmux has no LLM proxy (CLAWMUX_LLM_UPSTREAM_URL) to count its tokens; its runs are refused until one is configured or the budget is removed"
+                ),
+            }));
+        }
         if let (Some(max), Some((spent, (_, end)))) = (l.max_tokens, self.spent(account).await?) {
             if spent >= max {
                 return Ok(Err(Refusal::BudgetExceeded {
@@ -197,10 +220,12 @@ impl Budgets {
         self.writer.submit(Write::Spend { account: account.to_owned(), window_start_ms: start, tokens }, None);
     }
 
-    /// Ends `run_id`: its account's budget is spent.
-    pub fn exceeded(&self, run_id: &str) {
+    /// Ends `run_id`: its account's budget is spent. Resolves once the run's session has the cancel
+    /// queued: the proxy answers the refused call only then, so the gateway's reaction to that
+    /// answer (a failed run) reaches the session after it and the run ends `budget_exceeded`.
+    pub async fn exceeded(&self, run_id: &str) {
         if let Some(cancel) = self.cancel.get() {
-            cancel(run_id);
+            cancel(run_id).await;
         }
     }
 }
@@ -212,6 +237,50 @@ fn secs_until(end_ms: i64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemoryStore;
+    use crate::store::writer::StoreMetrics;
+
+    async fn budgets(account: &str, limits: Limits) -> Arc<Budgets> {
+        let store = Arc::new(MemoryStore::new());
+        let writer = Writer::start(store.clone(), StoreMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let b = Budgets::load(store, writer, true).await.expect("load");
+        b.set_limits(account, limits).await.expect("limits");
+        b
+    }
+
+    /// Every admission of a burst is polled before any of them completes (one thread, each
+    /// future in turn): a check and a count with an await between them would admit them all.
+    #[actix_rt::test]
+    async fn a_burst_is_counted_exactly() {
+        for (limits, admitted) in [
+            (Limits { max_concurrent: Some(23), ..Limits::default() }, 23),
+            (Limits { max_runs_per_minute: Some(37), ..Limits::default() }, 37),
+        ] {
+            let b = budgets("acct", limits).await;
+            let burst = (0..200).map(|i| {
+                let b = b.clone();
+                async move { b.admit("acct", &format!("run-{i}")).await.expect("store") }
+            });
+            let answers = futures_util::future::join_all(burst).await;
+            assert_eq!(answers.iter().filter(|a| a.is_ok()).count(), admitted, "{limits:?}");
+            assert!(answers.iter().all(|a| matches!(a, Ok(()) | Err(Refusal::RateLimited { .. }))));
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_released_run_frees_its_place_but_not_its_admission_of_the_minute() {
+        let b = budgets("acct", Limits { max_concurrent: Some(1), max_runs_per_minute: Some(2), ..Limits::default() }).await;
+        assert_eq!(b.admit("acct", "r1").await, Ok(Ok(())));
+        assert!(matches!(b.admit("acct", "r2").await, Ok(Err(Refusal::RateLimited { .. }))), "one at a time");
+        assert_eq!(b.admit("other", "r2").await, Ok(Ok(())), "another account has its own limits (none)");
+        b.release("acct", "r1");
+        assert_eq!(b.admit("acct", "r3").await, Ok(Ok(())));
+        b.release("acct", "r3");
+        match b.admit("acct", "r4").await {
+            Ok(Err(Refusal::RateLimited { retry_after_sec, .. })) => assert!((1..=60).contains(&retry_after_sec), "{retry_after_sec}"),
+            other => panic!("two admissions a minute: {other:?}"),
+        }
+    }
 
     #[test]
     fn windows_align_to_the_epoch() {

@@ -1,0 +1,355 @@
+//! Admission: the one way a run gets into the registry, for a new request (`POST /v1/runs`) and
+//! for a stored run a restart continues.
+//!
+//! A new run is stored first (idempotency and run-id reuse are decided there), then a branch run's
+//! base ref and key are checked with the git relay (a caller's mistake is refused before the run),
+//! then its account's limits are checked and counted, then it is made attributable to the LLM proxy and handed to the
+//! registry. A refusal at any step undoes the steps before it: the stored row is forgotten, the
+//! account's live-run count released, the trace id unregistered. A continued run skips the store
+//! insert and the limit checks (it was admitted before) but counts as live for its account.
+//!
+//! The HTTP layer validates the request, calls [`Admission::submit`] and maps [`Refused`] to an
+//! answer; the restart path calls [`Admission::resume`].
+
+use crate::attribution::{Attributions, RunBilling, Usage};
+use crate::request::{self, ValidRun};
+use crate::store::{CheckpointRecord, Insert, RunLog, RunRow, RunStore, RunView, SpecRecord, StoreError};
+use crate::tenants::budget::{Budgets, Refusal};
+use actix::Addr;
+use clawmux_actors::branch::{BranchPlan, Workspace, WorkspaceError};
+use clawmux_actors::messages::{AdmitError, Cancel, IfBusy, Submit};
+use clawmux_actors::{Admitted, CancelReason, Registry, Resume, ResumeStage, RunSink, RunSpec};
+use clawmux_protocol::session_key::Conversation;
+use clawmux_protocol::{SessionKey, TraceParent};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How long admission waits for the registry before giving up (the caller retries).
+const REGISTRY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a run is not admitted.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    /// The request (or stored run) cannot become a run.
+    #[error("{0}")]
+    Invalid(String),
+    /// The run store cannot be asked or written.
+    #[error("the run store is not available: {0}")]
+    Store(StoreError),
+    /// The run id exists with a different request body.
+    #[error("run {0:?} already exists with a different request body")]
+    RunIdConflict(String),
+    /// The idempotency key was used with a different request body.
+    #[error("this Idempotency-Key was used with a different request body")]
+    IdempotencyMismatch,
+    /// The account's budget or rate limits.
+    #[error("{}", limit_message(.0))]
+    Limit(Refusal),
+    /// The trace id belongs to another live run (its LLM calls could not be told apart).
+    #[error("the traceparent's trace id is in use by live run {owner:?}; concurrent runs need distinct trace ids")]
+    TraceInUse {
+        /// The live run that owns it.
+        owner: String,
+    },
+    /// The registry refused it.
+    #[error("{0}")]
+    Registry(AdmitError),
+    /// The registry did not answer in time.
+    #[error("clawmux is overloaded; retry shortly")]
+    Overloaded,
+    /// A branch run's base ref does not exist (the relay's check before the run).
+    #[error("field `branch.baseRef`: {0}")]
+    UnknownBaseRef(String),
+    /// A branch run's key cannot be a branch next to the existing ones (`a` vs `a/b`).
+    #[error("field `{field}`: {message}")]
+    BranchConflict {
+        /// The request field that named the key.
+        field: &'static str,
+        /// What git would refuse.
+        message: String,
+    },
+}
+
+/// How long a `POST` waits for the relay's checks of a branch run before admitting it unchecked.
+const BRANCH_CHECK_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn limit_message(r: &Refusal) -> &str {
+    match r {
+        Refusal::RateLimited { message, .. } | Refusal::BudgetExceeded { message, .. } | Refusal::Unmetered { message } => message,
+    }
+}
+
+/// A validated `POST /v1/runs` with what the HTTP layer read besides its body.
+pub struct NewRun {
+    /// The validated body.
+    pub run: ValidRun,
+    /// The caller's trace (or a new one): its trace id attributes the run's LLM calls.
+    pub traceparent: TraceParent,
+    /// `Idempotency-Key`.
+    pub idempotency_key: Option<String>,
+    /// The API key that admitted it (`None`: the admin): it signs the run's webhook.
+    pub key_id: Option<String>,
+    /// Where the run's end is posted (already checked against the allow-list).
+    pub webhook_url: Option<String>,
+    /// The base ref of a branch run that names none (`CLAWMUX_RELAY_BASE_REF`).
+    pub default_base_ref: String,
+}
+
+/// How a submission went.
+pub enum Submitted {
+    /// A new run, in the registry.
+    New {
+        /// Its live log.
+        log: Arc<RunLog>,
+        /// Started or queued behind its session key.
+        admitted: Admitted,
+    },
+    /// The same request was admitted before: this is its run (nothing new was started).
+    Existing(RunView),
+}
+
+/// What admission needs: the store, the registry, the LLM proxy's attributions and the budgets.
+pub struct Admission {
+    /// Runs: idempotency, documents, live logs.
+    store: Arc<RunStore>,
+    /// Live runs.
+    registry: Addr<Registry>,
+    /// Live runs by trace id; `None` without an LLM proxy.
+    attributions: Option<Arc<Attributions>>,
+    /// Per-account limits, counted here and released when a run ends.
+    budgets: Arc<Budgets>,
+    /// The git relay, which checks a branch run's base ref and key before it is admitted.
+    workspace: Option<Arc<dyn Workspace>>,
+}
+
+impl Admission {
+    /// Admission over these parts.
+    pub fn new(
+        store: Arc<RunStore>,
+        registry: Addr<Registry>,
+        attributions: Option<Arc<Attributions>>,
+        budgets: Arc<Budgets>,
+        workspace: Option<Arc<dyn Workspace>>,
+    ) -> Self {
+        Self { store, registry, attributions, budgets, workspace }
+    }
+
+    /// Stores a new run, checks its account's limits and hands it to the registry; a refusal
+    /// leaves nothing behind (no stored row, no live-run count, no attribution).
+    pub async fn submit(&self, new: NewRun) -> Result<Submitted, Refused> {
+        let if_busy = match new.run.request.if_busy {
+            None | Some(request::IfBusy::Enqueue) => IfBusy::Enqueue,
+            Some(request::IfBusy::Reject) => IfBusy::Reject,
+            Some(request::IfBusy::Interrupt) => IfBusy::Interrupt,
+        };
+        let key_field = branch_field(&new.run.request);
+        let (spec, row) = spec_and_row(new, self.attributions.is_some())?;
+        let run_id = spec.run_id.clone();
+        let account = spec.billing_account_id.clone();
+        let log = match self.store.insert(row).await.map_err(Refused::Store)? {
+            Insert::New(log) => log,
+            Insert::Existing(view) => return Ok(Submitted::Existing(view)),
+            Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
+            Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
+        };
+        if let (Some(plan), Some(workspace)) = (&spec.branch, &self.workspace) {
+            if let Err(refused) = check_branch(workspace.as_ref(), plan, key_field).await {
+                self.store.forget(&run_id).await;
+                return Err(refused);
+            }
+        }
+        // Checked and counted under one lock per account: a burst is counted exactly.
+        let limited = match self.budgets.admit(&account, &run_id).await {
+            Ok(Ok(())) => None,
+            Ok(Err(refusal)) => Some(Refused::Limit(refusal)),
+            Err(e) => Some(Refused::Store(e)),
+        };
+        if let Some(refused) = limited {
+            self.store.forget(&run_id).await;
+            return Err(refused);
+        }
+        match self.hand_over(&log, spec, None, if_busy).await {
+            Ok(admitted) => Ok(Submitted::New { log, admitted }),
+            Err(e) => {
+                self.budgets.release(&account, &run_id);
+                self.store.forget(&run_id).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Continues a stored, unfinished run after a restart, where its checkpoint says.
+    pub async fn resume(&self, log: &Arc<RunLog>, row: &RunRow) -> Result<Admitted, Refused> {
+        let spec = spec_of(row).map_err(Refused::Invalid)?;
+        let resume = resume_of(row, log);
+        // A continued run counts as live for its account's limits, without the checks.
+        self.budgets.resume(&spec.billing_account_id, &spec.run_id);
+        self.hand_over(log, spec, Some(resume), IfBusy::Enqueue).await
+    }
+
+    /// Makes a stored run attributable and hands it to the registry.
+    async fn hand_over(&self, log: &Arc<RunLog>, spec: RunSpec, resume: Option<Resume>, if_busy: IfBusy) -> Result<Admitted, Refused> {
+        let trace_id = spec.traceparent.trace_id().to_owned();
+        {
+            let (budgets, account, run_id) = (self.budgets.clone(), spec.billing_account_id.clone(), spec.run_id.clone());
+            log.on_end(Box::new(move || budgets.release(&account, &run_id)));
+        }
+        if let Some(attributions) = &self.attributions {
+            // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
+            let mut billing = RunBilling::new(&spec.run_id, &spec.billing_account_id, &spec.graph_id, spec.session_key.as_str(), &trace_id);
+            if let Some(t) = &spec.attribution_token {
+                billing = billing.with_token(t.clone());
+            }
+            if let Some(usage) = log.stored_usage() {
+                billing = billing.with_usage(usage);
+            }
+            let billing = Arc::new(billing);
+            if let Err(owner) = attributions.register(billing.clone()) {
+                return Err(Refused::TraceInUse { owner });
+            }
+            let (b, a) = (self.budgets.clone(), spec.billing_account_id.clone());
+            log.set_billing(billing, attributions.clone(), Some(Box::new(move |tokens| b.record(&a, tokens))));
+        }
+        let run_id = spec.run_id.clone();
+        let registry = self.registry.clone();
+        let cancel_id = run_id.clone();
+        log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));
+        let sink: Arc<dyn RunSink> = log.clone();
+        let admitted = self.registry.send(Submit { spec, sink, resume, if_busy }).timeout(REGISTRY_TIMEOUT).await;
+        let refused = match admitted {
+            Ok(Ok(admitted)) => return Ok(admitted),
+            Ok(Err(e)) => Refused::Registry(e),
+            Err(_) => Refused::Overloaded,
+        };
+        if let Some(attributions) = &self.attributions {
+            attributions.unregister(&trace_id, &run_id);
+        }
+        Err(refused)
+    }
+}
+
+/// The request field that named the branch key.
+fn branch_field(r: &request::RunRequest) -> &'static str {
+    match &r.branch {
+        Some(b) if b.branch_name.is_some() => "branch.branchName",
+        Some(b) if b.work_item_id.is_some() => "branch.workItemId",
+        _ => "stateKey",
+    }
+}
+
+/// A caller's mistake the relay can see before the run; a check that cannot be made (the engine,
+/// the remote) admits the run, whose own steps then report what fails.
+async fn check_branch(workspace: &dyn Workspace, plan: &BranchPlan, field: &'static str) -> Result<(), Refused> {
+    match tokio::time::timeout(BRANCH_CHECK_TIMEOUT, workspace.check(plan)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(WorkspaceError::UnknownBaseRef(m))) => Err(Refused::UnknownBaseRef(m)),
+        Ok(Err(WorkspaceError::KeyConflict(message))) => Err(Refused::BranchConflict { field, message }),
+        Ok(Err(WorkspaceError::Failed(m))) => {
+            tracing::warn!(branch = %plan.branch(), error = %m, "cannot check the branch before the run; admitting it");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::warn!(branch = %plan.branch(), "the branch checks took longer than {BRANCH_CHECK_TIMEOUT:?}; admitting the run");
+            Ok(())
+        }
+    }
+}
+
+/// The spec of a new run and the row that stores it.
+fn spec_and_row(new: NewRun, proxied: bool) -> Result<(RunSpec, RunRow), Refused> {
+    let NewRun { run, traceparent, idempotency_key, key_id, webhook_url, default_base_ref } = new;
+    let conversation = match run.request.state_key.as_deref() {
+        Some(state) => Conversation::State(state),
+        None => Conversation::Run(&run.run_id),
+    };
+    let session_key = SessionKey::for_run(&run.agent_id, &run.request.billing_account_id, conversation)
+        .map_err(|e| Refused::Invalid(format!("cannot name the run's session: {e}")))?;
+    let branch = run.branch_key.as_ref().map(|key| {
+        let b = run.request.branch.clone().unwrap_or_default();
+        clawmux_actors::branch::BranchPlan { key: key.clone(), base_ref: b.base_ref.unwrap_or(default_base_ref), pr_title: b.pr_title, pr_body: b.pr_body }
+    });
+    let spec = RunSpec {
+        run_id: run.run_id.clone(),
+        // Fixed at admission and stored: a restart sends the same idempotency key, never a new one.
+        gateway_run_id: uuid::Uuid::new_v4().to_string(),
+        session_key,
+        agent_id: run.agent_id.clone(),
+        message: run.request.message.clone(),
+        model: run.request.model.clone(),
+        billing_account_id: run.request.billing_account_id.clone(),
+        graph_id: run.graph_id.clone(),
+        admitted_at: SystemTime::now(),
+        timeout: Duration::from_secs(run.timeout_sec),
+        traceparent,
+        attribution_token: proxied.then(crate::attribution::new_token),
+        branch,
+    };
+    let row = RunRow {
+        seq: 0,
+        run_id: run.run_id.clone(),
+        idempotency_key,
+        fingerprint: request::fingerprint(&run.request),
+        billing_account_id: run.request.billing_account_id.clone(),
+        state_key: run.request.state_key.clone(),
+        session_key: spec.session_key.as_str().to_owned(),
+        spec: SpecRecord {
+            gateway_run_id: spec.gateway_run_id.clone(),
+            agent_id: spec.agent_id.clone(),
+            message: spec.message.clone(),
+            model: spec.model.clone(),
+            graph_id: spec.graph_id.clone(),
+            timeout_ms: u64::try_from(spec.timeout.as_millis()).unwrap_or(u64::MAX),
+            traceparent: spec.traceparent.to_string(),
+            attribution_token: spec.attribution_token.clone(),
+            branch: spec.branch.clone(),
+            abort_on_disconnect: run.on_disconnect == request::OnDisconnect::Abort,
+        },
+        status: "queued".to_owned(),
+        checkpoint: None,
+        gateway_run_id: None,
+        content: String::new(),
+        error: None,
+        gateway_usage: None,
+        usage: proxied.then(Usage::default),
+        relay: None,
+        created_at_ms: crate::store::now_ms(),
+        finished_at_ms: None,
+        last_event_id: 0,
+        key_id,
+        webhook_url,
+    };
+    Ok((spec, row))
+}
+
+/// The spec of a stored run.
+fn spec_of(row: &RunRow) -> Result<RunSpec, String> {
+    let traceparent = TraceParent::parse(&row.spec.traceparent).map_err(|e| format!("stored traceparent: {e}"))?;
+    let created = UNIX_EPOCH + Duration::from_millis(u64::try_from(row.created_at_ms).unwrap_or(0));
+    Ok(RunSpec {
+        run_id: row.run_id.clone(),
+        gateway_run_id: row.spec.gateway_run_id.clone(),
+        session_key: SessionKey::canonicalize(&row.session_key),
+        agent_id: row.spec.agent_id.clone(),
+        message: row.spec.message.clone(),
+        model: row.spec.model.clone(),
+        billing_account_id: row.billing_account_id.clone(),
+        graph_id: row.spec.graph_id.clone(),
+        admitted_at: created.min(SystemTime::now()),
+        timeout: Duration::from_millis(row.spec.timeout_ms),
+        traceparent,
+        attribution_token: row.spec.attribution_token.clone(),
+        branch: row.spec.branch.clone(),
+    })
+}
+
+/// Where a stored run picks up.
+fn resume_of(row: &RunRow, log: &RunLog) -> Resume {
+    let stage = match &row.checkpoint {
+        None | Some(CheckpointRecord::Running | CheckpointRecord::Preparing) => ResumeStage::Start,
+        Some(CheckpointRecord::Sending { boot_id }) => ResumeStage::Sent { boot_id: boot_id.clone() },
+        Some(CheckpointRecord::Publishing { content, gateway_usage }) => {
+            ResumeStage::Publishing { content: content.clone(), gateway_usage: *gateway_usage }
+        }
+    };
+    Resume { stage, emitted: log.emitted_text(), accepted: log.was_accepted() }
+}
