@@ -1588,7 +1588,7 @@ async fn model_override_and_trace_id_reach_the_gateway() {
     let (status, doc) = post_json(&env.http, &env.base, &b).await;
     assert_eq!(status, 200);
     assert_eq!((doc["status"].as_str(), doc["error"]["code"].as_str()), (Some("error"), Some("gateway_rejected")), "{doc}");
-    assert!(doc["error"]["message"].as_str().unwrap_or_default().contains("model not allowed"), "{doc}");
+    assert!(doc["error"]["message"].as_str().unwrap_or_default().contains("Unknown provider \"nope\""), "{doc}");
 }
 
 // ------------------------------------------------------------------------------------------------

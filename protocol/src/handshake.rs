@@ -14,6 +14,10 @@ pub const CLIENT_MODE: &str = "backend";
 pub const OPERATOR_SCOPES: [&str; 3] = ["operator.read", "operator.write", "operator.admin"];
 /// Capability asking for events of subscribed sessions only (protocol 4; a no-op on 3).
 pub const CAP_SESSION_SCOPED_EVENTS: &str = "session-scoped-events";
+/// Capability asking for `agent` events of the `tool` stream: each tool call's arguments, partial
+/// and final results (protocol 4). Without it the gateway still sends the `item` stream (a tool's
+/// name, title and status per phase), which is all a `status` event needs.
+pub const CAP_TOOL_EVENTS: &str = "tool-events";
 /// Every client id the real gateway accepts (2026.9.x).
 pub const KNOWN_CLIENT_IDS: [&str; 17] = [
     "webchat-ui",
