@@ -6,7 +6,7 @@ use super::methods::{self, invalid, respond};
 use super::schema;
 use super::state::{now_ms, wait_true, ConnKey, Outbound, Scopes, Shared};
 use clawmux_protocol::frame::{encode_event, encode_response, RequestFrame};
-use clawmux_protocol::handshake::{CAP_SESSION_SCOPED_EVENTS, CAP_TOOL_EVENTS, OPERATOR_SCOPES};
+use clawmux_protocol::handshake::{CAP_OUTBOUND_HEADERS, CAP_SESSION_SCOPED_EVENTS, CAP_TOOL_EVENTS, OPERATOR_SCOPES};
 use clawmux_protocol::ErrorShape;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
@@ -221,7 +221,11 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
                         }
                     }
                 }
-                Some(Ok(Message::Close(_))) | None => break,
+                Some(Ok(Message::Close(frame))) => {
+                    shared.lock().client_closed(key, frame.map_or(1005, |f| u16::from(f.code)));
+                    break;
+                }
+                None => break,
                 Some(Ok(_)) => {}
                 Some(Err(tokio_tungstenite::tungstenite::Error::Capacity(_))) => {
                     close = Some((1009, String::new()));
@@ -495,7 +499,12 @@ fn hello_ok(shared: &Shared, conn_id: String, granted: Vec<String>) -> Value {
         health["eventLoop"] =
             json!({"degraded": false, "degradedSinceMs": null, "reasons": [], "intervalMs": 1000, "delayP99Ms": 0, "delayMaxMs": 0, "utilization": 0, "cpuCoreRatio": 0});
         hello["server"]["bootId"] = json!(shared.lock().boot_id.clone());
-        hello["features"]["capabilities"] = json!(["model-catalog-snapshot"]);
+        let mut capabilities = vec!["model-catalog-snapshot"];
+        // The Cogni fork says it takes per-session outboundHeaders.
+        if shared.cfg.accept_outbound_headers {
+            capabilities.push(CAP_OUTBOUND_HEADERS);
+        }
+        hello["features"]["capabilities"] = json!(capabilities);
         hello["auth"] = json!({"role": "operator", "scopes": granted, "recoveryScope": uuid::Uuid::new_v4().simple().to_string()});
         hello["controlUiWidgetKinds"] = json!([]);
         hello["pluginSurfaceUrls"] = json!({});

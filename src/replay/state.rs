@@ -119,6 +119,9 @@ pub struct ConnStats {
     pub bytes_sent: u64,
     /// Events written, by event name.
     pub events_sent: BTreeMap<String, u64>,
+    /// The close code of the close frame the client sent (1005 for one without a code); `None`
+    /// while open or when it went away without one (a dropped socket).
+    pub client_close: Option<u16>,
 }
 
 /// Counters of a gateway, from [`ReplayHandle::stats`](super::ReplayHandle::stats).
@@ -443,6 +446,13 @@ impl State {
         self.stats_order.push(key);
         self.trim_closed_stats();
         key
+    }
+
+    /// Records the close frame a client sent.
+    pub fn client_closed(&mut self, key: ConnKey, code: u16) {
+        if let Some(s) = self.stats.get_mut(&key) {
+            s.client_close = Some(code);
+        }
     }
 
     /// Forgets a closed socket (its stats stay).
