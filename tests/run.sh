@@ -41,6 +41,7 @@ say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
 BILLING_DIR="$(mktemp -d /tmp/clawmux-gwb.XXXXXX)"
 V3_DIR="$(mktemp -d /tmp/clawmux-gw3.XXXXXX)"
+CONF3_DIR="$(mktemp -d /tmp/clawmux-gwconf3.XXXXXX)"
 LITELLM_DIR="$(mktemp -d /tmp/clawmux-litellm.XXXXXX)"
 NETNS_DIR="$(mktemp -d /tmp/clawmux-gwns.XXXXXX)"
 NETNS_NAME="cmx$$"
@@ -50,12 +51,12 @@ RESTART_DIR="$(mktemp -d /tmp/clawmux-gwrestart.XXXXXX)"
 cleanup() {
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
-  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -104,11 +105,16 @@ PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" \
   CLAWMUX_NODE_BIN="" CLAWMUX_OPENCLAW_MJS="" tests/support/gateway.sh start "$V3_DIR" v3
 CLAWMUX_REAL_GATEWAY_ENV="$V3_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
   cargo test --locked --test real_gateway -- --test-threads=1 live_ proxied_
-# The official-client suite where protocol 3 applies (v4-only rows are left out; no schema check:
-# the schema describes protocol 4).
-CLAWMUX_CONFORMANCE_GATEWAY_ENV="$V3_DIR/env" CLAWMUX_REQUIRE_CONFORMANCE=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 \
-  cargo test --locked --test conformance -- --nocapture live_conformance_
 tests/support/gateway.sh stop "$V3_DIR"
+
+say "official-client conformance where protocol 3 applies: openclaw@2026.4.12 vs clawmux replay-gateway"
+# A v3 gateway of its own whose provider is the fake LLM itself (the one above points at clawmux's
+# proxy, which only runs inside its tests). v4-only rows are left out; no schema check: the
+# schema describes protocol 4.
+CLAWMUX_NODE_BIN="" CLAWMUX_OPENCLAW_MJS="" tests/support/gateway.sh start "$CONF3_DIR" v3
+CLAWMUX_CONFORMANCE_GATEWAY_ENV="$CONF3_DIR/env" CLAWMUX_REQUIRE_CONFORMANCE=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 \
+  cargo test --locked --test conformance -- --nocapture live_conformance_
+tests/support/gateway.sh stop "$CONF3_DIR"
 
 say "billing through a real LiteLLM proxy (clawmux proxy -> LiteLLM -> fake LLM)"
 # LiteLLM (PyPI) in a venv under the cache; its own spend records are checked.
