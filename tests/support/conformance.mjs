@@ -395,18 +395,20 @@ const uniq = (xs) => [...new Set(xs)];
  * `agent` request, its first chat event of each state, its lifecycle phases, and the first answer
  * to one of `abortMethods` on that socket ("abort:res").
  */
-function runObs(c, rec, { abortMethods = [] } = {}) {
+function runObs(c, rec, { abortMethods = [], ignorePhases = [] } = {}) {
   const frames = c.frames();
   const evs = frames.filter(({ frame: f }) => f.type === "event" && (f.event === "chat" || f.event === "agent") && f.payload?.runId === rec.runId);
   const subst = [[rec.runId, "<run>"], [rec.key, "<key>"]];
   const chat = evs.filter(({ frame: f }) => f.event === "chat").map(({ frame: f }) => f.payload.state);
   const agent = evs.filter(({ frame: f }) => f.event === "agent").map(({ frame: f }) => f.payload);
-  const lifecycle = agent.filter((p) => p.stream === "lifecycle").map((p) => p.data?.phase);
+  const lifecycle = agent.filter((p) => p.stream === "lifecycle" && !ignorePhases.includes(p.data?.phase)).map((p) => p.data?.phase);
   const marks = [];
   for (const { n, frame: f, answers } of frames) {
     if (f.type === "event" && f.payload?.runId === rec.runId) {
       if (f.event === "chat") marks.push({ m: `chat:${f.payload.state}`, n });
-      else if (f.event === "agent" && f.payload.stream === "lifecycle") marks.push({ m: `lifecycle:${f.payload.data?.phase}`, n });
+      else if (f.event === "agent" && f.payload.stream === "lifecycle" && !ignorePhases.includes(f.payload.data?.phase)) {
+        marks.push({ m: `lifecycle:${f.payload.data?.phase}`, n });
+      }
     } else if (f.type === "res" && answers === "agent" && f.payload?.runId === rec.runId) {
       marks.push({ m: ["accepted", "in_flight"].includes(f.payload.status) ? "ack" : "final", n });
     } else if (f.type === "res" && abortMethods.includes(answers)) {
@@ -457,7 +459,7 @@ async function waitObs(c, runId, timeoutMs, subst) {
 
 // ------------------------------------------------------------------ rows
 const rows = [];
-const row = (id, fn, { v4only = false, serial = false } = {}) => rows.push({ id, fn, v4only, serial });
+const row = (id, fn, { v4only = false, serial = false, last = false } = {}) => rows.push({ id, fn, v4only, serial, last });
 
 // --- connect, through the official client
 row("connect.official", async () => {
@@ -582,7 +584,7 @@ row("connect.raw-silent", async () => {
   const close = await Promise.race([r.closed, sleep(40_000).then(() => null)]);
   if (!close) r.ws.terminate();
   return close ? { close: closeObs(close), afterMs: close.afterMs, frames: r.frames.map((f) => f.event ?? f.type) } : { close: "open after 40 s" };
-});
+}, { last: true });
 
 // --- methods
 row("health", async () => {
@@ -794,7 +796,9 @@ row("abort.queued", async () => {
   return {
     answer: ans.ok ? normValue(ans.payload, subst) : resObs(ans, subst),
     secondEndedWithin10s: secondEnded,
-    second: runObs(c, second, { abortMethods: ["chat.abort"] }),
+    // Whether 2026.9.6 also sends a trailing lifecycle `error` for the queued run depends on how far
+    // it got preparing the run internally (seen both ways on one machine): not recorded.
+    second: runObs(c, second, { abortMethods: ["chat.abort"], ignorePhases: ["error"] }),
     firstStillRunning,
     firstAbort: ans1.ok ? normValue(ans1.payload, subst) : resObs(ans1, subst),
     first: { final: first.final?.status ?? null, summary: first.final?.summary ?? null },
@@ -970,9 +974,10 @@ async function runRow(r) {
   say(`${r.id} (${Date.now() - t} ms)`);
 }
 // Serial rows (failed handshakes: the gateway rate-limits failed auth per client) one by one,
-// the rest concurrently, a few at a time.
+// the rest concurrently, a few at a time; rows that time the gateway's own timers last, on a
+// gateway no longer busy with the others (a busy Node event loop fires timers seconds late).
 const serial = selected.filter((r) => r.serial);
-const parallel = selected.filter((r) => !r.serial);
+const parallel = selected.filter((r) => !r.serial && !r.last);
 const serialDone = (async () => {
   for (const r of serial) await runRow(r);
 })();
@@ -984,6 +989,7 @@ await Promise.all(
   }),
 );
 await serialDone;
+for (const r of selected.filter((r) => r.last)) await runRow(r);
 for (const r of selected) process.stdout.write(`${JSON.stringify({ row: r.id, observed: results.get(r.id) })}\n`);
 if (frameLog) fs.closeSync(frameLog);
 say(`${selected.length} rows`);
