@@ -549,8 +549,8 @@ pub fn doctor_report(url: &str, cfg: &Config, s: &clawmux_actors::GatewayStatus,
         line(&mut out, "abort mechanism", abort);
         let outbound = match s.outbound_headers {
             Some(true) => "accepted (per-session billing headers sent)",
-            Some(false) => "not used",
-            None => "auto (detected on the first run)",
+            Some(false) => "not used (auto: the gateway does not list the capability session-outbound-headers)",
+            None => "auto (decided when connected: by the capability session-outbound-headers in hello-ok)",
         };
         line(&mut out, "outbound headers", outbound);
     }

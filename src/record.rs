@@ -126,7 +126,9 @@ pub async fn record(cfg: &RecordConfig) -> Result<Recording, RecordError> {
         return Err(RecordError::Config(format!("track name {bad:?} must be 1-64 of [A-Za-z0-9_.-]")));
     }
     let mut params = ConnectParams::multiplexer(env!("CARGO_PKG_VERSION"), cfg.token.clone());
-    params.min_protocol = 4;
+    // Everything the gateway can send about a run, tool arguments and results included: the
+    // replay gateway gives `tool` stream events only to connections that ask for them too.
+    params.caps.push(clawmux_protocol::handshake::CAP_TOOL_EVENTS.to_owned());
     let mut conn = GatewayConn::open(&cfg.gateway, &params).await?;
     if conn.hello.protocol != 4 {
         return Err(RecordError::Protocol(conn.hello.protocol));

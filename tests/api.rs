@@ -856,6 +856,30 @@ async fn a_dropped_connection_is_recovered_with_agent_wait() {
     assert_eq!((status, doc["content"].as_str()), (200, Some(answer(&m).as_str())), "{doc}");
 }
 
+/// clawmux offers exactly protocol 4 (as the official client package says general clients must)
+/// and offers 3 only after a gateway refused 4 with a protocol mismatch; it keeps offering 3 to
+/// that gateway on reconnects.
+#[actix_rt::test]
+async fn protocol_4_is_offered_first_and_3_only_after_a_mismatch() {
+    for protocol in [4, 3] {
+        let env = env(fast().protocol(protocol)).await;
+        let m = unique("<protocol>");
+        let (status, doc) = post_json(&env.http, &env.base, &body(&m, "acct-protocol")).await;
+        assert_eq!((status, doc["content"].as_str()), (200, Some(answer(&m).as_str())), "protocol {protocol}: {doc}");
+        let refused = if protocol == 4 { 0 } else { 1 };
+        let stats = env.gw.stats();
+        assert_eq!((stats.handshakes_failed, stats.handshakes_ok), (refused, 1), "protocol {protocol}");
+        // A reconnect to the same gateway offers what it speaks at once.
+        env.gw.drop_connections(false);
+        let deadline = Instant::now() + WAIT;
+        while env.gw.stats().handshakes_ok < 2 {
+            assert!(Instant::now() < deadline, "protocol {protocol}: no reconnect");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(env.gw.stats().handshakes_failed, refused, "protocol {protocol}: the reconnect offered the right protocol");
+    }
+}
+
 #[actix_rt::test]
 async fn a_restarted_gateway_ends_runs_in_flight_with_gateway_disconnected_promptly() {
     restarted_gateway_ends_runs_promptly(fast()).await;
@@ -1553,6 +1577,25 @@ async fn agents_healthz_readyz_and_metrics() {
     assert_eq!(env.metric("clawmux_runs_active").await, 0.0);
 }
 
+/// `CLAWMUX_OUTBOUND_HEADERS=auto` (the default) sends no frame the official schema refuses: a
+/// stock gateway never gets `outboundHeaders` (one `sessions.patch` per run, none refused), a
+/// gateway that lists the capability `session-outbound-headers` (the Cogni fork) gets them.
+#[actix_rt::test]
+async fn outbound_headers_go_only_to_a_gateway_that_says_it_takes_them() {
+    for fork in [false, true] {
+        let env = env(fast().accept_outbound_headers(fork)).await;
+        let (status, doc) = post_json(&env.http, &env.base, &body(&unique("<headers>"), "acct-headers")).await;
+        assert_eq!((status, doc["status"].as_str()), (200, Some("ok")), "{doc}");
+        let rec = env.gw_run(doc["gatewayRunId"].as_str().unwrap());
+        assert_eq!(env.gw.stats().requests_received.get("sessions.patch"), Some(&1), "fork {fork}: one patch, none refused");
+        if fork {
+            assert_eq!(rec.outbound_headers.get("x-cogni-run-id").map(String::as_str), doc["runId"].as_str(), "{rec:?}");
+        } else {
+            assert!(rec.outbound_headers.is_empty(), "{rec:?}");
+        }
+    }
+}
+
 #[actix_rt::test]
 async fn model_override_and_trace_id_reach_the_gateway() {
     let env = env(fast()).await;
@@ -1588,7 +1631,7 @@ async fn model_override_and_trace_id_reach_the_gateway() {
     let (status, doc) = post_json(&env.http, &env.base, &b).await;
     assert_eq!(status, 200);
     assert_eq!((doc["status"].as_str(), doc["error"]["code"].as_str()), (Some("error"), Some("gateway_rejected")), "{doc}");
-    assert!(doc["error"]["message"].as_str().unwrap_or_default().contains("model not allowed"), "{doc}");
+    assert!(doc["error"]["message"].as_str().unwrap_or_default().contains("Unknown provider \"nope\""), "{doc}");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1625,4 +1668,17 @@ async fn graceful_shutdown_ends_every_stream_with_aborted_and_cancels_the_gatewa
     }
     // The server is gone.
     assert!(env.http.get(env.url("/healthz")).send().await.is_err());
+    // And clawmux said goodbye to the gateway: its socket ended with a close frame (1000), not a
+    // dropped connection.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = env.gw.stats();
+        let ours = stats.connections.iter().rev().find(|c| c.handshaken).cloned().expect("clawmux's connection");
+        if !ours.open {
+            assert_eq!(ours.client_close, Some(1000), "{ours:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "clawmux's gateway connection is still open after shutdown");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

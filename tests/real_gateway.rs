@@ -621,7 +621,9 @@ impl Observer {
     async fn connect(g: &Gateway) -> Self {
         let key = temp_dir("observer-device").join("device.json");
         let device = clawmux_actors::device::DeviceIdentity::load_or_create(&key).expect("observer device key");
+        // 3..4: the observer watches either release.
         let mut params = clawmux_protocol::ConnectParams::multiplexer("observer", Some(g.token.clone()));
+        params.min_protocol = clawmux_protocol::handshake::MIN_PROTOCOL;
         params.caps.clear();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let run = clawmux_actors::connection::run(

@@ -6,6 +6,8 @@
 #
 # Installs (idempotent, cached under ${CLAWMUX_CACHE:-~/.cache/clawmux}): Node 24,
 # openclaw@2026.9.6 and openclaw@2026.4.12 from the npm registry (tests/support/install-openclaw.sh),
+# OpenClaw's protocol packages @openclaw/gateway-protocol and @openclaw/gateway-client, pinned
+# (tests/support/install-gateway-protocol.sh: the schema checks and the official-client suite),
 # and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io and debootstrap
 # (tests/support/docker.sh, docker-image.sh), iproute2 for the namespace test. Needs root for
 # Docker, the network namespace and the store-fault tests (read-only and tmpfs mounts).
@@ -21,20 +23,25 @@ command -v npm >/dev/null || { echo "npm is required to bootstrap Node 24 from t
 python3 -m venv --help >/dev/null 2>&1 || { echo "python3 -m venv is required (LiteLLM from PyPI)"; exit 1; }
 eval "$(tests/support/install-openclaw.sh)"
 export CLAWMUX_NODE_BIN CLAWMUX_OPENCLAW_MJS
+eval "$(tests/support/install-gateway-protocol.sh)"
+export CLAWMUX_GATEWAY_PROTOCOL_DIR
 
 say "build"
 cargo build --workspace --all-targets --locked
 
 say "unit and replay-gateway tests"
 # tests/store_faults.rs mounts a read-only bind and a small tmpfs (a full disk): required here, so
-# they fail rather than skip when this is not root.
+# they fail rather than skip when this is not root. The checks against OpenClaw's own
+# protocol.schema.json (protocol/tests/official_schema.rs, tests/replay_schema.rs, the replay's
+# field lists) are required too.
 # shellcheck disable=SC2086
-CLAWMUX_REQUIRE_MOUNTS=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_
+CLAWMUX_REQUIRE_MOUNTS=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
 BILLING_DIR="$(mktemp -d /tmp/clawmux-gwb.XXXXXX)"
 V3_DIR="$(mktemp -d /tmp/clawmux-gw3.XXXXXX)"
+CONF3_DIR="$(mktemp -d /tmp/clawmux-gwconf3.XXXXXX)"
 LITELLM_DIR="$(mktemp -d /tmp/clawmux-litellm.XXXXXX)"
 NETNS_DIR="$(mktemp -d /tmp/clawmux-gwns.XXXXXX)"
 NETNS_NAME="cmx$$"
@@ -44,17 +51,23 @@ RESTART_DIR="$(mktemp -d /tmp/clawmux-gwrestart.XXXXXX)"
 cleanup() {
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
-  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
 CLAWMUX_REAL_GATEWAY_ENV="$RUN_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
   cargo test --locked --test real_gateway -- --test-threads=1 live_
+
+say "official-client conformance: the real gateway (openclaw@2026.9.6) vs clawmux replay-gateway"
+# tests/support/conformance.mjs drives both with @openclaw/gateway-client (same gateway as above);
+# every row must match, and every frame is checked against protocol.schema.json.
+CLAWMUX_CONFORMANCE_GATEWAY_ENV="$RUN_DIR/env" CLAWMUX_REQUIRE_CONFORMANCE=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 \
+  cargo test --locked --test conformance -- --nocapture live_conformance_
 tests/support/gateway.sh stop "$RUN_DIR"
 
 say "gateway faults (drop, freeze, kill) against the real OpenClaw gateway"
@@ -93,6 +106,15 @@ PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" \
 CLAWMUX_REAL_GATEWAY_ENV="$V3_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
   cargo test --locked --test real_gateway -- --test-threads=1 live_ proxied_
 tests/support/gateway.sh stop "$V3_DIR"
+
+say "official-client conformance where protocol 3 applies: openclaw@2026.4.12 vs clawmux replay-gateway"
+# A v3 gateway of its own whose provider is the fake LLM itself (the one above points at clawmux's
+# proxy, which only runs inside its tests). v4-only rows are left out; no schema check: the
+# schema describes protocol 4.
+CLAWMUX_NODE_BIN="" CLAWMUX_OPENCLAW_MJS="" tests/support/gateway.sh start "$CONF3_DIR" v3
+CLAWMUX_CONFORMANCE_GATEWAY_ENV="$CONF3_DIR/env" CLAWMUX_REQUIRE_CONFORMANCE=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 \
+  cargo test --locked --test conformance -- --nocapture live_conformance_
+tests/support/gateway.sh stop "$CONF3_DIR"
 
 say "billing through a real LiteLLM proxy (clawmux proxy -> LiteLLM -> fake LLM)"
 # LiteLLM (PyPI) in a venv under the cache; its own spend records are checked.

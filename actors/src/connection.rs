@@ -9,7 +9,8 @@ use clawmux_protocol::{decode_frame, encode_request, ErrorShape, Frame, GatewayE
 use futures_util::{SinkExt, StreamExt};
 use std::time::Duration;
 use tokio::sync::mpsc;
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 
 /// Largest frame accepted before `hello-ok` tells the real limit (hello-ok itself is ~100 KB).
@@ -29,6 +30,10 @@ pub struct ConnectFailure {
     /// pending request's id, which the gateway sends as `details.requestId`); clawmux keeps
     /// retrying so it becomes ready as soon as an operator approves.
     pub pairing_required: bool,
+    /// The gateway refused the protocol offered (`protocol mismatch`): the one it says it speaks
+    /// (`details.expectedProtocol`), or 0 when it does not say. The supervisor then offers the
+    /// other protocol clawmux speaks.
+    pub protocol_mismatch: Option<u32>,
 }
 
 /// What the connection task reports.
@@ -66,6 +71,7 @@ pub async fn run(
                 retry_after: None,
                 auth: false,
                 pairing_required: false,
+                protocol_mismatch: None,
             });
             return;
         }
@@ -75,6 +81,7 @@ pub async fn run(
                 retry_after: None,
                 auth: false,
                 pairing_required: false,
+                protocol_mismatch: None,
             });
             return;
         }
@@ -94,6 +101,7 @@ pub async fn run(
                 retry_after: None,
                 auth: false,
                 pairing_required: false,
+                protocol_mismatch: None,
             });
             return;
         }
@@ -105,12 +113,20 @@ pub async fn run(
     let (tx, mut rx) = mpsc::unbounded_channel::<String>();
     events.up(hello, tx);
 
-    // The writer ends when the supervisor drops its sender (disconnect) or the socket fails.
+    // The writer ends when the supervisor drops its sender (shutdown: `Disconnect`) or the socket
+    // fails. A shutdown says goodbye with a normal close (1000), as a client should, rather than
+    // a bare close frame (1005) or a dropped socket.
     let writer = async move {
+        let mut failed = false;
         while let Some(text) = rx.recv().await {
             if sink.send(Message::text(text)).await.is_err() {
+                failed = true;
                 break;
             }
+        }
+        if !failed {
+            let bye = CloseFrame { code: CloseCode::Normal, reason: "clawmux shutting down".into() };
+            let _ = sink.send(Message::Close(Some(bye))).await;
         }
         let _ = sink.close().await;
     };
@@ -151,7 +167,7 @@ where
     S: futures_util::Sink<Message, Error = tokio_tungstenite::tungstenite::Error> + Unpin,
     R: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
 {
-    let fail = |reason: String| ConnectFailure { reason, retry_after: None, auth: false, pairing_required: false };
+    let fail = |reason: String| ConnectFailure { reason, retry_after: None, auth: false, pairing_required: false, protocol_mismatch: None };
     // 1. connect.challenge (its nonce is signed by the device identity; never logged).
     let challenge = loop {
         let text = next_text(stream).await.map_err(fail)?;
@@ -245,6 +261,10 @@ fn explain(e: ErrorShape, device_id: Option<&str>) -> ConnectFailure {
     let detail = e.detail_code().unwrap_or_default().to_owned();
     let auth = detail.starts_with("AUTH_") || e.message.starts_with("unauthorized");
     let pairing = PAIRING_CODES.contains(&e.code.as_str()) || PAIRING_CODES.contains(&detail.as_str());
+    // 2026.9.6 says `details.code: PROTOCOL_MISMATCH`; 2026.4.12 only `protocol mismatch` with
+    // `details.expectedProtocol`.
+    let mismatch = detail == "PROTOCOL_MISMATCH" || e.message.starts_with("protocol mismatch");
+    let expected = e.details.as_ref().and_then(|d| d.get("expectedProtocol")).and_then(serde_json::Value::as_u64).and_then(|p| u32::try_from(p).ok());
     if pairing {
         // `openclaw devices approve` takes the pending REQUEST's id (a device id is answered with
         // "No pending device request matches ..."), so name both.
@@ -262,21 +282,22 @@ fn explain(e: ErrorShape, device_id: Option<&str>) -> ConnectFailure {
                 e.message
             ),
         };
-        return ConnectFailure { reason, retry_after, auth: false, pairing_required: true };
+        return ConnectFailure { reason, retry_after, auth: false, pairing_required: true, protocol_mismatch: None };
     }
     let reason = if auth {
         format!(
             "the gateway rejected clawmux's token ({}); set CLAWMUX_GATEWAY_TOKEN to the gateway's gateway.auth.token",
             e.message
         )
-    } else if detail == "PROTOCOL_MISMATCH" || e.message.contains("protocol mismatch") {
-        format!("the gateway speaks a protocol outside 3..=4 ({})", e.message)
+    } else if mismatch {
+        format!("the gateway refused the protocol offered ({}{})", e.message, expected.map_or(String::new(), |p| format!("; it speaks {p}")))
     } else if retry_after.is_some() {
         format!("the gateway is starting ({}); retrying", e.message)
     } else {
         format!("the gateway refused the connection: {e}")
     };
-    ConnectFailure { reason, retry_after, auth, pairing_required: false }
+    let protocol_mismatch = mismatch.then(|| expected.unwrap_or(0));
+    ConnectFailure { reason, retry_after, auth, pairing_required: false, protocol_mismatch }
 }
 
 #[cfg(test)]
@@ -291,6 +312,21 @@ mod tests {
         assert!(f.auth);
         assert!(f.reason.contains("CLAWMUX_GATEWAY_TOKEN"));
         assert!(f.retry_after.is_none());
+    }
+
+    #[test]
+    fn a_protocol_mismatch_says_which_protocol_the_gateway_speaks() {
+        // 2026.9.6 refusing 3..3, and 2026.4.12 refusing 4..4 (as the official client sees them).
+        let mut v4 = ErrorShape::new("INVALID_REQUEST", "protocol mismatch");
+        v4.details = Some(serde_json::json!({"code": "PROTOCOL_MISMATCH", "clientMinProtocol": 3, "clientMaxProtocol": 3, "expectedProtocol": 4, "minimumProbeProtocol": 3}));
+        assert_eq!(explain(v4, None).protocol_mismatch, Some(4));
+        let mut v3 = ErrorShape::new("INVALID_REQUEST", "protocol mismatch");
+        v3.details = Some(serde_json::json!({"expectedProtocol": 3}));
+        let f = explain(v3, None);
+        assert_eq!(f.protocol_mismatch, Some(3));
+        assert!(f.reason.contains("it speaks 3"), "{}", f.reason);
+        assert_eq!(explain(ErrorShape::new("INVALID_REQUEST", "protocol mismatch"), None).protocol_mismatch, Some(0));
+        assert_eq!(explain(ErrorShape::new("INVALID_REQUEST", "invalid role"), None).protocol_mismatch, None);
     }
 
     #[test]

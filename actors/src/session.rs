@@ -46,7 +46,10 @@ pub enum OutboundHeadersMode {
     On,
     /// Never (stock OpenClaw).
     Off,
-    /// Try; on `unexpected property 'outboundHeaders'` stop sending them for the process.
+    /// Only to a gateway that lists the capability `session-outbound-headers` in `hello-ok`
+    /// (so a stock gateway never gets the field its schema refuses); should one still refuse them
+    /// (`unexpected property 'outboundHeaders'`), the patch is repeated without them and they are
+    /// not sent again on that connection.
     Auto,
 }
 

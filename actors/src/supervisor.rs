@@ -26,6 +26,13 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
 
+/// The official pre-connect timeout: `DEFAULT_PREAUTH_HANDSHAKE_TIMEOUT_MS` (15 s) of
+/// `@openclaw/gateway-client`, the time the gateway gives a socket to complete `connect` (2026.9.6
+/// closes it, 1000, after 15 s; the official client's challenge watchdog waits as long). Waiting
+/// longer for a handshake is pointless, giving up sooner cuts off a busy gateway that would still
+/// have answered.
+pub const PREAUTH_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// Supervisor settings.
 #[derive(Debug, Clone)]
 pub struct SupervisorConfig {
@@ -39,7 +46,8 @@ pub struct SupervisorConfig {
     pub client_version: String,
     /// Reconnect delays.
     pub backoff: Backoff,
-    /// Bound on TCP connect + WebSocket upgrade + handshake.
+    /// Bound on the TCP connect + WebSocket upgrade, and again on the handshake (challenge to
+    /// hello-ok): [`PREAUTH_HANDSHAKE_TIMEOUT`] by default.
     pub handshake_timeout: Duration,
     /// Bound on a non-`agent` request.
     pub request_timeout: Duration,
@@ -72,7 +80,7 @@ impl SupervisorConfig {
             outbound_headers: OutboundHeadersMode::Auto,
             client_version: env!("CARGO_PKG_VERSION").to_owned(),
             backoff: Backoff::default(),
-            handshake_timeout: Duration::from_secs(10),
+            handshake_timeout: PREAUTH_HANDSHAKE_TIMEOUT,
             request_timeout: Duration::from_secs(30),
             recovery_window: Duration::from_secs(30),
             abort_grace: Duration::from_secs(10),
@@ -279,6 +287,9 @@ pub struct Supervisor {
     /// Who hears of the connection going up and down (the registry, which tells the runs).
     listener: Option<Recipient<Link>>,
     outbound_headers_supported: Option<bool>,
+    /// The protocol offered, exactly, in the next `connect`: 4 first; 3 only after the gateway
+    /// refused 4 with a protocol mismatch (and back to 4 when a gateway refuses 3).
+    offer: u32,
     /// The thread the gateway connection's I/O runs on (created on first connect).
     io: Option<Arbiter>,
     /// Gateway runs given up on while the connection was down: cancelled once that gateway
@@ -319,6 +330,7 @@ impl Supervisor {
             routes: RouteTable::new(),
             listener: None,
             outbound_headers_supported,
+            offer: clawmux_protocol::handshake::PREFERRED_PROTOCOL,
             io: None,
             abandoned: std::collections::VecDeque::new(),
         }
@@ -337,7 +349,7 @@ impl Supervisor {
         }
         self.generation += 1;
         let events = ToSupervisor { addr: ctx.address(), generation: self.generation };
-        let params = ConnectParams::multiplexer(&self.cfg.client_version, self.cfg.token.clone());
+        let params = ConnectParams::multiplexer(&self.cfg.client_version, self.cfg.token.clone()).offering(self.offer);
         let (fut, task) = futures_util::future::abortable(connection::run(
             self.cfg.url.clone(),
             params,
@@ -463,7 +475,7 @@ impl Supervisor {
                 protocol: c.protocol,
                 boot_id: c.boot_id.clone(),
                 session_scoped: c.session_scoped,
-                outbound_headers: self.outbound_headers_supported != Some(false),
+                outbound_headers: self.outbound_headers_supported == Some(true),
             }),
             _ => None,
         }
@@ -579,6 +591,11 @@ impl Handler<ConnUp> for Supervisor {
             return;
         };
         let hello = msg.hello;
+        // `auto`: per-session outboundHeaders only to a gateway that says it takes them; stock
+        // OpenClaw's schema refuses the field, and clawmux sends it no invalid frame to find out.
+        if self.cfg.outbound_headers == OutboundHeadersMode::Auto {
+            self.outbound_headers_supported = Some(hello.features.has_capability(clawmux_protocol::handshake::CAP_OUTBOUND_HEADERS));
+        }
         let now_ms = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         let process = crate::instance::identify(
             hello.server.boot_id.as_deref(),
@@ -648,6 +665,15 @@ impl Handler<ConnFailed> for Supervisor {
         let pairing = msg.failure.pairing_required;
         self.set_status(|s| s.pairing_required = pairing);
         self.next_delay_hint = msg.failure.retry_after;
+        if let Some(expected) = msg.failure.protocol_mismatch {
+            let next = next_offer(self.offer, expected);
+            if next != self.offer {
+                tracing::info!(refused = self.offer, next, "the gateway refused the protocol offered; offering the other one");
+                self.offer = next;
+                // The other protocol at once (within the backoff's minimum), not after a backoff.
+                self.next_delay_hint = Some(Duration::ZERO);
+            }
+        }
         self.lost(ctx, "connect_failed", msg.failure.reason);
     }
 }
@@ -817,6 +843,19 @@ impl Handler<Disconnect> for Supervisor {
     }
 }
 
+/// The protocol to offer after a gateway refused `offered` saying it speaks `expected` (0: did not
+/// say): that one when clawmux speaks it, else the other of the two clawmux speaks.
+fn next_offer(offered: u32, expected: u32) -> u32 {
+    use clawmux_protocol::handshake::{FALLBACK_PROTOCOL, MAX_PROTOCOL, MIN_PROTOCOL, PREFERRED_PROTOCOL};
+    if (MIN_PROTOCOL..=MAX_PROTOCOL).contains(&expected) {
+        expected
+    } else if offered == PREFERRED_PROTOCOL {
+        FALLBACK_PROTOCOL
+    } else {
+        PREFERRED_PROTOCOL
+    }
+}
+
 /// How long a closing connection may take to send its close frame.
 const CLOSE_GRACE: Duration = Duration::from_millis(500);
 
@@ -874,5 +913,19 @@ mod tests {
         assert!(s.ready().is_ok());
         s.missing_scopes = vec!["operator.admin".into()];
         assert!(s.ready().err().is_some_and(|r| r.contains("operator.admin")));
+    }
+
+    #[test]
+    fn the_handshake_waits_the_official_pre_connect_timeout() {
+        assert_eq!(SupervisorConfig::new("ws://x").handshake_timeout, Duration::from_millis(15_000));
+    }
+
+    #[test]
+    fn a_refused_protocol_is_followed_by_the_other_one() {
+        assert_eq!(next_offer(4, 3), 3, "2026.4.12 says it speaks 3");
+        assert_eq!(next_offer(3, 4), 4, "a gateway upgraded to 2026.9.x");
+        assert_eq!(next_offer(4, 0), 3, "no word of which: the other one");
+        assert_eq!(next_offer(3, 0), 4);
+        assert_eq!(next_offer(4, 5), 3, "one clawmux does not speak: the other one it does");
     }
 }

@@ -2,10 +2,16 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The protocol range clawmux offers; it branches on `hello-ok.protocol`.
+/// The protocols clawmux speaks; it branches on `hello-ok.protocol`.
 pub const MIN_PROTOCOL: u32 = 3;
 /// See [`MIN_PROTOCOL`].
 pub const MAX_PROTOCOL: u32 = 4;
+/// What clawmux offers first: exactly 4, as the official client package says general clients
+/// must (`minProtocol: 4, maxProtocol: 4`; only node clients and probes may offer 3).
+pub const PREFERRED_PROTOCOL: u32 = 4;
+/// Offered, exactly, only after a gateway refused [`PREFERRED_PROTOCOL`] with a protocol mismatch
+/// (2026.2.x-2026.4.x speak 3).
+pub const FALLBACK_PROTOCOL: u32 = 3;
 /// `client.id`: must be one of the gateway's fixed list.
 pub const CLIENT_ID: &str = "gateway-client";
 /// `client.mode`: must be one of the gateway's fixed list.
@@ -14,6 +20,14 @@ pub const CLIENT_MODE: &str = "backend";
 pub const OPERATOR_SCOPES: [&str; 3] = ["operator.read", "operator.write", "operator.admin"];
 /// Capability asking for events of subscribed sessions only (protocol 4; a no-op on 3).
 pub const CAP_SESSION_SCOPED_EVENTS: &str = "session-scoped-events";
+/// Capability a gateway lists in `hello-ok.features.capabilities` when its `sessions.patch` takes
+/// per-session `outboundHeaders` (the Cogni fork; stock OpenClaw's schema refuses the field).
+/// clawmux's `auto` mode sends them only to a gateway that lists it.
+pub const CAP_OUTBOUND_HEADERS: &str = "session-outbound-headers";
+/// Capability asking for `agent` events of the `tool` stream: each tool call's arguments, partial
+/// and final results (protocol 4). Without it the gateway still sends the `item` stream (a tool's
+/// name, title and status per phase), which is all a `status` event needs.
+pub const CAP_TOOL_EVENTS: &str = "tool-events";
 /// Every client id the real gateway accepts (2026.9.x).
 pub const KNOWN_CLIENT_IDS: [&str; 17] = [
     "webchat-ui",
@@ -117,12 +131,13 @@ pub struct ConnectParams {
 }
 
 impl ConnectParams {
-    /// The params clawmux sends: protocol range 3..=4, `gateway-client`/`backend`, operator
-    /// scopes, session-scoped events.
+    /// The params clawmux sends: exactly protocol [`PREFERRED_PROTOCOL`] (see
+    /// [`ConnectParams::offering`] for the fallback), `gateway-client`/`backend`, operator scopes,
+    /// session-scoped events.
     pub fn multiplexer(version: &str, token: Option<String>) -> Self {
         Self {
-            min_protocol: MIN_PROTOCOL,
-            max_protocol: MAX_PROTOCOL,
+            min_protocol: PREFERRED_PROTOCOL,
+            max_protocol: PREFERRED_PROTOCOL,
             client: ClientInfo {
                 id: CLIENT_ID.to_owned(),
                 version: version.to_owned(),
@@ -139,6 +154,13 @@ impl ConnectParams {
             locale: None,
             user_agent: None,
         }
+    }
+
+    /// The same params offering exactly `protocol`.
+    pub fn offering(mut self, protocol: u32) -> Self {
+        self.min_protocol = protocol;
+        self.max_protocol = protocol;
+        self
     }
 }
 
@@ -203,12 +225,21 @@ pub struct Features {
     /// Event names.
     #[serde(default)]
     pub events: Vec<String>,
+    /// What the gateway supports beyond methods and events (protocol 4), e.g.
+    /// [`CAP_OUTBOUND_HEADERS`] on a gateway that takes per-session `outboundHeaders`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
 }
 
 impl Features {
     /// True when the gateway offers `method`.
     pub fn has_method(&self, method: &str) -> bool {
         self.methods.iter().any(|m| m == method)
+    }
+
+    /// True when the gateway lists `capability` in `features.capabilities`.
+    pub fn has_capability(&self, capability: &str) -> bool {
+        self.capabilities.iter().any(|c| c == capability)
     }
 }
 
@@ -243,8 +274,9 @@ mod tests {
     #[test]
     fn connect_params_serialize_as_the_gateway_expects() {
         let v = serde_json::to_value(ConnectParams::multiplexer("0.1.0", Some("t".into()))).expect("serializes");
-        assert_eq!(v["minProtocol"], 3);
-        assert_eq!(v["maxProtocol"], 4);
+        assert_eq!((v["minProtocol"].as_u64(), v["maxProtocol"].as_u64()), (Some(4), Some(4)), "exactly 4 first");
+        let v3 = serde_json::to_value(ConnectParams::multiplexer("0.1.0", None).offering(FALLBACK_PROTOCOL)).expect("serializes");
+        assert_eq!((v3["minProtocol"].as_u64(), v3["maxProtocol"].as_u64()), (Some(3), Some(3)));
         assert_eq!(v["client"]["id"], "gateway-client");
         assert_eq!(v["client"]["mode"], "backend");
         assert_eq!(v["caps"][0], "session-scoped-events");

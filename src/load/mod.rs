@@ -445,7 +445,9 @@ fn observe(ev: &sse::RawSseEvent) -> Observed {
 /// The handshake of the reference client: operator scopes, protocol 3..4, and NO
 /// `session-scoped-events` (it did not know the cap, so every socket got every session's events).
 fn per_call_params(version: &str, token: Option<String>) -> ConnectParams {
+    // That client offered 3..4 (clawmux itself now offers exactly 4 first).
     let mut p = ConnectParams::multiplexer(version, token);
+    p.min_protocol = clawmux_protocol::handshake::MIN_PROTOCOL;
     p.caps.clear();
     p
 }

@@ -260,14 +260,18 @@ async fn a_script_patches_the_ack_answers_agent_wait_and_aborts_are_counted() {
     send(&mut ws, "w", "agent.wait", json!({"runId": "run-1", "timeoutMs": 60_000})).await;
     let wait = next_where(&mut ws, |f| f["id"] == "w").await;
     assert_eq!(wait["payload"], json!({"status": 7}));
-    // Aborts naming the run (and its session) are counted; one naming another session is not.
+    // Aborts naming the run are counted, and one naming it aborts it whatever session key comes
+    // with it (2026.9.6 does not check that key); a later one finds nothing running.
     send(&mut ws, "x", "chat.abort", json!({"sessionKey": "agent:main:s2", "runId": "run-1"})).await;
-    next_where(&mut ws, |f| f["id"] == "x").await;
-    assert_eq!(gw.runs()[0].abort_requests, 0);
+    let res = next_where(&mut ws, |f| f["id"] == "x").await;
+    assert_eq!(res["payload"]["aborted"], true, "{res}");
     send(&mut ws, "y", "chat.abort", json!({"sessionKey": "AGENT:MAIN:S1", "runId": "run-1"})).await;
     let res = next_where(&mut ws, |f| f["id"] == "y").await;
-    assert_eq!(res["payload"]["aborted"], true, "{res}");
+    assert_eq!(res["payload"]["aborted"], false, "{res}");
     let rec = gw.runs().pop().unwrap();
-    assert_eq!((rec.abort_requests, rec.aborted), (1, true));
+    assert_eq!((rec.abort_requests, rec.aborted), (2, true));
+    send(&mut ws, "z", "chat.abort", json!({"sessionKey": "agent:main:s1", "runId": "other-run"})).await;
+    next_where(&mut ws, |f| f["id"] == "z").await;
+    assert_eq!(gw.runs()[0].abort_requests, 2, "an abort naming another run is not this run's");
     gw.stop().await;
 }

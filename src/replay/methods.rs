@@ -7,10 +7,10 @@
 use super::cassette::{recorded_request_epoch_ms, track_index_for_message, RunContext};
 use super::config::ReplayConfig;
 use super::run::{self, answer_abort, RunPlan};
-use super::schema::{self, Field, Wording};
+use super::schema::{self, Field};
 use super::state::{now_ms, wait_true, AbortKind, AbortRequest, ConnKey, RunEntry, RunRecord, RunStatus, Shared};
 use clawmux_protocol::frame::{encode_response, RequestFrame};
-use clawmux_protocol::methods::{name, AgentParams, AgentWaitParams, ChatAbortParams, SessionKeyParams, SessionsPatchParams};
+use clawmux_protocol::methods::{name, AgentWaitParams, SessionKeyParams, SessionsPatchParams};
 use clawmux_protocol::{ErrorShape, SessionKey};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -82,11 +82,41 @@ fn missing_scope(scope: &str, protocol: u32) -> ErrorShape {
     e
 }
 
-/// Schema check (gateway wording), then decoding with the protocol crate's closed type.
-fn params<T: DeserializeOwned>(method: &str, raw: &Value, fields: &[Field], protocol: u32) -> Result<T, ErrorShape> {
-    let wording = if protocol == 3 { Wording::V3 } else { Wording::V4 };
-    schema::check(raw, fields, wording).map_err(|e| invalid(format!("invalid {method} params: {e}")))?;
-    serde_json::from_value(raw.clone()).map_err(|e| invalid(format!("invalid {method} params: {e}")))
+/// Schema check (gateway wording), then decoding with the protocol crate's closed type from the
+/// properties it knows (the official schema allows more, which the replay does not act on).
+fn params<T: DeserializeOwned + Known>(method: &str, raw: &Value, fields: &[Field], extra: Option<&Field>, protocol: u32) -> Result<T, ErrorShape> {
+    checked(method, raw, fields, extra, protocol)?;
+    let known: serde_json::Map<String, Value> = raw
+        .as_object()
+        .map(|o| o.iter().filter(|(k, _)| T::KNOWN.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
+    serde_json::from_value(Value::Object(known)).map_err(|e| invalid(format!("invalid {method} params: {e}")))
+}
+
+/// The schema check alone: `invalid <method> params: <the gateway's wording>`.
+fn checked(method: &str, raw: &Value, fields: &[Field], extra: Option<&Field>, protocol: u32) -> Result<(), ErrorShape> {
+    let wording = schema::for_protocol(protocol).wording;
+    schema::check_with(raw, fields, extra, wording).map_err(|e| invalid(format!("invalid {method} params: {e}")))
+}
+
+/// The property names a protocol param type decodes (its struct is closed: `deny_unknown_fields`).
+trait Known {
+    /// Wire names of the type's fields.
+    const KNOWN: &'static [&'static str];
+}
+impl Known for SessionsPatchParams {
+    const KNOWN: &'static [&'static str] = &["key", "model", "outboundHeaders"];
+}
+impl Known for SessionKeyParams {
+    const KNOWN: &'static [&'static str] = &["key"];
+}
+impl Known for AgentWaitParams {
+    const KNOWN: &'static [&'static str] = &["runId", "timeoutMs"];
+}
+
+/// A string property of already checked params.
+fn str_param<'a>(raw: &'a Value, name: &str) -> Option<&'a str> {
+    raw.get(name).and_then(Value::as_str)
 }
 
 /// Handles one request of a handshaken connection.
@@ -100,6 +130,16 @@ pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, r
             return;
         }
     }
+    // 2026.4.x checks scopes first: a method it does not list (`connect` included) needs admin.
+    if protocol == 3 && !offers(&shared.cfg, &req.method) {
+        let admin = shared.lock().conns.get(&conn).is_some_and(|c| c.scopes.admin);
+        if !admin {
+            return respond(shared, conn, &req.id, Err(missing_scope("operator.admin", protocol)));
+        }
+    }
+    if req.method == name::CONNECT {
+        return respond(shared, conn, &req.id, Err(invalid("connect is only valid as the first request")));
+    }
     if !offers(&shared.cfg, &req.method) {
         return respond(shared, conn, &req.id, Err(invalid(format!("unknown method: {}", req.method))));
     }
@@ -110,7 +150,7 @@ pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, r
         }
     }
     let result = match req.method.as_str() {
-        name::HEALTH => Ok(json!({"ok": true, "ts": now_ms()})),
+        name::HEALTH => Ok(health(shared)),
         name::SESSIONS_PATCH => sessions_patch(shared, &raw_params),
         name::SESSIONS_SUBSCRIBE | name::SESSIONS_UNSUBSCRIBE => subscribe(shared, conn, &req.method, &raw_params),
         name::CHAT_HISTORY => chat_history(shared, &raw_params),
@@ -123,7 +163,7 @@ pub(crate) fn dispatch(shared: &Arc<Shared>, conn: ConnKey, req: RequestFrame, r
 }
 
 /// Resolves a model name against the allowed list: `provider/model` exactly, or a bare model id
-/// that names exactly one allowed model.
+/// that names exactly one allowed model (protocol 3, which refuses any other).
 fn resolve_model(models: &[String], wanted: &str) -> Option<String> {
     if models.iter().any(|m| m == wanted) {
         return Some(wanted.to_owned());
@@ -135,14 +175,68 @@ fn resolve_model(models: &[String], wanted: &str) -> Option<String> {
     }
 }
 
+/// Protocol 4 resolves a model like 2026.9.6: `provider/model` of a configured provider (any model
+/// id: the provider's catalogue is not consulted), or a bare id, taken as the provider of the
+/// configured model with that id, else of the default model. An unknown provider is refused.
+fn resolve_model_v4(models: &[String], wanted: &str) -> Result<String, ErrorShape> {
+    let providers: Vec<&str> = models.iter().filter_map(|m| m.split_once('/').map(|(p, _)| p)).collect();
+    match wanted.split_once('/') {
+        Some((provider, _)) if providers.contains(&provider) => Ok(wanted.to_owned()),
+        Some((provider, _)) => Err(invalid(format!("Unknown provider \"{provider}\". Use /models to list providers."))),
+        None => {
+            let provider = models
+                .iter()
+                .find(|m| m.split_once('/').is_some_and(|(_, id)| id == wanted))
+                .or(models.first())
+                .and_then(|m| m.split_once('/'))
+                .map_or("", |(p, _)| p);
+            Ok(format!("{provider}/{wanted}"))
+        }
+    }
+}
+
 fn split_model(model: &str) -> (&str, &str) {
     model.split_once('/').unwrap_or(("", model))
 }
 
+/// `health`: the top-level keys of the release (their contents describe the gateway host:
+/// plugins, channels, agents, event loop; the replay's are minimal).
+fn health(shared: &Shared) -> Value {
+    let now = now_ms();
+    let sessions = {
+        let st = shared.lock();
+        json!({"path": "replay://sessions", "count": st.sessions.len(), "recent": []})
+    };
+    if shared.protocol() == 3 {
+        return json!({
+            "ok": true, "ts": now, "durationMs": 0, "channels": {}, "channelOrder": [], "channelLabels": {}, "heartbeatSeconds": 0,
+            "defaultAgentId": "main", "agents": [{"agentId": "main", "isDefault": true, "sessions": sessions}], "sessions": sessions,
+        });
+    }
+    json!({
+        "ok": true, "ts": now, "durationMs": 0,
+        "plugins": {"loaded": [], "errors": [], "unavailable": []},
+        "configReload": {"hotReloadStatus": "active"},
+        "channels": {}, "channelOrder": [], "channelLabels": {}, "heartbeatSeconds": 0, "defaultAgentId": "main",
+        "agents": [{"agentId": "main", "isDefault": true, "heartbeat": {"enabled": false, "every": "disabled", "everyMs": null}, "sessions": sessions}],
+        "sessions": sessions,
+        "modelRuntime": {"degraded": false, "pendingAgents": []},
+        "eventLoop": {"degraded": false, "degradedSinceMs": null, "reasons": [], "intervalMs": 1000, "delayP99Ms": 0, "delayMaxMs": 0, "utilization": 0, "cpuCoreRatio": 0},
+    })
+}
+
+/// Thinking levels 2026.9.6 offers for a model: `off` for a configured (non-reasoning) one, the
+/// full ladder for a model it does not know.
+fn thinking_levels(known: bool) -> Value {
+    let ids: &[&str] = if known { &["off"] } else { &["off", "minimal", "low", "medium", "high"] };
+    Value::Array(ids.iter().map(|id| json!({"id": id, "label": id})).collect())
+}
+
 fn sessions_patch(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
     let protocol = shared.protocol();
-    let fields = if shared.cfg.accept_outbound_headers { schema::SESSIONS_PATCH_FORK } else { schema::SESSIONS_PATCH };
-    let p: SessionsPatchParams = params(name::SESSIONS_PATCH, raw, fields, protocol)?;
+    let schemas = schema::for_protocol(protocol);
+    let fork = shared.cfg.accept_outbound_headers.then_some(&schema::OUTBOUND_HEADERS);
+    let p: SessionsPatchParams = params(name::SESSIONS_PATCH, raw, schemas.sessions_patch, fork, protocol)?;
     let key = SessionKey::canonicalize(&p.key).as_str().to_owned();
     // `null` clears a setting; absence leaves it (the protocol type cannot tell them apart).
     let model_change = match raw.get("model") {
@@ -150,15 +244,46 @@ fn sessions_patch(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
         Some(Value::Null) => Some(None),
         Some(_) => {
             let wanted = p.model.unwrap_or_default();
-            let resolved = resolve_model(&shared.cfg.models, &wanted).ok_or_else(|| invalid(format!("model not allowed: {wanted}")))?;
+            // 2026.4.12 takes any `provider/model` (a bare id: of the default provider).
+            let resolved = if protocol >= 4 {
+                resolve_model_v4(&shared.cfg.models, &wanted)?
+            } else {
+                resolve_model(&shared.cfg.models, &wanted).unwrap_or_else(|| {
+                    if wanted.contains('/') {
+                        wanted.clone()
+                    } else {
+                        format!("{}/{wanted}", split_model(shared.cfg.models.first().map_or("", String::as_str)).0)
+                    }
+                })
+            };
             Some(Some(resolved))
         }
     };
     let default_model = shared.cfg.models.first().cloned().unwrap_or_default();
     let mut st = shared.lock();
-    let session = st.session_mut(&key);
-    if let Some(change) = model_change {
-        session.model_override = change;
+    let existed = st.sessions.contains_key(&key);
+    let session = st.session_made_by(&key, "operator");
+    if let Some(change) = &model_change {
+        // 2026.9.6 flags a switch of an existing session's model until the override is cleared;
+        // 2026.4.12 any model patch, for good.
+        if change.is_some() && (existed || protocol == 3) {
+            session.live_switch_pending = true;
+            session.delivery_none = protocol >= 4;
+        }
+        if change.is_none() && protocol >= 4 {
+            session.live_switch_pending = false;
+        }
+        session.override_source = match (change.is_some(), protocol >= 4) {
+            (true, _) => Some("user"),
+            (false, true) => Some("default"),
+            (false, false) => None,
+        };
+        session.model_override = change.clone();
+    }
+    match raw.get("label") {
+        Some(Value::Null) => session.label = None,
+        Some(Value::String(l)) => session.label = Some(l.clone()),
+        _ => {}
     }
     match raw.get("outboundHeaders") {
         Some(Value::Null) => session.outbound_headers.clear(),
@@ -170,8 +295,21 @@ fn sessions_patch(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
     let (provider, model) = split_model(&effective);
     let mut entry = json!({"sessionId": session.session_id, "updatedAt": session.updated_at});
     if protocol >= 4 {
+        entry["lifecycleRevision"] = json!(session.lifecycle_revision);
         entry["createdAt"] = json!(session.created_at);
-        entry["createdVia"] = json!("operator");
+        entry["createdVia"] = json!(session.created_via);
+    }
+    if let Some(source) = session.override_source.filter(|_| protocol >= 4 || session.model_override.is_some()) {
+        entry["modelOverrideSource"] = json!(source);
+    }
+    if session.delivery_none {
+        entry["delivery"] = json!({"kind": "none"});
+    }
+    if session.live_switch_pending {
+        entry["liveModelSwitchPending"] = json!(true);
+    }
+    if let Some(label) = &session.label {
+        entry["label"] = json!(label);
     }
     // 2026.9.x reports any override; 2026.4.x only one that differs from the default model.
     if let Some(ov) = &session.model_override {
@@ -180,26 +318,39 @@ fn sessions_patch(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
             entry["providerOverride"] = json!(op);
             entry["modelOverride"] = json!(om);
             if protocol >= 4 {
-                entry["modelOverrideSource"] = json!("user");
+                entry["modelOverrideRouteResolution"] = json!("resolved");
             }
         }
     }
     if shared.cfg.accept_outbound_headers && !session.outbound_headers.is_empty() {
         entry["outboundHeaders"] = json!(session.outbound_headers);
     }
+    let mut resolved = json!({"modelProvider": provider, "model": model});
+    if protocol >= 4 {
+        resolved["agentRuntime"] = json!({"id": "openclaw", "source": "implicit"});
+        resolved["runtimeSelectionLocked"] = json!(false);
+        // Levels for the model the patch named (not for a patch that left the model alone).
+        if let Some(Some(m)) = &model_change {
+            resolved["thinkingLevel"] = json!("off");
+            resolved["thinkingLevels"] = thinking_levels(shared.cfg.models.contains(m));
+        }
+    }
     Ok(json!({
         "ok": true,
         "path": "replay://sessions",
         "key": key,
         "entry": entry,
-        "resolved": {"modelProvider": provider, "model": model},
+        "resolved": resolved,
     }))
 }
 
 fn subscribe(shared: &Shared, conn: ConnKey, method: &str, raw: &Value) -> Result<Value, ErrorShape> {
-    let p: SessionKeyParams = params(method, raw, schema::SESSION_KEY, shared.protocol())?;
-    let key = SessionKey::canonicalize(&p.key).as_str().to_owned();
+    let protocol = shared.protocol();
+    let schemas = schema::for_protocol(protocol);
     let subscribing = method == name::SESSIONS_SUBSCRIBE;
+    let fields = if subscribing { schemas.subscribe } else { schemas.unsubscribe };
+    let p: SessionKeyParams = params(method, raw, fields, None, protocol)?;
+    let key = SessionKey::canonicalize(&p.key).as_str().to_owned();
     let mut st = shared.lock();
     if let Some(c) = st.conns.get_mut(&conn) {
         if subscribing {
@@ -208,29 +359,97 @@ fn subscribe(shared: &Shared, conn: ConnKey, method: &str, raw: &Value) -> Resul
             c.subscriptions.remove(&key);
         }
     }
-    Ok(json!({"subscribed": subscribing, "key": key}))
+    let mut out = json!({"subscribed": subscribing, "key": key});
+    // No approvals are ever pending here: the replay runs no tools that ask.
+    if subscribing && raw.get("includeApprovals") == Some(&Value::Bool(true)) {
+        out["approvalReplay"] = json!({"sessionKey": key, "updatedAtMs": now_ms(), "approvals": [], "truncated": false});
+    }
+    Ok(out)
 }
 
 fn chat_history(shared: &Shared, raw: &Value) -> Result<Value, ErrorShape> {
-    let wording = if shared.protocol() == 3 { Wording::V3 } else { Wording::V4 };
-    schema::check(raw, schema::CHAT_HISTORY, wording).map_err(|e| invalid(format!("invalid chat.history params: {e}")))?;
+    let protocol = shared.protocol();
+    checked(name::CHAT_HISTORY, raw, schema::for_protocol(protocol).chat_history, None, protocol)?;
     let key = SessionKey::canonicalize(raw.get("sessionKey").and_then(Value::as_str).unwrap_or_default()).as_str().to_owned();
     let limit = raw.get("limit").and_then(Value::as_u64).unwrap_or(200).min(1000) as usize;
     let st = shared.lock();
-    let Some(session) = st.sessions.get(&key) else {
-        return Ok(json!({"sessionKey": key, "messages": []}));
+    let session = st.sessions.get(&key);
+    let mut out = match session {
+        None => json!({"sessionKey": key, "messages": []}),
+        Some(session) => {
+            let skip = session.transcript.len().saturating_sub(limit);
+            json!({"sessionKey": key, "sessionId": session.session_id, "messages": session.transcript[skip..]})
+        }
     };
-    let skip = session.transcript.len().saturating_sub(limit);
-    Ok(json!({"sessionKey": key, "sessionId": session.session_id, "messages": session.transcript[skip..]}))
+    if protocol == 3 {
+        out["thinkingLevel"] = json!("off");
+    } else {
+        let total = session.map_or(0, |s| s.transcript.len());
+        let default_model = shared.cfg.models.first().cloned().unwrap_or_default();
+        let effective = session.and_then(|s| s.model_override.clone()).unwrap_or(default_model);
+        let (provider, model) = split_model(&effective);
+        out["pendingInputs"] = json!({"items": [], "total": 0});
+        out["hasMore"] = json!(false);
+        out["totalMessages"] = json!(total);
+        out["defaults"] = json!({"modelProvider": provider, "model": model, "modelSelectionTarget": "session"});
+        out["sessionInfo"] = json!({"key": key, "kind": "direct", "agentId": "main", "isMain": false,
+            "modelProvider": provider, "model": model, "hasActiveRun": st.active_run_of(&key).is_some()});
+        if let Some(s) = session {
+            // An opaque cursor for "what changed since": the replay's is the transcript length.
+            out["deltaCursor"] = json!(format!("replay:{}:{}", s.session_id, s.transcript.len()));
+        }
+    }
+    Ok(out)
+}
+
+/// The `agent` params the replay acts on (the schema allows many more).
+struct AgentRequest {
+    message: String,
+    agent_id: String,
+    session_key: String,
+    idempotency_key: String,
+    timeout: Option<u64>,
+    extra_system_prompt: Option<String>,
+}
+
+/// Checks and reads `agent` params. Protocol 4 defaults `agentId` to `main` and the session to the
+/// agent's main session, and refuses an agent id that is not the session key's agent.
+fn agent_request(raw: &Value, protocol: u32) -> Result<AgentRequest, ErrorShape> {
+    checked(name::AGENT, raw, schema::for_protocol(protocol).agent, None, protocol)?;
+    let agent_id = str_param(raw, "agentId").unwrap_or("main").to_owned();
+    let key = match str_param(raw, "sessionKey") {
+        Some(k) if !k.is_empty() => SessionKey::canonicalize(k).as_str().to_owned(),
+        _ => format!("agent:{agent_id}:main"),
+    };
+    if protocol == 3 && agent_id != "main" {
+        return Err(invalid(format!("invalid agent params: unknown agent id \"{agent_id}\"")));
+    }
+    if protocol >= 4 {
+        if let Some(owner) = key.strip_prefix("agent:").and_then(|rest| rest.split(':').next()) {
+            if owner != agent_id {
+                return Err(invalid(format!(
+                    "Multiple agents are configured, but session agent resolution has no explicit owner. The agent-scoped session key belongs to \"{owner}\", not \"{agent_id}\"."
+                )));
+            }
+        }
+    }
+    Ok(AgentRequest {
+        message: str_param(raw, "message").unwrap_or_default().to_owned(),
+        agent_id,
+        session_key: key,
+        idempotency_key: str_param(raw, "idempotencyKey").unwrap_or_default().to_owned(),
+        timeout: raw.get("timeout").and_then(Value::as_u64),
+        extra_system_prompt: str_param(raw, "extraSystemPrompt").map(str::to_owned),
+    })
 }
 
 fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
     let protocol = shared.protocol();
-    let p: AgentParams = match params(name::AGENT, raw, schema::AGENT, protocol) {
+    let p = match agent_request(raw, protocol) {
         Ok(p) => p,
         Err(e) => return respond(shared, conn, &req.id, Err(e)),
     };
-    let session_key = SessionKey::canonicalize(&p.session_key).as_str().to_owned();
+    let session_key = p.session_key.clone();
     let run_id = p.idempotency_key.clone();
     let requested_at = tokio::time::Instant::now();
 
@@ -240,10 +459,13 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
         // in flight the ACK with `status: "in_flight"` (as openclaw 2026.9.6 answers: the final
         // goes to the first request only). No events are replayed again.
         if let Some(existing) = st.runs.get(&run_id) {
+            // 2026.4.12 answers the cached ACK itself.
             let cached = existing.final_payload.clone().unwrap_or_else(|| {
                 let mut ack = existing.ack.clone();
-                if let Some(o) = ack.as_object_mut() {
+                if let Some(o) = ack.as_object_mut().filter(|_| protocol >= 4) {
                     o.insert("status".to_owned(), json!("in_flight"));
+                    // 2026.9.6 answers the run's identity, not when it was accepted.
+                    o.remove("acceptedAt");
                 }
                 ack
             });
@@ -364,7 +586,8 @@ fn agent(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
 }
 
 fn agent_wait(shared: &Arc<Shared>, conn: ConnKey, id: String, raw: &Value) {
-    let p: AgentWaitParams = match params(name::AGENT_WAIT, raw, schema::AGENT_WAIT, shared.protocol()) {
+    let protocol = shared.protocol();
+    let p: AgentWaitParams = match params(name::AGENT_WAIT, raw, schema::for_protocol(protocol).agent_wait, None, protocol) {
         Ok(p) => p,
         Err(e) => return respond(shared, conn, &id, Err(e)),
     };
@@ -411,21 +634,25 @@ fn agent_wait(shared: &Arc<Shared>, conn: ConnKey, id: String, raw: &Value) {
 
 fn abort(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
     let protocol = shared.protocol();
-    let (kind, session_key, run_id) = if req.method == name::CHAT_ABORT {
-        match params::<ChatAbortParams>(name::CHAT_ABORT, raw, schema::CHAT_ABORT, protocol) {
-            Ok(p) => (AbortKind::Chat, p.session_key, p.run_id.filter(|r| !r.is_empty())),
-            Err(e) => return respond(shared, conn, &req.id, Err(e)),
-        }
+    let schemas = schema::for_protocol(protocol);
+    let (kind, fields) = if req.method == name::CHAT_ABORT {
+        (AbortKind::Chat, schemas.chat_abort)
     } else {
-        match params::<SessionKeyParams>(name::SESSIONS_ABORT, raw, schema::SESSION_KEY, protocol) {
-            Ok(p) => (AbortKind::Session, p.key, None),
-            Err(e) => return respond(shared, conn, &req.id, Err(e)),
-        }
+        (AbortKind::Session, schemas.sessions_abort)
     };
+    if let Err(e) = checked(&req.method, raw, fields, None, protocol) {
+        return respond(shared, conn, &req.id, Err(e));
+    }
+    let session_key = str_param(raw, if kind == AbortKind::Chat { "sessionKey" } else { "key" }).unwrap_or_default().to_owned();
+    // sessions.abort takes a run id since protocol 4; `chat.abort` of 2026.4.x an empty one as none.
+    let run_id = (kind == AbortKind::Chat || protocol >= 4).then(|| str_param(raw, "runId")).flatten().filter(|r| !r.is_empty()).map(str::to_owned);
+    if kind == AbortKind::Session && session_key.is_empty() && run_id.is_none() {
+        return respond(shared, conn, &req.id, Err(invalid("key required")));
+    }
     let request = AbortRequest { conn, request_id: req.id.clone(), kind };
     let key = SessionKey::canonicalize(&session_key).as_str().to_owned();
     let mut st = shared.lock();
-    if let Some(idx) = run_id.as_ref().and_then(|id| st.runs.get(id)).filter(|r| r.session_key == key).map(|r| r.record) {
+    if let Some(idx) = run_id.as_ref().and_then(|id| st.runs.get(id)).map(|r| r.record) {
         if let Some(rec) = st.records.get_mut(idx) {
             rec.abort_requests += 1;
         }
@@ -435,8 +662,9 @@ fn abort(shared: &Arc<Shared>, conn: ConnKey, req: &RequestFrame, raw: &Value) {
         drop(st);
         return answer_abort(shared, &request, kind.nothing());
     }
+    // A named run is aborted whatever session key came with it (2026.9.6 does not check it).
     let target = match &run_id {
-        Some(id) => st.runs.get(id).filter(|r| r.session_key == key && r.abort_tx.is_some()).map(|_| id.clone()),
+        Some(id) => st.runs.get(id).filter(|r| r.abort_tx.is_some()).map(|_| id.clone()),
         None => st.active_run_of(&key),
     };
     let sender = target.and_then(|id| st.runs.get(&id)).and_then(|r| r.abort_tx.clone());

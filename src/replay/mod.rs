@@ -203,8 +203,13 @@ impl ReplayHandle {
     pub fn send_shutdown(&self, restart_expected_ms: Option<u64>) {
         let shared = &self.inner.shared;
         let reason = if restart_expected_ms.is_some() { "gateway restarting" } else { "gateway stopping" };
+        // No `restartExpectedMs: null`: the schema's ShutdownEvent wants an integer or nothing.
+        let mut payload = json!({"reason": reason});
+        if let Some(ms) = restart_expected_ms {
+            payload["restartExpectedMs"] = json!(ms);
+        }
         let mut st = shared.lock();
-        st.broadcast(shared.protocol(), "shutdown", &json!({"reason": reason, "restartExpectedMs": restart_expected_ms}), None);
+        st.broadcast(shared.protocol(), "shutdown", &payload, None);
         for c in st.conns.values() {
             let _ = c.tx.send(Outbound::Close { code: 1012, reason: "service restart".to_owned() });
         }
@@ -267,7 +272,7 @@ impl ReplayHandle {
         shared.stopping.send_replace(true);
         {
             let mut st = shared.lock();
-            st.broadcast(shared.protocol(), "shutdown", &json!({"reason": "gateway stopping", "restartExpectedMs": null}), None);
+            st.broadcast(shared.protocol(), "shutdown", &json!({"reason": "gateway stopping"}), None);
             for c in st.conns.values() {
                 let _ = c.tx.send(Outbound::Close { code: 1012, reason: "service restart".to_owned() });
             }

@@ -6,7 +6,7 @@
 
 use super::cassette::{shift_timestamps, RenderedRun, StepKind};
 use super::script::{self, RunScript, ScriptFrame};
-use super::state::{now_ms, wait_true, AbortRequest, ConnKey, RunStatus, Shared};
+use super::state::{now_ms, wait_true, AbortKind, AbortRequest, ConnKey, RunStatus, Shared};
 use clawmux_protocol::frame::encode_response;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -84,6 +84,8 @@ struct Player {
     last_seq: u64,
     /// When the run started replaying (epoch ms).
     started_at: i64,
+    /// Whether it started (it may still wait for an earlier run of its session).
+    started: bool,
 }
 
 impl Player {
@@ -251,20 +253,25 @@ impl Player {
     /// text and `seq` = last + 1, lifecycle `end` `{status:"cancelled", aborted:true}`, the abort
     /// method's answer, one trailing lifecycle `error` whose per-run `seq` restarts at 1, and
     /// the `agent` final `res` `{status:"timeout", summary:"aborted", stopReason:"rpc"}`.
+    ///
+    /// A run aborted while still queued behind another run of its session never started: its
+    /// `aborted` chat event has no message and its lifecycle `end` no `startedAt`.
     fn abort(&mut self, request: AbortRequest) {
         let now = now_ms();
         let seq = self.last_seq + 1;
         let p = &self.plan;
-        let chat = json!({
+        let mut chat = json!({
             "runId": p.run_id, "sessionKey": p.session_key, "agentId": p.agent_id, "seq": seq,
             "state": "aborted", "stopReason": "rpc",
-            "message": {"role": "assistant", "content": [{"type": "text", "text": self.partial}], "timestamp": now},
         });
+        let mut end_data = json!({"phase": "end", "status": "cancelled", "aborted": true, "stopReason": "rpc", "endedAt": now});
+        if self.started {
+            chat["message"] = json!({"role": "assistant", "content": [{"type": "text", "text": self.partial}], "timestamp": now});
+            end_data["startedAt"] = json!(self.started_at);
+        }
         let end = json!({
             "runId": p.run_id, "sessionKey": p.session_key, "sessionId": p.session_id, "agentId": p.agent_id,
-            "stream": "lifecycle",
-            "data": {"phase": "end", "status": "cancelled", "aborted": true, "stopReason": "rpc", "startedAt": self.started_at, "endedAt": now},
-            "seq": seq, "ts": now,
+            "stream": "lifecycle", "data": end_data, "seq": seq, "ts": now,
         });
         let error = json!({
             "runId": p.run_id, "stream": "lifecycle",
@@ -281,6 +288,15 @@ impl Player {
                 st.send_to(request.conn, text);
             }
             st.broadcast(protocol, "agent", &error, Some(&p.session_key));
+            // What agent.wait reports for an aborted run (2026.9.6): `error` + `rpc`, and when the
+            // run started only if `chat.abort` stopped it.
+            if let Some(run) = st.runs.get_mut(&p.run_id) {
+                run.wait_extras.insert("status".to_owned(), json!("error"));
+                run.wait_extras.insert("stopReason".to_owned(), json!("rpc"));
+                if self.started && request.kind == AbortKind::Chat {
+                    run.wait_extras.insert("startedAt".to_owned(), json!(self.started_at));
+                }
+            }
         }
         let partial = std::mem::take(&mut self.partial);
         let fin = json!({"runId": self.plan.run_id, "status": "timeout", "summary": "aborted", "stopReason": "rpc"});
@@ -317,6 +333,7 @@ pub(crate) async fn play(shared: Arc<Shared>, plan: RunPlan) {
         partial: String::new(),
         last_seq: 0,
         started_at: now_ms(),
+        started: false,
     };
 
     // 1. The ACK: immediate on the gateway apart from its own latency, never held by a pause.
@@ -349,6 +366,7 @@ pub(crate) async fn play(shared: Arc<Shared>, plan: RunPlan) {
         }
     }
     player.started_at = now_ms();
+    player.started = true;
     {
         let mut st = player.shared.lock();
         if let Some(run) = st.runs.get_mut(&player.plan.run_id) {

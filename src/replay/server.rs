@@ -3,10 +3,10 @@
 
 use super::config::MAX_BUFFERED_BYTES;
 use super::methods::{self, invalid, respond};
-use super::schema::{self, Wording};
+use super::schema;
 use super::state::{now_ms, wait_true, ConnKey, Outbound, Scopes, Shared};
-use clawmux_protocol::frame::{decode_frame, encode_event, encode_response, Frame};
-use clawmux_protocol::handshake::{ConnectParams, CAP_SESSION_SCOPED_EVENTS, OPERATOR_SCOPES};
+use clawmux_protocol::frame::{encode_event, encode_response, RequestFrame};
+use clawmux_protocol::handshake::{CAP_OUTBOUND_HEADERS, CAP_SESSION_SCOPED_EVENTS, CAP_TOOL_EVENTS, OPERATOR_SCOPES};
 use clawmux_protocol::ErrorShape;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
@@ -19,9 +19,12 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::Message;
 
-/// The gateway closes a socket that has not completed `connect` within 10 s (close 1000).
-pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Frames before the handshake are capped at 64 KiB (close 1009 `preauth payload too large`).
+/// The gateway closes a socket that has not completed `connect` in time (close 1000, no reason):
+/// 15 s on 2026.9.x (the official pre-auth handshake timeout), 10 s on 2026.4.x.
+pub(crate) fn handshake_timeout(protocol: u32) -> Duration {
+    Duration::from_secs(if protocol == 3 { 10 } else { 15 })
+}
+/// Frames before the handshake are capped at 64 KiB (close 1009, no reason).
 const MAX_PREAUTH_PAYLOAD: usize = 64 * 1024;
 /// How long a closing socket waits for the peer's close frame before dropping the TCP stream.
 const CLOSE_LINGER: Duration = Duration::from_secs(1);
@@ -174,7 +177,7 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
     }
     drop(tx);
 
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let deadline = Instant::now() + handshake_timeout(shared.protocol());
     let mut handshaken = false;
     let mut close: Option<(u16, String)> = None;
     loop {
@@ -218,10 +221,14 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
                         }
                     }
                 }
-                Some(Ok(Message::Close(_))) | None => break,
+                Some(Ok(Message::Close(frame))) => {
+                    shared.lock().client_closed(key, frame.map_or(1005, |f| u16::from(f.code)));
+                    break;
+                }
+                None => break,
                 Some(Ok(_)) => {}
                 Some(Err(tokio_tungstenite::tungstenite::Error::Capacity(_))) => {
-                    close = Some((1009, "Max payload size exceeded".to_owned()));
+                    close = Some((1009, String::new()));
                     break;
                 }
                 Some(Err(_)) => break,
@@ -271,48 +278,84 @@ fn on_text(shared: &Arc<Shared>, key: ConnKey, handshaken: bool, text: &str) -> 
         let cap = MAX_PREAUTH_PAYLOAD.min(shared.cfg.max_payload);
         if text.len() > cap {
             shared.lock().totals.handshakes_failed += 1;
-            return Err((1009, "preauth payload too large".to_owned()));
+            return Err((1009, String::new()));
         }
         return handshake(shared, key, text).map(|()| Next::Handshaken).inspect_err(|_| {
             shared.lock().totals.handshakes_failed += 1;
         });
     }
     if text.len() > shared.cfg.max_payload {
-        return Err((1009, "Max payload size exceeded".to_owned()));
+        return Err((1009, String::new()));
     }
-    let protocol = shared.protocol();
+    let schemas = schema::for_protocol(shared.protocol());
     let Ok(frame) = serde_json::from_str::<Value>(text) else {
         tracing::debug!("replay gateway: ignoring a frame that is not JSON");
         return Ok(Next::Continue);
     };
-    if frame.get("type").and_then(Value::as_str) != Some("req") {
+    // Any frame that is not a valid request is answered (the connection stays): with its own id
+    // when it has one, of whatever JSON type (2026.9.6 echoes `"id": 7` as is), else "invalid".
+    if let Err(e) = schema::check_request_frame(&frame, &schemas) {
+        let id = frame.get("id").cloned().unwrap_or_else(|| json!("invalid"));
+        let error = invalid(format!("invalid request frame: {e}"));
+        let res = json!({"type": "res", "id": id, "ok": false, "error": error});
+        shared.lock().send_to(key, res.to_string());
         return Ok(Next::Continue);
     }
-    let id = frame.get("id").and_then(Value::as_str).unwrap_or_default().to_owned();
-    if let Err(e) = schema::check_request_frame(&frame, protocol) {
-        if !id.is_empty() {
-            respond(shared, key, &id, Err(invalid(format!("invalid request frame: {e}"))));
-        }
-        return Ok(Next::Continue);
-    }
-    match decode_frame(text, shared.cfg.max_payload) {
-        Ok(Frame::Req(req)) => {
-            let params = frame.get("params").cloned().unwrap_or(Value::Null);
-            methods::dispatch(shared, key, req, params);
-        }
-        Ok(_) => {}
-        Err(e) => respond(shared, key, &id, Err(invalid(format!("invalid request frame: {e}")))),
-    }
+    let field = |name: &str| frame.get(name).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let req = RequestFrame {
+        id: field("id"),
+        method: field("method"),
+        params: serde_json::value::to_raw_value(frame.get("params").unwrap_or(&Value::Null)).unwrap_or_else(|_| null_raw()),
+        traceparent: frame.get("traceparent").and_then(Value::as_str).map(str::to_owned),
+    };
+    let params = frame.get("params").cloned().unwrap_or(Value::Null);
+    methods::dispatch(shared, key, req, params);
     Ok(Next::Continue)
+}
+
+/// A raw JSON `null`.
+fn null_raw() -> Box<serde_json::value::RawValue> {
+    serde_json::value::RawValue::from_string("null".to_owned()).unwrap_or_else(|_| unreachable!("null is JSON"))
+}
+
+/// The connect params the handshake acts on (the schema allows many more).
+struct Connect {
+    min_protocol: u64,
+    max_protocol: u64,
+    role: Option<String>,
+    scopes: Vec<String>,
+    caps: Vec<String>,
+    token: Option<String>,
+    device: bool,
+}
+
+impl Connect {
+    /// Reads already checked params.
+    fn read(raw: &Value) -> Self {
+        let strings = |name: &str| -> Vec<String> {
+            raw.get(name).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect()).unwrap_or_default()
+        };
+        Self {
+            min_protocol: raw.get("minProtocol").and_then(Value::as_u64).unwrap_or(0),
+            max_protocol: raw.get("maxProtocol").and_then(Value::as_u64).unwrap_or(0),
+            role: raw.get("role").and_then(Value::as_str).map(str::to_owned),
+            scopes: strings("scopes"),
+            caps: strings("caps"),
+            token: raw.pointer("/auth/token").and_then(Value::as_str).map(str::to_owned),
+            device: raw.get("device").is_some_and(Value::is_object),
+        }
+    }
 }
 
 /// Answers the first frame, which must be `connect`. `Err` carries the close code and reason.
 fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closing> {
     let protocol = shared.protocol();
-    let frame: Value = serde_json::from_str(text).map_err(|_| (1008, "invalid handshake".to_owned()))?;
-    // A first frame that is not a request gets no answer, only the close.
-    if frame.get("type").and_then(Value::as_str) != Some("req") {
-        return Err((1008, "invalid handshake".to_owned()));
+    let schemas = schema::for_protocol(protocol);
+    // Not JSON: a plain close, no answer.
+    let frame: Value = serde_json::from_str(text).map_err(|_| (1000, String::new()))?;
+    // Not a valid request frame (an event, a stray field): closed without an answer.
+    if schema::check_request_frame(&frame, &schemas).is_err() {
+        return Err((1008, "invalid request frame".to_owned()));
     }
     let id = frame.get("id").and_then(Value::as_str).unwrap_or_default().to_owned();
     let fail = |error: ErrorShape, code: u16| -> Result<(), Closing> {
@@ -320,9 +363,6 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         respond(shared, key, &id, Err(error));
         Err((code, reason))
     };
-    if let Err(e) = schema::check_request_frame(&frame, protocol) {
-        return fail(invalid(format!("invalid request frame: {e}")), 1008);
-    }
     if frame.get("method").and_then(Value::as_str) != Some("connect") {
         return fail(invalid("invalid handshake: first request must be connect"), 1008);
     }
@@ -336,40 +376,48 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         return Err((1013, "gateway starting".to_owned()));
     }
     let raw = frame.get("params").cloned().unwrap_or(Value::Null);
-    let wording = if protocol == 3 { Wording::V3 } else { Wording::V4 };
-    if let Err(e) = schema::check(&raw, schema::CONNECT, wording) {
+    if let Err(e) = schema::check(&raw, schemas.connect, schemas.wording) {
         return fail(invalid(format!("invalid connect params: {e}")), 1008);
     }
-    let params: ConnectParams = match serde_json::from_value(raw) {
-        Ok(p) => p,
-        Err(e) => return fail(invalid(format!("invalid connect params: {e}")), 1008),
-    };
+    let params = Connect::read(&raw);
     if params.role.as_deref().is_some_and(|r| r != "operator") {
         return fail(invalid("invalid role"), 1008);
     }
-    if params.min_protocol > protocol || params.max_protocol < protocol {
-        let details = if protocol >= 4 {
-            json!({"code": "PROTOCOL_MISMATCH", "clientMinProtocol": params.min_protocol, "clientMaxProtocol": params.max_protocol,
-                   "expectedProtocol": protocol, "minimumProbeProtocol": 3})
+    let protocol_wide = u64::from(protocol);
+    if params.min_protocol > protocol_wide || params.max_protocol < protocol_wide {
+        let (message, details) = if protocol >= 4 {
+            (
+                "protocol mismatch".to_owned(),
+                json!({"code": "PROTOCOL_MISMATCH", "clientMinProtocol": params.min_protocol, "clientMaxProtocol": params.max_protocol,
+                       "expectedProtocol": protocol, "minimumProbeProtocol": 3}),
+            )
         } else {
-            json!({"expectedProtocol": protocol})
+            ("protocol mismatch".to_owned(), json!({"expectedProtocol": protocol}))
         };
-        let mut e = invalid("protocol mismatch");
+        let mut e = invalid(message);
         e.details = Some(details);
         return fail(e, 1002);
     }
     if let Some(expected) = &shared.cfg.token {
-        let given = params.auth.as_ref().and_then(|a| a.token.as_deref());
-        if given != Some(expected.as_str()) {
-            let mut e = invalid("unauthorized: gateway token mismatch (provide gateway auth token)");
-            e.details = Some(json!({"code": "AUTH_TOKEN_MISMATCH", "authReason": "token_mismatch", "canRetryWithDeviceToken": false,
-                                    "recommendedNextStep": "update_auth_credentials"}));
-            return fail(e, 1008);
+        match params.token.as_deref().filter(|t| !t.is_empty()) {
+            // Neither a token nor a device identity: the gateway wants a device to pair.
+            None if !params.device => {
+                let mut e = ErrorShape::new("NOT_PAIRED", "device identity required");
+                e.details = Some(json!({"code": "DEVICE_IDENTITY_REQUIRED"}));
+                return fail(e, 1008);
+            }
+            Some(given) if given == expected.as_str() => {}
+            _ => {
+                let mut e = invalid("unauthorized: gateway token mismatch (provide gateway auth token)");
+                e.details = Some(json!({"code": "AUTH_TOKEN_MISMATCH", "authReason": "token_mismatch", "canRetryWithDeviceToken": false,
+                                        "recommendedNextStep": "update_auth_credentials"}));
+                return fail(e, 1008);
+            }
         }
     }
     // Scopes: asked-for operator scopes only. Protocol 3 clears them without a device identity
     // (the signature is not verified here: a present `device` object is enough).
-    let granted: Vec<String> = if protocol == 3 && params.device.is_none() {
+    let granted: Vec<String> = if protocol == 3 && !params.device {
         Vec::new()
     } else {
         let mut g: Vec<String> = Vec::new();
@@ -382,12 +430,14 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
     };
     // A gateway without the feature ignores the cap: the connection gets every run's events.
     let scoped_events = shared.cfg.session_scoped_events && params.caps.iter().any(|c| c == CAP_SESSION_SCOPED_EVENTS);
+    let tool_events = protocol >= 4 && params.caps.iter().any(|c| c == CAP_TOOL_EVENTS);
     let conn_id = {
         let mut st = shared.lock();
         let Some(c) = st.conns.get_mut(&key) else { return Err((1000, String::new())) };
         c.handshaken = true;
         c.scopes = Scopes::from_granted(&granted);
         c.scoped_events = scoped_events;
+        c.tool_events = tool_events;
         let conn_id = c.conn_id.clone();
         if let Some(s) = st.stats.get_mut(&key) {
             s.handshaken = true;
@@ -397,30 +447,78 @@ fn handshake(shared: &Arc<Shared>, key: ConnKey, text: &str) -> Result<(), Closi
         st.totals.handshakes_ok += 1;
         conn_id
     };
+    let hello = hello_ok(shared, conn_id, granted);
+    if let Ok(text) = encode_response(&id, Ok(&hello)) {
+        shared.lock().send_to(key, text);
+    }
+    Ok(())
+}
+
+/// `hello-ok` with every key the release sends, valid against the official schema (protocol 4):
+/// the snapshot (presence of the gateway itself, health, state versions, session defaults, ...),
+/// the policy, the granted auth and an empty plugin surface (the replay has no Control UI).
+fn hello_ok(shared: &Shared, conn_id: String, granted: Vec<String>) -> Value {
+    let protocol = shared.protocol();
     let mut events: Vec<String> = ["connect.challenge", "agent", "chat", "tick", "shutdown"].iter().map(|s| (*s).to_owned()).collect();
     for e in &shared.event_names {
         if !events.contains(e) {
             events.push(e.clone());
         }
     }
+    let now = now_ms();
+    let uptime_ms = shared.lock().booted_at.map_or(0, |t| t.elapsed().as_millis() as u64);
+    let version = format!("replay-{}", shared.cfg.cassette.source);
+    let mut health = json!({
+        "ok": true, "ts": now, "durationMs": 0, "channels": {}, "channelOrder": [], "channelLabels": {},
+        "heartbeatSeconds": 0, "defaultAgentId": "main", "agents": [], "sessions": {"path": "replay://sessions", "count": 0, "recent": []},
+    });
     let mut hello = json!({
         "type": "hello-ok",
         "protocol": protocol,
-        "server": {"version": format!("replay-{}", shared.cfg.cassette.source), "connId": conn_id},
+        "server": {"version": version, "connId": conn_id},
         "features": {"methods": methods::offered_methods(&shared.cfg), "events": events},
-        "snapshot": {"uptimeMs": shared.lock().booted_at.map_or(0, |t| t.elapsed().as_millis() as u64)},
+        "snapshot": {
+            "presence": [{"host": "replay", "version": version, "mode": "gateway", "reason": "self", "ts": now}],
+            "stateVersion": {"presence": 1, "health": 1},
+            "uptimeMs": uptime_ms,
+            "sessionDefaults": {"defaultAgentId": "main", "mainKey": "main", "mainSessionKey": "agent:main:main", "scope": "per-sender"},
+        },
         "policy": {
             "maxPayload": shared.cfg.advertised_max_payload.unwrap_or(shared.cfg.max_payload as u64),
             "maxBufferedBytes": MAX_BUFFERED_BYTES,
             "tickIntervalMs": shared.cfg.advertised_tick_interval_ms.unwrap_or(shared.cfg.tick_interval_ms),
         },
     });
+    let snap = &mut hello["snapshot"];
+    snap["configPath"] = json!("replay://openclaw.json");
+    snap["stateDir"] = json!("replay://state");
+    snap["authMode"] = json!(if shared.cfg.token.is_some() { "token" } else { "none" });
     if protocol >= 4 {
-        hello["auth"] = json!({"role": "operator", "scopes": granted});
+        health["plugins"] = json!({"loaded": [], "errors": []});
+        health["configReload"] = json!({"hotReloadStatus": "active"});
+        health["eventLoop"] =
+            json!({"degraded": false, "degradedSinceMs": null, "reasons": [], "intervalMs": 1000, "delayP99Ms": 0, "delayMaxMs": 0, "utilization": 0, "cpuCoreRatio": 0});
         hello["server"]["bootId"] = json!(shared.lock().boot_id.clone());
+        let mut capabilities = vec!["model-catalog-snapshot"];
+        // The Cogni fork says it takes per-session outboundHeaders.
+        if shared.cfg.accept_outbound_headers {
+            capabilities.push(CAP_OUTBOUND_HEADERS);
+        }
+        hello["features"]["capabilities"] = json!(capabilities);
+        hello["auth"] = json!({"role": "operator", "scopes": granted, "recoveryScope": uuid::Uuid::new_v4().simple().to_string()});
+        hello["controlUiWidgetKinds"] = json!([]);
+        hello["pluginSurfaceUrls"] = json!({});
+        let snap = &mut hello["snapshot"];
+        snap["suspension"] = json!({"phase": "accepting"});
+        snap["appliedConfigHash"] = json!(null);
+        snap["updateSchedule"] = json!({"channel": "stable", "autoEnabled": false});
+        let policy = &mut hello["policy"];
+        policy["attachments"] = json!({"maxBytes": 19_464_192, "maxImageBytes": 6_291_456});
+        policy["allowedSessionVisibilities"] = json!(["shared", "read-only", "suggest", "draft"]);
+        policy["hasMultipleSessionSharingIdentities"] = json!(false);
+    } else {
+        hello["canvasHostUrl"] = json!("replay://canvas");
     }
-    if let Ok(text) = encode_response(&id, Ok(&hello)) {
-        shared.lock().send_to(key, text);
-    }
-    Ok(())
+    hello["snapshot"]["health"] = health;
+    hello
 }

@@ -95,6 +95,9 @@ pub(crate) struct ConnEntry {
     pub subscriptions: HashSet<String>,
     /// Last top-level `seq` sent to this connection (protocol 4 counts per connection).
     pub seq: u64,
+    /// Asked for `tool-events`: only such connections get `agent` events of the `tool` stream
+    /// (tool arguments and results), as on 2026.9.x.
+    pub tool_events: bool,
 }
 
 /// Per-connection counters, public through [`ReplayStats`].
@@ -116,6 +119,9 @@ pub struct ConnStats {
     pub bytes_sent: u64,
     /// Events written, by event name.
     pub events_sent: BTreeMap<String, u64>,
+    /// The close code of the close frame the client sent (1005 for one without a code); `None`
+    /// while open or when it went away without one (a dropped socket).
+    pub client_close: Option<u16>,
 }
 
 /// Counters of a gateway, from [`ReplayHandle::stats`](super::ReplayHandle::stats).
@@ -201,8 +207,9 @@ pub struct RunRecord {
     pub accepted_at: std::time::Instant,
     /// See [`RunRecord::accepted_at`]; `None` while running (or lost in a simulated crash).
     pub finished_at: Option<std::time::Instant>,
-    /// `chat.abort` requests that named this run (and its session), whether or not they found it
-    /// still running: whoever stops waiting for a run must cancel it, even one that looks over.
+    /// Abort requests that named this run (by run id, with whatever session key: the gateway
+    /// aborts a named run without checking it), whether or not they found it still running:
+    /// whoever stops waiting for a run must cancel it, even one that looks over.
     pub abort_requests: u32,
 }
 
@@ -263,6 +270,19 @@ pub(crate) struct SessionEntry {
     pub tail: Option<watch::Receiver<bool>>,
     /// Transcript for `chat.history`: user and assistant messages.
     pub transcript: Vec<Value>,
+    /// `lifecycleRevision` of the session's entry (fixed for its life).
+    pub lifecycle_revision: String,
+    /// `createdVia`: `operator` (made by `sessions.patch`) or `run` (by an `agent` run).
+    pub created_via: &'static str,
+    /// `label` set by `sessions.patch`.
+    pub label: Option<String>,
+    /// `modelOverrideSource`: `user` while an override is set, `default` once one was cleared.
+    pub override_source: Option<&'static str>,
+    /// The model changed on an existing session: protocol 4 reports `liveModelSwitchPending` and a
+    /// `delivery` of kind `none` from then on (the flag until the override is cleared).
+    pub live_switch_pending: bool,
+    /// See [`SessionEntry::live_switch_pending`].
+    pub delivery_none: bool,
 }
 
 /// A run known to the gateway (the dedupe cache is the same map: `runId` = idempotency key).
@@ -419,12 +439,20 @@ impl State {
                 scoped_events: false,
                 subscriptions: HashSet::new(),
                 seq: 0,
+                tool_events: false,
             },
         );
         self.stats.insert(key, ConnStats { conn_id, open: true, ..ConnStats::default() });
         self.stats_order.push(key);
         self.trim_closed_stats();
         key
+    }
+
+    /// Records the close frame a client sent.
+    pub fn client_closed(&mut self, key: ConnKey, code: u16) {
+        if let Some(s) = self.stats.get_mut(&key) {
+            s.client_close = Some(code);
+        }
     }
 
     /// Forgets a closed socket (its stats stay).
@@ -486,7 +514,8 @@ impl State {
     /// - protocol 3: every handshaken connection, whatever its scopes, one global `seq`;
     /// - protocol 4: `tick`/`shutdown` to everyone; other events need `operator.read`; run-scoped
     ///   events ([`SESSION_SCOPED_EVENTS`]) go to a `session-scoped-events` connection only for
-    ///   sessions it subscribed to; `seq` counts per connection.
+    ///   sessions it subscribed to; `agent` events of the `tool` stream only to connections with cap
+    ///   `tool-events`; `seq` counts per connection.
     ///
     /// Returns how many connections it was queued for.
     pub fn broadcast(&mut self, protocol: u32, name: &str, payload: &Value, session_key: Option<&str>) -> usize {
@@ -497,6 +526,8 @@ impl State {
             None
         };
         let scoped = SESSION_SCOPED_EVENTS.contains(&name);
+        // Tool arguments and results go only to connections that asked for them (cap `tool-events`).
+        let tool_stream = name == "agent" && payload.get("stream").and_then(Value::as_str) == Some("tool");
         let everyone = matches!(name, "tick" | "shutdown");
         let mut delivered = 0;
         for c in self.conns.values_mut().filter(|c| c.handshaken) {
@@ -505,6 +536,9 @@ impl State {
                     continue;
                 }
                 if scoped && c.scoped_events && !session_key.is_some_and(|k| c.subscriptions.contains(k)) {
+                    continue;
+                }
+                if tool_stream && !c.tool_events {
                     continue;
                 }
             }
@@ -581,6 +615,11 @@ impl State {
 
     /// The session, created on first use (the gateway creates sessions on patch or first run).
     pub fn session_mut(&mut self, key: &str) -> &mut SessionEntry {
+        self.session_made_by(key, "run")
+    }
+
+    /// The session of `key`, created (with `createdVia: via`) when it does not exist yet.
+    pub fn session_made_by(&mut self, key: &str, via: &'static str) -> &mut SessionEntry {
         self.sessions.entry(key.to_owned()).or_insert_with(|| {
             let now = now_ms();
             SessionEntry {
@@ -591,6 +630,12 @@ impl State {
                 updated_at: now,
                 tail: None,
                 transcript: Vec::new(),
+                lifecycle_revision: uuid::Uuid::new_v4().to_string(),
+                created_via: via,
+                label: None,
+                override_source: None,
+                live_switch_pending: false,
+                delivery_none: false,
             }
         })
     }

@@ -594,6 +594,33 @@ async fn reconnect_to_the_same_process_resubscribes_and_waits_with_the_remaining
     h.settled(Some(&agent)).await;
 }
 
+/// A run someone aborted on the gateway while clawmux was away: 2026.9.6 answers agent.wait with
+/// `status: "error"` and `stopReason: "rpc"` (seen by the official-client suite: `chat.abort` adds
+/// `startedAt`, `sessions.abort` does not). That is `aborted`, not an agent error.
+#[actix_rt::test]
+async fn a_run_aborted_while_clawmux_was_away_ends_aborted() {
+    for answer_of_wait in [
+        json!({"status": "error", "startedAt": 1, "endedAt": 2, "stopReason": "rpc"}),
+        json!({"status": "error", "endedAt": 2, "stopReason": "rpc"}),
+    ] {
+        let mut h = start(one_minute("r1"), Some(up("A", true)), cfg(), None);
+        let agent = h.accepted(true).await;
+        fail(&agent, CallError::Disconnected);
+        h.addr.do_send(Link(None));
+        h.probe.quiet().await;
+        h.addr.do_send(Link(Some(up("A", true))));
+        answer(&h.probe.call(name::SESSIONS_SUBSCRIBE).await, json!({}));
+        let wait = h.probe.call(name::AGENT_WAIT).await;
+        let mut reply = answer_of_wait.clone();
+        reply["runId"] = json!(h.spec.gateway_run_id);
+        answer(&wait, reply);
+        let (sent, status) = h.ended().await;
+        assert_eq!(status, Some(RunStatus::Aborted), "{answer_of_wait}");
+        assert_eq!(h.sink.ended(), (RunStatus::Aborted, "aborted"), "{answer_of_wait}");
+        assert!(!methods(&sent).contains(&"chat.abort".to_owned()), "nothing left to cancel: {:?}", methods(&sent));
+    }
+}
+
 #[actix_rt::test]
 async fn reconnect_to_a_new_process_ends_the_run_gateway_disconnected() {
     let mut h = start(one_minute("r1"), Some(up("A", false)), cfg(), None);
