@@ -56,6 +56,8 @@ cleanup() {
   done
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
+  # What the test processes left in their temporary directories (tests/common: temp_dir).
+  rm -rf "${TMPDIR:-/tmp}/clawmux-tests"
   rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
 }
 trap cleanup EXIT INT TERM

@@ -233,9 +233,24 @@ impl Drop for FakeLlm {
     }
 }
 
-/// A fresh temporary directory under the system temp dir.
+/// A fresh temporary directory: `$TMPDIR/clawmux-tests/<pid>/<tag>-<uuid>`.
+///
+/// A test process cannot clean up at its exit (statics are never dropped, and a failing test keeps
+/// its files for a look), so each test process first removes the directories of earlier test
+/// processes that are gone; `tests/run.sh` removes the rest when it ends.
 pub fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("clawmux-test-{tag}-{}", uuid::Uuid::new_v4().simple()));
+    static ROOT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    let root = ROOT.get_or_init(|| {
+        let base = std::env::temp_dir().join("clawmux-tests");
+        for entry in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+            let gone = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()).is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+            if gone {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        base.join(std::process::id().to_string())
+    });
+    let d = root.join(format!("{tag}-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
