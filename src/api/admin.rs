@@ -85,12 +85,7 @@ pub(super) async fn set_limits(req: HttpRequest, path: web::Path<String>, payloa
     let account = account_of(&path)?;
     let body = read_body(payload, 64 * 1024).await?;
     let limits: Limits = decode(&body)?;
-    if limits.max_tokens.is_some() != limits.period_sec.is_some() {
-        return Err(ApiError::invalid("fields `maxTokens` and `periodSec` go together: a token budget is per period"));
-    }
-    if limits.period_sec == Some(0) {
-        return Err(ApiError::invalid("field `periodSec`: must be at least 1"));
-    }
+    limits.validate().map_err(ApiError::invalid)?;
     state.tenants.budgets.set_limits(&account, limits).await.map_err(store_unavailable)?;
     get_limits_of(&state, &account).await
 }

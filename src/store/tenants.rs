@@ -44,6 +44,33 @@ pub struct Limits {
     pub max_runs_per_minute: Option<u64>,
 }
 
+/// The largest limit the store keeps (its columns are signed 64-bit).
+pub const MAX_LIMIT: u64 = i64::MAX as u64;
+
+impl Limits {
+    /// What `PUT /v1/admin/accounts/{account}/limits` refuses; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_tokens.is_some() != self.period_sec.is_some() {
+            return Err("fields `maxTokens` and `periodSec` go together: a token budget is per period".to_owned());
+        }
+        if self.period_sec == Some(0) {
+            return Err("field `periodSec`: must be at least 1".to_owned());
+        }
+        // A larger value would be answered as set but stored clamped (found by schemathesis).
+        for (name, v) in [
+            ("maxTokens", self.max_tokens),
+            ("periodSec", self.period_sec),
+            ("maxConcurrent", self.max_concurrent),
+            ("maxRunsPerMinute", self.max_runs_per_minute),
+        ] {
+            if v.is_some_and(|v| v > MAX_LIMIT) {
+                return Err(format!("field `{name}`: must be at most {MAX_LIMIT}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A webhook delivery to make.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxItem {
@@ -107,4 +134,25 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError>;
     /// Deliveries of a run: (attempts, delivered, gave up, last error).
     async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_beyond_what_the_store_keeps_are_refused() {
+        let ok = Limits { max_tokens: Some(MAX_LIMIT), period_sec: Some(1), max_concurrent: Some(0), max_runs_per_minute: None };
+        assert_eq!(ok.validate(), Ok(()));
+        for l in [
+            Limits { max_tokens: Some(MAX_LIMIT + 1), period_sec: Some(1), ..Limits::default() },
+            Limits { max_tokens: Some(1), period_sec: Some(u64::MAX), ..Limits::default() },
+            Limits { max_concurrent: Some(MAX_LIMIT + 1), ..Limits::default() },
+            Limits { max_runs_per_minute: Some(u64::MAX), ..Limits::default() },
+        ] {
+            assert!(l.validate().is_err_and(|m| m.contains("at most")), "{l:?}");
+        }
+        assert!(Limits { max_tokens: Some(1), ..Limits::default() }.validate().is_err());
+        assert!(Limits { max_tokens: Some(1), period_sec: Some(0), ..Limits::default() }.validate().is_err());
+    }
 }
