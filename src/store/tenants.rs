@@ -5,7 +5,7 @@ use super::StoreError;
 use serde::{Deserialize, Serialize};
 
 /// An API key as stored (the secret only as its SHA-256).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KeyRecord {
     /// Public id (the middle of `cmx_<id>_<secret>`).
@@ -14,6 +14,7 @@ pub struct KeyRecord {
     pub name: String,
     /// SHA-256 of the secret, hex.
     #[serde(skip_serializing)]
+    #[schema(ignore)]
     pub secret_sha256: String,
     /// Billing accounts the key may use and see; `["*"]` for all.
     pub accounts: Vec<String>,
@@ -21,6 +22,7 @@ pub struct KeyRecord {
     pub actions: Vec<String>,
     /// Signs the key's webhook deliveries.
     #[serde(skip_serializing)]
+    #[schema(ignore)]
     pub webhook_secret: String,
     /// Default webhook URL of the key's runs.
     pub webhook_url: Option<String>,
@@ -31,12 +33,13 @@ pub struct KeyRecord {
 }
 
 /// Limits of one billing account (`None`: unlimited).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Limits {
     /// Tokens (input + output, as the LLM proxy records them) per period.
     pub max_tokens: Option<u64>,
     /// The budget period in seconds (windows aligned to the Unix epoch: 86400 = UTC days).
+    #[schema(minimum = 1)]
     pub period_sec: Option<u64>,
     /// Live runs at once.
     pub max_concurrent: Option<u64>,
