@@ -13,7 +13,8 @@ use crate::request::{BranchRequest, IfBusy, OnDisconnect, RunRequest, WebhookReq
 use crate::store::live::{DocError, DocUsage, GatewayHint};
 use crate::store::tenants::{KeyRecord, Limits};
 use crate::store::RunDoc;
-use actix_web::HttpResponse;
+use super::AppState;
+use actix_web::{web, HttpResponse};
 use std::sync::OnceLock;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
@@ -78,21 +79,34 @@ impl Modify for BearerAuth {
     }
 }
 
-/// The document as JSON, built once.
-pub fn document() -> &'static str {
-    static DOC: OnceLock<String> = OnceLock::new();
-    DOC.get_or_init(|| {
-        let mut doc = ApiDoc::openapi();
-        doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
-        doc.to_json().unwrap_or_else(|e| format!("{{\"error\":{{\"code\":\"internal\",\"message\":{:?}}}}}", e.to_string()))
-    })
+/// The document of this clawmux: the types' schemas, plus what its configuration decides (the
+/// agent ids of its registry, its largest `timeoutSec`), so a client generated from it, or a
+/// fuzzer, sends what this server accepts.
+pub fn document(agent_ids: &[String], max_timeout_sec: u64) -> serde_json::Value {
+    static BASE: OnceLock<serde_json::Value> = OnceLock::new();
+    let mut doc = BASE
+        .get_or_init(|| {
+            let mut doc = ApiDoc::openapi();
+            doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
+            serde_json::to_value(doc).unwrap_or_default()
+        })
+        .clone();
+    if let Some(props) = doc.pointer_mut("/components/schemas/RunRequest/properties") {
+        // `null` is what an absent agentId means too (the default agent).
+        let mut ids: Vec<serde_json::Value> = agent_ids.iter().map(|a| serde_json::json!(a)).collect();
+        ids.push(serde_json::Value::Null);
+        props["agentId"]["enum"] = serde_json::Value::Array(ids);
+        props["timeoutSec"]["maximum"] = serde_json::json!(max_timeout_sec);
+    }
+    doc
 }
 
 /// This document.
 #[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
     responses((status = 200, description = "The OpenAPI 3.1 document of this API", body = Object, content_type = "application/json")))]
-pub(crate) async fn serve() -> HttpResponse {
-    HttpResponse::Ok().content_type("application/json").body(document())
+pub(crate) async fn serve(state: web::Data<AppState>) -> HttpResponse {
+    let agents: Vec<String> = state.agents.agents.iter().map(|a| a.agent_id.clone()).collect();
+    HttpResponse::Ok().json(document(&agents, state.cfg.max_run_timeout_sec))
 }
 
 #[cfg(test)]
@@ -101,7 +115,7 @@ mod tests {
     use serde_json::Value;
 
     fn doc() -> Value {
-        serde_json::from_str(document()).expect("the document is JSON")
+        document(&["main".to_owned(), "coder".to_owned()], 900)
     }
 
     #[test]
@@ -143,6 +157,9 @@ mod tests {
         // Requests are closed like the decoder (deny_unknown_fields).
         assert_eq!(s["RunRequest"]["additionalProperties"], Value::Bool(false));
         assert_eq!(s["RunRequest"]["required"], serde_json::json!(["message", "billingAccountId"]));
+        // What the configuration decides: the registry's agents, the largest timeout.
+        assert_eq!(s["RunRequest"]["properties"]["agentId"]["enum"], serde_json::json!(["main", "coder", null]));
+        assert_eq!(s["RunRequest"]["properties"]["timeoutSec"]["maximum"], 900);
         // Secrets of a stored key are never part of its schema.
         let key = s["KeyRecord"]["properties"].as_object().expect("KeyRecord");
         assert!(!key.contains_key("secretSha256") && !key.contains_key("webhookSecret"));
