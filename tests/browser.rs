@@ -1,8 +1,10 @@
 //! The runs page (`/ui/`) in a real headless Chromium, against clawmux + the replay gateway: the
 //! table lists the runs that were posted and its filters and pages work, a running run's output
 //! arrives live and keeps arriving after the page's connection is cut, abort ends a run, a run's
-//! LLM calls (through the proxy, in front of the fake LLM) are listed, the token is asked for and
-//! an API key sees only its runs, and whatever a run carries is shown as text, never run as code.
+//! LLM calls (through the proxy, in front of the fake LLM) are listed, a branch run's relay result
+//! links its pull request (an http(s) one only), the token is asked for and an API key sees only
+//! its runs, whatever a run carries is shown as text, never run as code, and `clawmux demo`'s
+//! printed URL shows its run.
 //!
 //! Named `browser_*`: tests/run.sh runs them in a phase of their own (phase 1 skips them), after
 //! installing Debian's chromium and chromium-driver. Screenshots go to the directory the tests
@@ -483,4 +485,65 @@ async fn browser_demo_prints_the_runs_page_and_it_shows_the_demos_run() {
     b.screenshot(&shot("demo-runs.png")).await;
     b.quit().await;
     drop(demo);
+}
+
+/// A workspace whose relay always "opened" pull request 7 (`javascript:` for keys starting
+/// `evil`): the branch runs of the relay test below, without Docker or GitHub.
+struct PrWorkspace;
+
+impl clawmux_actors::branch::Workspace for PrWorkspace {
+    fn prepare(
+        &self,
+        plan: &clawmux_actors::branch::BranchPlan,
+    ) -> futures_util::future::BoxFuture<'static, Result<clawmux_actors::branch::Prepared, clawmux_actors::branch::WorkspaceError>> {
+        let prepared = clawmux_actors::branch::Prepared { path: format!("/workspace/wt/{}", plan.key), branch: plan.branch() };
+        Box::pin(async move { Ok(prepared) })
+    }
+
+    fn publish(&self, plan: &clawmux_actors::branch::BranchPlan) -> futures_util::future::BoxFuture<'static, clawmux_actors::branch::Published> {
+        let pr = if plan.key.starts_with("evil") { "javascript:window.__xss='pr'" } else { "https://git.example.test/acme/widgets/pull/7" };
+        let relay = json!({"branch": plan.branch(), "commitCount": 2, "pushed": true, "pushedCommits": 2, "prUrl": pr, "prNumber": 7});
+        Box::pin(async move { clawmux_actors::branch::Published { relay } })
+    }
+}
+
+#[actix_rt::test]
+async fn browser_a_branch_runs_relay_result_links_its_pull_request_and_only_an_http_one() {
+    let Some((_driver, b)) = browser().await else { return };
+    let gw = replay(0.0, None);
+    let options = clawmux::server::StartOptions { workspace: Some(std::sync::Arc::new(PrWorkspace)) };
+    let running = start_clawmux_opts(&gw.url(), None, |_| {}, |_| {}, options).await;
+    let base = base(&running);
+    let c = reqwest::Client::new();
+    wait_ready(&c, &base, Duration::from_secs(10)).await;
+    for (run, key) in [("run-pr", "task.7"), ("run-evil", "evil.1")] {
+        let doc = run_to_end(&c, &base, json!({"message": "fix it", "billingAccountId": "acct-git", "runId": run, "branch": {"branchName": key}})).await;
+        assert_eq!(doc["status"], "ok", "{doc}");
+        assert!(doc["relay"]["prUrl"].is_string(), "{doc}");
+    }
+
+    b.goto(&format!("{base}/ui/")).await;
+    loaded_table(&b).await;
+    let links = "return [...document.querySelectorAll('#runs tbody tr')].map(r => [r.dataset.runId, r.querySelector('td.branch').textContent, [...r.querySelectorAll('td.branch a')].map(a => a.href)]);";
+    let rows = b.js(links, json!([])).await;
+    assert_eq!(rows[1], json!(["run-pr", "sandbox/task.7 PR #7", ["https://git.example.test/acme/widgets/pull/7"]]), "{rows}");
+    assert_eq!(rows[0][2], json!([]), "a javascript: URL is no link: {rows}");
+    assert!(rows[0][1].as_str().is_some_and(|t| t.starts_with("sandbox/evil.1")), "{rows}");
+
+    b.goto(&format!("{base}/ui/run?id=run-pr")).await;
+    b.wait_for("the relay result", PAGE, "return document.getElementById('relay').hidden;", |v| v == &json!(false)).await;
+    assert_eq!(b.text("#relay-branch").await, "sandbox/task.7");
+    assert_eq!(b.text("#relay-pushed").await, "yes (2 commits)");
+    assert_eq!(
+        b.js("return document.querySelector('#relay-pr a').href;", json!([])).await,
+        "https://git.example.test/acme/widgets/pull/7"
+    );
+    b.screenshot(&shot("run-relay.png")).await;
+    b.goto(&format!("{base}/ui/run?id=run-evil")).await;
+    b.wait_for("the relay result", PAGE, "return document.getElementById('relay').hidden;", |v| v == &json!(false)).await;
+    assert_eq!(b.js("return document.querySelectorAll('#relay-pr a').length;", json!([])).await, json!(0));
+    assert_eq!(b.js("return window.__xss === undefined;", json!([])).await, json!(true));
+
+    b.quit().await;
+    clawmux::server::shutdown(&running).await;
 }
