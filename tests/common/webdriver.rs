@@ -112,10 +112,43 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
+        // A test that failed never closed its browser: the Chromium processes chromedriver
+        // started would outlive it. They are ours (descendants of our chromedriver): end them
+        // first, by PID, then chromedriver.
+        let browsers = descendants(self.child.id());
+        if !browsers.is_empty() {
+            let pids: Vec<String> = browsers.iter().map(u32::to_string).collect();
+            let _ = Command::new("kill").arg("-KILL").args(&pids).stderr(Stdio::null()).status();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.profiles);
     }
+}
+
+/// Every live descendant of `pid` (from `/proc/*/stat`'s parent ids).
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(p) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses, so read after the last ')'.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)).and_then(|v| v.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.push((p, ppid));
+        }
+    }
+    let mut out = Vec::new();
+    let mut frontier = vec![pid];
+    while let Some(parent) = frontier.pop() {
+        for &(p, pp) in &parents {
+            if pp == parent && !out.contains(&p) {
+                out.push(p);
+                frontier.push(p);
+            }
+        }
+    }
+    out
 }
 
 /// One browser session.
