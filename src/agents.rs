@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 /// One agent clawmux can run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Agent {
     /// Gateway agent id.
@@ -17,7 +17,7 @@ pub struct Agent {
 }
 
 /// The registry.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentRegistry {
     /// Agents.

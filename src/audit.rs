@@ -136,6 +136,101 @@ impl AuditLog {
     }
 }
 
+/// One LLM call of a run as `GET /v1/runs/{runId}/llm-calls` (and the runs page) shows it: the
+/// audit record minus who pays and the upstream's ids. Records hold no prompt or key anyway.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LlmCall {
+    /// RFC 3339 time the call started.
+    #[schema(format = DateTime)]
+    pub time: String,
+    /// Model asked for.
+    pub model: Option<String>,
+    /// Path called, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// Upstream HTTP status (0 when the upstream could not be reached).
+    pub status: u16,
+    /// `ok`, `upstream_error`, `client_closed`, `unreachable`, `run_ended`.
+    pub outcome: String,
+    /// Milliseconds from request to the end of the response.
+    pub latency_ms: u64,
+    /// Streamed (SSE) or not.
+    pub streamed: bool,
+    /// Input tokens reported by the upstream.
+    pub input_tokens: Option<u64>,
+    /// Output tokens reported by the upstream.
+    pub output_tokens: Option<u64>,
+}
+
+/// A line of the log as [`calls_of_run`] reads it.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CallLine {
+    run_id: String,
+    #[serde(flatten)]
+    call: LlmCall,
+}
+
+/// The log's files that may hold calls made at or after `since_ms`, oldest first: rotated files
+/// (`audit-<ms>[-<n>].jsonl`, named by when they were rotated, so one rotated before `since_ms`
+/// holds only older calls) and then the current `audit.jsonl`.
+fn files_since(dir: &Path, since_ms: i64) -> std::io::Result<Vec<PathBuf>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut rotated: Vec<((i64, u64), PathBuf)> = Vec::new();
+    for entry in entries {
+        let path = entry?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        let Some(stem) = name.strip_prefix("audit-").and_then(|n| n.strip_suffix(".jsonl")) else { continue };
+        let (ms, n) = stem.split_once('-').unwrap_or((stem, "0"));
+        let (Ok(ms), Ok(n)) = (ms.parse::<i64>(), n.parse::<u64>()) else { continue };
+        if ms >= since_ms {
+            rotated.push(((ms, n), path));
+        }
+    }
+    rotated.sort();
+    let mut files: Vec<PathBuf> = rotated.into_iter().map(|(_, p)| p).collect();
+    files.push(dir.join("audit.jsonl"));
+    Ok(files)
+}
+
+/// The LLM calls of `run_id` in the audit log in `dir`, in the order they were recorded, at most
+/// `limit` (the bool says more were left out). Only files that can hold calls made at or after
+/// `since_ms` (the run's admission) are read. Lines that are not whole records are skipped (a
+/// file rotated away while it is read is skipped too: its calls show on the next read).
+pub fn calls_of_run(dir: &Path, run_id: &str, since_ms: i64, limit: usize) -> std::io::Result<(Vec<LlmCall>, bool)> {
+    use std::io::BufRead;
+    // Records are compact JSON and run ids never need escaping (`[A-Za-z0-9._:-]`): a cheap
+    // substring test skips the other runs' lines without parsing them.
+    let needle = format!("\"runId\":{}", serde_json::to_string(run_id).map_err(std::io::Error::other)?);
+    let mut calls = Vec::new();
+    for path in files_since(dir, since_ms)? {
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        for line in std::io::BufReader::new(file).lines() {
+            let line = line?;
+            if !line.contains(&needle) {
+                continue;
+            }
+            let Ok(rec) = serde_json::from_str::<CallLine>(&line) else { continue };
+            if rec.run_id != run_id {
+                continue;
+            }
+            if calls.len() == limit {
+                return Ok((calls, true));
+            }
+            calls.push(rec.call);
+        }
+    }
+    Ok((calls, false))
+}
+
 /// Reads every record of a log file (tests, tools).
 pub fn read_records(path: &Path) -> std::io::Result<Vec<serde_json::Value>> {
     let text = std::fs::read_to_string(path)?;
@@ -215,6 +310,46 @@ mod tests {
         assert_eq!(total, 20, "rotation loses nothing");
         assert!(std::fs::read_dir(&d).expect("dir").count() > 1, "it rotated");
         let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn calls_of_a_run_come_from_every_file_it_may_be_in_and_no_other_run() {
+        let d = tmp();
+        let log = AuditLog::open(&d, 1024).expect("open");
+        for i in 0..12 {
+            log.append(&record(if i % 3 == 0 { "run-a" } else { "run-a2" })).expect("append");
+        }
+        assert!(std::fs::read_dir(&d).expect("dir").count() > 2, "the calls are spread over rotated files");
+        let (calls, more) = calls_of_run(&d, "run-a", 0, 100).expect("read");
+        assert_eq!((calls.len(), more), (4, false), "run-a's calls and not run-a2's");
+        assert_eq!(calls[0].model.as_deref(), Some("m"));
+        assert_eq!((calls[0].input_tokens, calls[0].latency_ms, calls[0].status), (Some(10), 5, 200));
+        let (calls, more) = calls_of_run(&d, "run-a2", 0, 3).expect("read");
+        assert_eq!((calls.len(), more), (3, true), "bounded, and says so");
+        // Files rotated before the run began are not read: it has no calls there.
+        let (calls, _) = calls_of_run(&d, "run-a", i64::MAX, 100).expect("read");
+        assert!(calls.len() < 4, "only the current file is read");
+        assert_eq!(calls_of_run(&d.join("missing"), "run-a", 0, 10).expect("no log yet"), (Vec::new(), false));
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn a_call_shows_no_account_or_upstream_ids() {
+        let v = serde_json::to_value(LlmCall {
+            time: "t".into(),
+            model: None,
+            path: "/v1/chat/completions".into(),
+            status: 200,
+            outcome: "ok".into(),
+            latency_ms: 1,
+            streamed: false,
+            input_tokens: None,
+            output_tokens: None,
+        })
+        .expect("json");
+        for k in ["billingAccountId", "upstreamCallId", "runId"] {
+            assert!(v.get(k).is_none(), "{k}");
+        }
     }
 
     #[test]

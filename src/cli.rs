@@ -431,6 +431,7 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
     let url = gateway.url();
     let sup = server::supervisor_config(&cfg, &url).map_err(std::io::Error::other)?;
     let auth = if cfg.api_token.is_some() { " -H \"Authorization: Bearer $CLAWMUX_API_TOKEN\"" } else { "" };
+    let admin_token = cfg.api_token.clone();
     let running = server::start(cfg, sup).await?;
     // Wait (bounded) for the embedded gateway connection so the printed curl works at once.
     for _ in 0..100 {
@@ -440,6 +441,16 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     println!("clawmux demo: API on http://{} , replay gateway on {url}", running.addr);
+    // One run at once, so the runs page has something to show before the first curl.
+    let example = demo_example_run(running.addr, admin_token.as_ref()).await;
+    println!(
+        "Runs page: http://{}/ui/ {}",
+        running.addr,
+        if example { "(one example run started)" } else { "(it lists the runs you start)" }
+    );
+    if admin_token.is_some() {
+        println!("  (it asks for the token: paste CLAWMUX_API_TOKEN; it stays in that browser tab)");
+    }
     println!("Stream a run (Ctrl-C stops the demo):");
     println!();
     println!(
@@ -448,6 +459,28 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
     );
     println!();
     server::run_until_signal(running).await
+}
+
+/// Starts the demo's example run through its own API (`?wait=false`); false when it could not.
+async fn demo_example_run(addr: SocketAddr, token: Option<&crate::config::Secret>) -> bool {
+    let Ok(client) = reqwest::Client::builder().timeout(Duration::from_secs(5)).build() else { return false };
+    let mut req = client
+        .post(format!("http://{addr}/v1/runs?wait=false"))
+        .json(&serde_json::json!({"message": "Hello from the clawmux demo (an example run)", "billingAccountId": "demo-account"}));
+    if let Some(t) = token {
+        req = req.bearer_auth(t.expose());
+    }
+    match req.send().await {
+        Ok(r) if r.status().is_success() => true,
+        Ok(r) => {
+            tracing::warn!(status = %r.status(), "the demo's example run was refused");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the demo's example run");
+            false
+        }
+    }
 }
 
 async fn doctor(cfg: Config) -> i32 {

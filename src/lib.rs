@@ -12,7 +12,9 @@
 //!     history, retention, and what a restart continues.
 //!   - [`admission`]: how a run gets into the registry (new or continued after a restart): stored,
 //!     its account's limits counted, made attributable, submitted; undone on refusal.
-//!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit (to [`admission`]) → respond.
+//!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit (to [`admission`]) → respond;
+//!     its OpenAPI 3.1 document is generated from the handlers and types (`/openapi.json`).
+//!   - [`ui`]: the runs page (`/ui/`), static files embedded in the binary that read `/v1/*`.
 //!   - [`agents`]: the agent registry.
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
@@ -48,3 +50,4 @@ pub mod request;
 pub mod server;
 pub mod store;
 pub mod tenants;
+pub mod ui;

@@ -168,6 +168,16 @@ impl ProxyMetrics {
                 "Calls whose incoming billing headers disagreed with the trace attribution",
             )?,
         };
+        // Every known label value starts at zero: dashboards and alerts see the series at once.
+        for o in ["ok", "upstream_error", "client_closed", "unreachable", "run_ended"] {
+            m.calls.with_label_values(&[o]);
+        }
+        for k in ["input", "output"] {
+            m.tokens.with_label_values(&[k]);
+        }
+        for r in ["no_traceparent", "unknown_trace", "unknown_token", "ambiguous_token", "body_too_large", "budget_exceeded"] {
+            m.refusals.with_label_values(&[r]);
+        }
         registry.register(Box::new(m.calls.clone()))?;
         registry.register(Box::new(m.tokens.clone()))?;
         registry.register(Box::new(m.refusals.clone()))?;

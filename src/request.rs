@@ -3,30 +3,38 @@
 use serde::{Deserialize, Serialize};
 
 /// The request body, exactly as the contract names it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RunRequest {
-    /// The user's message.
+    /// The user's message (1 byte up to `CLAWMUX_MAX_MESSAGE_BYTES`).
+    #[schema(min_length = 1)]
     pub message: String,
     /// Who pays.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     pub billing_account_id: String,
     /// Caller-chosen id (default: a new lowercase UUID v4).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     pub run_id: Option<String>,
     /// Conversation key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     pub state_key: Option<String>,
-    /// Agent (default `main`).
+    /// Agent (default `main`); one of `GET /v1/agents`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     pub agent_id: Option<String>,
     /// Model override.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,256}$")]
     pub model: Option<String>,
     /// Graph id (default `sandbox:openclaw`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     pub graph_id: Option<String>,
-    /// Timeout in seconds.
+    /// Timeout in seconds (at most `CLAWMUX_MAX_RUN_TIMEOUT_SEC`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1)]
     pub timeout_sec: Option<u64>,
     /// What a closed stream means.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -43,7 +51,7 @@ pub struct RunRequest {
 }
 
 /// `ifBusy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum IfBusy {
     /// Wait in line (default).
@@ -55,7 +63,7 @@ pub enum IfBusy {
 }
 
 /// `webhook`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookRequest {
     /// Where the final run document is `POST`ed.
@@ -63,7 +71,7 @@ pub struct WebhookRequest {
 }
 
 /// `onDisconnect`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum OnDisconnect {
     /// Cancel the gateway run when the caller goes away (default).
@@ -73,20 +81,23 @@ pub enum OnDisconnect {
 }
 
 /// `branch`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct BranchRequest {
-    /// Explicit branch key.
+    /// Explicit branch key (git's ref-name rules on `sandbox/<key>` apply too, docs/API.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._/-]{1,100}$")]
     pub branch_name: Option<String>,
     /// Work item id, e.g. `task.0022`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._/-]{1,100}$")]
     pub work_item_id: Option<String>,
     /// Use the state key as branch key (opt-in).
     #[serde(default)]
     pub use_state_key: bool,
     /// Base ref.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[A-Za-z0-9._/-]{1,200}$")]
     pub base_ref: Option<String>,
     /// PR title.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -91,7 +91,8 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
 /// [`start`] with some parts given by the caller.
 pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOptions) -> std::io::Result<Running> {
     let registry = prometheus::Registry::new();
-    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?;
+    let agents = AgentRegistry::builtin();
+    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?.with_agents(agents.agents.iter().map(|a| a.agent_id.clone()));
     let store_metrics = StoreMetrics::new(&registry).map_err(std::io::Error::other)?;
     let retention = Retention {
         max_age_ms: i64::try_from(cfg.run_retention_sec.saturating_mul(1000)).unwrap_or(i64::MAX),
@@ -175,7 +176,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         admission,
         status,
         metrics: registry,
-        agents: AgentRegistry::builtin(),
+        agents,
         attributions,
         relay,
         workspace,

@@ -1563,18 +1563,23 @@ async fn agents_healthz_readyz_and_metrics() {
         "clawmux_runs_finished_total",
         "clawmux_runs_active",
         "clawmux_run_duration_seconds",
+        "sandbox_runs_total",
+        "sandbox_run_duration_seconds",
     ] {
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing from\n{text}");
     }
     for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
         let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("not a sample: {line}"));
-        assert!(series.starts_with("clawmux_"), "{line}");
+        // clawmux's own, and the roadmap's `sandbox_*` pair (runs per agent).
+        assert!(series.starts_with("clawmux_") || series.starts_with("sandbox_run"), "{line}");
         assert!(value.parse::<f64>().is_ok(), "{line}");
     }
     assert_eq!(env.metric("clawmux_gateway_connected").await, 1.0);
     assert_eq!(env.metric("clawmux_runs_started_total").await, 1.0);
     assert_eq!(env.metric("clawmux_runs_finished_total{status=\"ok\"}").await, 1.0);
     assert_eq!(env.metric("clawmux_runs_active").await, 0.0);
+    assert_eq!(env.metric("sandbox_runs_total{agent=\"main\",status=\"ok\"}").await, 1.0);
+    assert_eq!(env.metric("sandbox_run_duration_seconds_count{agent=\"main\",status=\"ok\"}").await, 1.0);
 }
 
 /// `CLAWMUX_OUTBOUND_HEADERS=auto` (the default) sends no frame the official schema refuses: a

@@ -9,8 +9,10 @@
 # OpenClaw's protocol packages @openclaw/gateway-protocol and @openclaw/gateway-client, pinned
 # (tests/support/install-gateway-protocol.sh: the schema checks and the official-client suite),
 # and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io and debootstrap
-# (tests/support/docker.sh, docker-image.sh), iproute2 for the namespace test. Needs root for
-# Docker, the network namespace and the store-fault tests (read-only and tmpfs mounts).
+# (tests/support/docker.sh, docker-image.sh), iproute2 for the namespace test; schemathesis from
+# PyPI (tests/support/install-schemathesis.sh); Debian's chromium, chromium-driver and prometheus
+# (promtool) (tests/support/install-apt-tools.sh). Needs root for Docker, the network namespace,
+# the store-fault tests (read-only and tmpfs mounts) and the apt installs.
 # Env: CLAWMUX_CACHE, CARGO_TEST_ARGS (extra args for cargo test).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,7 +37,21 @@ say "unit and replay-gateway tests"
 # protocol.schema.json (protocol/tests/official_schema.rs, tests/replay_schema.rs, the replay's
 # field lists) are required too.
 # shellcheck disable=SC2086
-CLAWMUX_REQUIRE_MOUNTS=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_
+CLAWMUX_REQUIRE_MOUNTS=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_ --skip browser_
+
+say "operator surface: OpenAPI vs. a live clawmux (schemathesis), metrics and alert rules (promtool), the runs page (headless Chromium)"
+# A live `clawmux serve` + `clawmux replay-gateway` + the fake LLM behind the LLM proxy
+# (tests/support/stack.sh, stopped by PID); then the browser tests, in-process, each with its own.
+tests/support/install-apt-tools.sh chromium chromedriver promtool
+OPS_DIR="$(mktemp -d /tmp/clawmux-ops.XXXXXX)"
+trap 'tests/support/stack.sh stop "$OPS_DIR" >/dev/null 2>&1 || true' EXIT INT TERM
+tests/support/stack.sh start "$OPS_DIR"
+tests/support/metrics-checks.sh "$OPS_DIR"
+tests/support/schemathesis.sh "$OPS_DIR" "$OPS_DIR/schemathesis-report"
+tests/support/stack.sh stop "$OPS_DIR"
+CLAWMUX_REQUIRE_BROWSER=1 CLAWMUX_BROWSER_ARTIFACTS="$OPS_DIR/browser-artifacts" \
+  cargo test --locked --test browser -- browser_
+echo "runs page screenshots: $OPS_DIR/browser-artifacts"
 
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"

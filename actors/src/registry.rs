@@ -46,6 +46,8 @@ enum Hold {
 
 struct LiveRun {
     addr: Addr<SessionActor>,
+    /// Its agent: the `agent` label of the run's metrics when it ends.
+    agent_id: String,
     session_key: SessionKey,
     branch_key: Option<String>,
     admitted: Instant,
@@ -215,6 +217,7 @@ impl Handler<Submit> for Registry {
         }
         let run_id = msg.spec.run_id.clone();
         let session_key = msg.spec.session_key.clone();
+        let agent_id = msg.spec.agent_id.clone();
         let branch_key = msg.spec.branch.as_ref().map(|b| b.key.clone());
         let publishing = matches!(msg.resume.as_ref().map(|r| &r.stage), Some(ResumeStage::Publishing { .. }));
         let interrupt_key = session_key.clone();
@@ -232,7 +235,7 @@ impl Handler<Submit> for Registry {
         let addr = actor.start();
         self.live.insert(
             run_id.clone(),
-            LiveRun { addr, session_key, branch_key, admitted: Instant::now(), session: Hold::None, branch: Hold::None },
+            LiveRun { addr, agent_id, session_key, branch_key, admitted: Instant::now(), session: Hold::None, branch: Hold::None },
         );
         if publishing {
             // The gateway run is over: only the branch is needed, to publish.
@@ -296,8 +299,7 @@ impl Handler<RunEnded> for Registry {
         self.free(&msg.run_id, Lock::Branch);
         if let Some(run) = self.live.remove(&msg.run_id) {
             if let Some(status) = msg.status {
-                self.metrics.runs_finished.with_label_values(&[status.as_str()]).inc();
-                self.metrics.run_duration.observe(run.admitted.elapsed().as_secs_f64());
+                self.metrics.run_finished(&run.agent_id, status, run.admitted.elapsed().as_secs_f64());
             }
         }
         self.update_gauges();

@@ -324,6 +324,7 @@ impl SessionActor {
                 return;
             }
             tracing::info!(run_id = %act.spec.run_id, relay = %published.relay, "relay finished");
+            act.metrics.relay_result(&published.relay);
             act.sink.emit(RunEvent::Relay(published.relay));
             act.finish(ctx, outcome);
         }));

@@ -1,23 +1,94 @@
 //! `/v1/admin/*`: API keys and per-account limits (the `admin` action; the admin token has it).
 //! The CLI (`clawmux keys …`, `clawmux limits …`) does the same on the store directly.
 
-use super::{authorize, read_body, store_unavailable, ApiError, AppState};
+use super::{authorize, read_body, store_unavailable, ApiError, AppState, ErrorBody};
 use crate::store::now_ms;
-use crate::store::tenants::Limits;
+use crate::store::tenants::{KeyRecord, Limits};
 use crate::tenants::keys::{self, Action};
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// `POST /v1/admin/keys` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct NewKey {
+pub struct NewKey {
+    /// A name for people (1 to 128 printable characters).
+    #[schema(pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,128}$")]
     name: String,
-    accounts: Vec<String>,
-    actions: Vec<String>,
+    /// Billing accounts the key may use and see; `["*"]` for all.
+    #[schema(min_items = 1, inline)]
+    accounts: Vec<AccountName>,
+    /// `run`, `read`, `abort`, `admin` (at least one).
+    #[schema(min_items = 1, inline)]
+    actions: Vec<ActionName>,
+    /// Default webhook URL of the key's runs (within `CLAWMUX_WEBHOOK_ALLOW`).
     #[serde(default)]
     webhook_url: Option<String>,
+}
+
+/// A billing account a key is given, or `*` (all).
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(transparent)]
+#[schema(value_type = String, pattern = "^([A-Za-z0-9._:-]{1,128}|\\*)$")]
+pub struct AccountName(String);
+
+/// An action an API key may be given.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(transparent)]
+#[schema(value_type = String, pattern = "^(run|read|abort|admin)$")]
+pub struct ActionName(String);
+
+/// `201` of `POST /v1/admin/keys`: the only answer that shows the secrets.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedKey {
+    /// The bearer token, `cmx_<id>_<secret>`.
+    pub key: String,
+    /// Public id.
+    pub id: String,
+    /// A name for people.
+    pub name: String,
+    /// Billing accounts.
+    pub accounts: Vec<String>,
+    /// Actions.
+    pub actions: Vec<String>,
+    /// Default webhook URL.
+    pub webhook_url: Option<String>,
+    /// Signs the key's webhook deliveries.
+    pub webhook_secret: String,
+}
+
+/// `GET /v1/admin/keys` (no secrets).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct KeyList {
+    /// Every key, revoked ones included.
+    pub keys: Vec<KeyRecord>,
+}
+
+/// `POST /v1/admin/keys/{keyId}/revoke`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Revoked {
+    /// The key's id.
+    pub id: String,
+    /// Always true.
+    pub revoked: bool,
+}
+
+/// `GET`/`PUT /v1/admin/accounts/{account}/limits`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AccountLimits {
+    /// The account.
+    pub billing_account_id: String,
+    /// Its limits (absent fields: unlimited).
+    pub limits: Limits,
+    /// Tokens spent this period (null without a token budget).
+    pub spent_tokens: Option<u64>,
+    /// This period's start (ms since the epoch).
+    pub period_start: Option<i64>,
+    /// This period's end (ms since the epoch).
+    pub period_end: Option<i64>,
 }
 
 fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
@@ -28,6 +99,18 @@ fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// Create an API key.
+#[utoipa::path(post, path = "/v1/admin/keys", tag = "admin", security(("bearer" = [])),
+    request_body(content = NewKey, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Created; the key and webhook secret are shown this once", body = CreatedKey),
+        (status = 400, description = "Invalid request (the message names the field)", body = ErrorBody),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 503, description = "The store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Action::Admin).await?;
     let body = read_body(payload, 64 * 1024).await?;
@@ -35,11 +118,12 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
     if k.name.is_empty() || k.name.len() > 128 || k.name.chars().any(char::is_control) {
         return Err(ApiError::invalid("field `name`: must be 1 to 128 printable characters"));
     }
-    keys::validate_accounts(&k.accounts).map_err(|m| ApiError::invalid(format!("field `accounts`: {m}")))?;
+    let accounts: Vec<String> = k.accounts.into_iter().map(|AccountName(a)| a).collect();
+    keys::validate_accounts(&accounts).map_err(|m| ApiError::invalid(format!("field `accounts`: {m}")))?;
     let actions: Vec<Action> = k
         .actions
         .iter()
-        .map(|a| Action::parse(a).ok_or_else(|| ApiError::invalid(format!("field `actions`: {a:?} is not one of run, read, abort, admin"))))
+        .map(|ActionName(a)| Action::parse(a).ok_or_else(|| ApiError::invalid(format!("field `actions`: {a:?} is not one of run, read, abort, admin"))))
         .collect::<Result<_, _>>()?;
     if actions.is_empty() {
         return Err(ApiError::invalid("field `actions`: a key needs at least one action"));
@@ -47,29 +131,54 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
     if let Some(url) = &k.webhook_url {
         state.tenants.allow.check(url).map_err(|m| ApiError::invalid(format!("field `webhookUrl`: {m}")))?;
     }
-    let (record, token) = keys::generate(&k.name, k.accounts, actions, k.webhook_url, now_ms());
+    let (record, token) = keys::generate(&k.name, accounts, actions, k.webhook_url, now_ms());
     state.tenants.store.create_key(&record).await.map_err(store_unavailable)?;
     tracing::info!(key_id = %record.id, name = %record.name, "API key created");
     // The only time the secrets are shown.
-    Ok(HttpResponse::Created().json(serde_json::json!({
-        "key": token, "id": record.id, "name": record.name, "accounts": record.accounts, "actions": record.actions,
-        "webhookUrl": record.webhook_url, "webhookSecret": record.webhook_secret,
-    })))
+    Ok(HttpResponse::Created().json(CreatedKey {
+        key: token,
+        id: record.id,
+        name: record.name,
+        accounts: record.accounts,
+        actions: record.actions,
+        webhook_url: record.webhook_url,
+        webhook_secret: record.webhook_secret,
+    }))
 }
 
+/// List API keys (no secrets).
+#[utoipa::path(get, path = "/v1/admin/keys", tag = "admin", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Every key", body = KeyList),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 503, description = "The store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn list_keys(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Action::Admin).await?;
     let keys = state.tenants.store.keys().await.map_err(store_unavailable)?;
-    Ok(HttpResponse::Ok().json(serde_json::json!({"keys": keys})))
+    Ok(HttpResponse::Ok().json(KeyList { keys }))
 }
 
+/// Revoke an API key.
+#[utoipa::path(post, path = "/v1/admin/keys/{key_id}/revoke", tag = "admin", security(("bearer" = [])),
+    params(("key_id" = String, Path, description = "The key's public id")),
+    responses(
+        (status = 200, description = "Revoked", body = Revoked),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 404, description = "No such key", body = ErrorBody),
+        (status = 503, description = "The store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn revoke_key(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Action::Admin).await?;
     if !state.tenants.store.revoke_key(&path, now_ms()).await.map_err(store_unavailable)? {
         return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no API key with id {:?}", path.as_str())));
     }
     tracing::info!(key_id = %path, "API key revoked");
-    Ok(HttpResponse::Ok().json(serde_json::json!({"id": path.as_str(), "revoked": true})))
+    Ok(HttpResponse::Ok().json(Revoked { id: path.into_inner(), revoked: true }))
 }
 
 fn account_of(path: &str) -> Result<String, ApiError> {
@@ -80,21 +189,40 @@ fn account_of(path: &str) -> Result<String, ApiError> {
     }
 }
 
+/// Set an account's limits (absent fields: unlimited).
+#[utoipa::path(put, path = "/v1/admin/accounts/{account}/limits", tag = "admin", security(("bearer" = [])),
+    params(("account" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,128}$", description = "The billing account")),
+    request_body(content = Limits, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The account's limits now", body = AccountLimits),
+        (status = 400, description = "Invalid limits or account (the message names the field)", body = ErrorBody),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 503, description = "The store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn set_limits(req: HttpRequest, path: web::Path<String>, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Action::Admin).await?;
     let account = account_of(&path)?;
     let body = read_body(payload, 64 * 1024).await?;
     let limits: Limits = decode(&body)?;
-    if limits.max_tokens.is_some() != limits.period_sec.is_some() {
-        return Err(ApiError::invalid("fields `maxTokens` and `periodSec` go together: a token budget is per period"));
-    }
-    if limits.period_sec == Some(0) {
-        return Err(ApiError::invalid("field `periodSec`: must be at least 1"));
-    }
+    limits.validate().map_err(ApiError::invalid)?;
     state.tenants.budgets.set_limits(&account, limits).await.map_err(store_unavailable)?;
     get_limits_of(&state, &account).await
 }
 
+/// An account's limits and this period's spend.
+#[utoipa::path(get, path = "/v1/admin/accounts/{account}/limits", tag = "admin", security(("bearer" = [])),
+    params(("account" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,128}$", description = "The billing account")),
+    responses(
+        (status = 200, description = "The account's limits", body = AccountLimits),
+        (status = 400, description = "Not a billing account id", body = ErrorBody),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 503, description = "The store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn get_limits(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Action::Admin).await?;
     let account = account_of(&path)?;
@@ -104,11 +232,11 @@ pub(super) async fn get_limits(req: HttpRequest, path: web::Path<String>, state:
 async fn get_limits_of(state: &AppState, account: &str) -> Result<HttpResponse, ApiError> {
     let limits = state.tenants.budgets.limits(account);
     let spent = state.tenants.budgets.spent(account).await.map_err(store_unavailable)?;
-    Ok(HttpResponse::Ok().json(serde_json::json!({
-        "billingAccountId": account,
-        "limits": limits,
-        "spentTokens": spent.map(|(s, _)| s),
-        "periodStart": spent.map(|(_, (start, _))| start),
-        "periodEnd": spent.map(|(_, (_, end))| end),
-    })))
+    Ok(HttpResponse::Ok().json(AccountLimits {
+        billing_account_id: account.to_owned(),
+        limits,
+        spent_tokens: spent.map(|(s, _)| s),
+        period_start: spent.map(|(_, (start, _))| start),
+        period_end: spent.map(|(_, (_, end))| end),
+    }))
 }

@@ -8,12 +8,19 @@
 //! - [`runs`]: `POST /v1/runs` and everything about one run or the history.
 //! - [`sse`]: a run's event stream (backlog from the store, then live) and the disconnect guard.
 //! - [`admin`]: `/v1/admin/*`: API keys and account limits.
+//! - [`openapi`]: the OpenAPI 3.1 document of all of the above, generated from the handlers'
+//!   annotations and the request and response types (`GET /openapi.json`).
+//!
+//! Every answer is a typed value whose schema is derived from the type itself, so the document
+//! cannot drift from what the handlers send.
 
 mod admin;
+pub mod openapi;
 mod runs;
 mod sse;
 
 use crate::agents::AgentRegistry;
+use serde::Serialize;
 use crate::config::Config;
 use crate::store::RunStore;
 use crate::tenants::keys::{Action, Principal};
@@ -67,11 +74,13 @@ pub struct ApiError {
     code: &'static str,
     message: String,
     pub(crate) retry_after: Option<u64>,
+    /// The methods a resource has, for the `Allow` header of a `405`.
+    allow: Option<String>,
 }
 
 impl ApiError {
     pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into(), retry_after: None }
+        Self { status, code, message: message.into(), retry_after: None, allow: None }
     }
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
@@ -99,33 +108,108 @@ impl ResponseError for ApiError {
         if let Some(s) = self.retry_after {
             r.insert_header((header::RETRY_AFTER, s.to_string()));
         }
-        r.json(serde_json::json!({"error": {"code": self.code, "message": self.message}}))
+        if self.status == StatusCode::METHOD_NOT_ALLOWED {
+            // RFC 9110: a 405 names the methods the resource has.
+            r.insert_header((header::ALLOW, self.allow.clone().unwrap_or_default()));
+        }
+        r.json(ErrorBody { error: ErrorDetail { code: self.code, message: self.message.clone() } })
     }
 }
 
-/// Wires the routes.
+/// Every error answer: `{"error":{"code","message"}}`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong.
+    pub error: ErrorDetail,
+}
+
+/// The `error` of an error answer (and of `/readyz` when not ready).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// Machine-readable: `invalid_request`, `unauthorized`, `forbidden`, `not_found`,
+    /// `method_not_allowed`, `conflict`, `session_busy`, `payload_too_large`,
+    /// `idempotency_mismatch`, `unknown_base_ref`, `branch_conflict`, `budget_exceeded`,
+    /// `rate_limited`, `gateway_unavailable`, `store_unavailable`, `budget_unavailable`,
+    /// `audit_unavailable`.
+    #[schema(value_type = String, pattern = "^[a-z_]+$")]
+    pub code: &'static str,
+    /// One sentence a person can act on.
+    pub message: String,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Health {
+    /// Always `ok`: the process answers.
+    #[schema(value_type = String, pattern = "^ok$")]
+    pub status: &'static str,
+}
+
+/// `GET /readyz` when the gateway connection is up with the scopes clawmux needs.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Ready {
+    /// `connected`.
+    #[schema(value_type = String, pattern = "^connected$")]
+    pub gateway: &'static str,
+    /// The negotiated gateway protocol (3 or 4).
+    pub protocol: Option<u32>,
+    /// The gateway's release.
+    pub server_version: Option<String>,
+    /// Whether the gateway delivers events per session (protocol 4) or broadcasts them.
+    pub session_scoped_events: bool,
+    /// Scopes the gateway granted (protocol 3 reports none).
+    pub scopes: Option<Vec<String>>,
+    /// Whether per-session outbound (billing) headers are in use (null: not known yet).
+    pub outbound_headers: Option<bool>,
+}
+
+/// `GET /readyz` when not ready.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct NotReady {
+    /// `connected` or `disconnected`.
+    #[schema(value_type = String, pattern = "^(connected|disconnected)$")]
+    pub gateway: &'static str,
+    /// Why not, in words.
+    pub reason: String,
+    /// The same as an error answer (`gateway_unavailable`).
+    pub error: ErrorDetail,
+}
+
+/// Wires the routes (the API's, `/openapi.json` and the runs page under `/ui/`).
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    let res = |path: &str| web::resource(path.to_owned()).default_service(web::to(method_not_allowed));
-    cfg.service(res("/v1/runs").route(web::post().to(runs::create_run)).route(web::get().to(runs::list_runs)))
-        .service(res("/v1/runs/{run_id}").route(web::get().to(runs::get_run)))
-        .service(res("/v1/runs/{run_id}/events").route(web::get().to(runs::run_events)))
-        .service(res("/v1/runs/{run_id}/abort").route(web::post().to(runs::abort_run)))
-        .service(res("/v1/agents").route(web::get().to(list_agents)))
-        .service(res("/v1/admin/keys").route(web::post().to(admin::create_key)).route(web::get().to(admin::list_keys)))
-        .service(res("/v1/admin/keys/{key_id}/revoke").route(web::post().to(admin::revoke_key)))
-        .service(res("/v1/admin/accounts/{account}/limits").route(web::put().to(admin::set_limits)).route(web::get().to(admin::get_limits)))
-        .route("/healthz", web::get().to(healthz))
-        .route("/readyz", web::get().to(readyz))
-        .route("/metrics", web::get().to(metrics))
-        .default_service(web::to(not_found));
+    // Another method on a known path is `405` with `Allow`, in the error shape.
+    let res = |path: &str, allow: &'static str| {
+        web::resource(path.to_owned()).default_service(web::to(move |req: HttpRequest| method_not_allowed(req, allow)))
+    };
+    cfg.service(res("/v1/runs", "GET, POST").route(web::post().to(runs::create_run)).route(web::get().to(runs::list_runs)))
+        .service(res("/v1/runs/{run_id}", "GET").route(web::get().to(runs::get_run)))
+        .service(res("/v1/runs/{run_id}/events", "GET").route(web::get().to(runs::run_events)))
+        .service(res("/v1/runs/{run_id}/abort", "POST").route(web::post().to(runs::abort_run)))
+        .service(res("/v1/runs/{run_id}/llm-calls", "GET").route(web::get().to(runs::llm_calls)))
+        .service(res("/v1/agents", "GET").route(web::get().to(list_agents)))
+        .service(res("/v1/admin/keys", "GET, POST").route(web::post().to(admin::create_key)).route(web::get().to(admin::list_keys)))
+        .service(res("/v1/admin/keys/{key_id}/revoke", "POST").route(web::post().to(admin::revoke_key)))
+        .service(
+            res("/v1/admin/accounts/{account}/limits", "GET, PUT")
+                .route(web::put().to(admin::set_limits))
+                .route(web::get().to(admin::get_limits)),
+        )
+        .service(res("/healthz", "GET").route(web::get().to(healthz)))
+        .service(res("/readyz", "GET").route(web::get().to(readyz)))
+        .service(res("/metrics", "GET").route(web::get().to(metrics)))
+        .service(res("/openapi.json", "GET").route(web::get().to(openapi::serve)));
+    crate::ui::routes(cfg);
+    cfg.default_service(web::to(not_found));
 }
 
 async fn not_found(req: HttpRequest) -> HttpResponse {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no such endpoint: {} {}", req.method(), req.path())).error_response()
 }
 
-async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{} is not allowed on {}", req.method(), req.path()))
+async fn method_not_allowed(req: HttpRequest, allow: &'static str) -> HttpResponse {
+    let message = format!("{} is not allowed on {} (allowed: {allow})", req.method(), req.path());
+    ApiError { allow: Some(allow.to_owned()), ..ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", message) }
         .error_response()
 }
 
@@ -231,38 +315,60 @@ pub(crate) fn store_unavailable(e: impl std::fmt::Display) -> ApiError {
     ApiError { retry_after: Some(2), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", format!("the run store is not available: {e}")) }
 }
 
-async fn list_agents(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// The agents runs may name.
+#[utoipa::path(get, path = "/v1/agents", tag = "agents", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The agent registry", body = AgentRegistry),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "The API key lacks the `read` action", body = ErrorBody),
+        (status = 503, description = "The credentials cannot be checked now (the store)", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
+pub(crate) async fn list_agents(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     authorize(&req, &state, Action::Read).await?;
     Ok(HttpResponse::Ok().json(&state.agents))
 }
 
-async fn healthz() -> HttpResponse {
-    HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+/// Liveness: `200` while the process answers.
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses((status = 200, description = "The process is up", body = Health)))]
+pub(crate) async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(Health { status: "ok" })
 }
 
-async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+/// Readiness: the gateway connection is up with the scopes clawmux needs.
+#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "Ready", body = Ready),
+        (status = 503, description = "Not ready, and why", body = NotReady,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
+pub(crate) async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let s = match state.status.read() {
         Ok(s) => s.clone(),
         Err(p) => p.into_inner().clone(),
     };
     match s.ready() {
-        Ok(()) => HttpResponse::Ok().json(serde_json::json!({
-            "gateway": "connected",
-            "protocol": s.protocol,
-            "serverVersion": s.server_version,
-            "sessionScopedEvents": s.session_scoped,
-            "scopes": s.scopes,
-            "outboundHeaders": s.outbound_headers,
-        })),
-        Err(reason) => HttpResponse::ServiceUnavailable().insert_header((header::RETRY_AFTER, "2")).json(serde_json::json!({
-            "gateway": if s.connected { "connected" } else { "disconnected" },
-            "reason": reason,
-            "error": {"code": "gateway_unavailable", "message": reason},
-        })),
+        Ok(()) => HttpResponse::Ok().json(Ready {
+            gateway: "connected",
+            protocol: s.protocol,
+            server_version: s.server_version,
+            session_scoped_events: s.session_scoped,
+            scopes: s.scopes,
+            outbound_headers: s.outbound_headers,
+        }),
+        Err(reason) => HttpResponse::ServiceUnavailable().insert_header((header::RETRY_AFTER, "2")).json(NotReady {
+            gateway: if s.connected { "connected" } else { "disconnected" },
+            error: ErrorDetail { code: "gateway_unavailable", message: reason.clone() },
+            reason,
+        }),
     }
 }
 
-async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+/// Prometheus metrics (text format).
+#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
+    responses((status = 200, description = "Prometheus text exposition format 0.0.4", body = String, content_type = "text/plain")))]
+pub(crate) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     use prometheus::Encoder;
     let mut buf = Vec::new();
     let encoder = prometheus::TextEncoder::new();

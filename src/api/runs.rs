@@ -1,8 +1,11 @@
 //! `POST /v1/runs` and everything about one run or the history.
 
-use super::sse::{sse_response, DisconnectGuard};
-use super::{authorize, query_wait_false, read_body, store_unavailable, wants_sse, new_trace, ApiError, AppState, ADMIT_TIMEOUT, BODY_OVERHEAD};
+use super::sse::{sse_response, DisconnectGuard, SseEvent};
+use super::{authorize, query_wait_false, read_body, store_unavailable, wants_sse, new_trace, ApiError, AppState, ErrorBody, ADMIT_TIMEOUT, BODY_OVERHEAD};
 use crate::admission::{NewRun, Refused, Submitted};
+use crate::audit::LlmCall;
+use crate::request::RunRequest;
+use crate::store::RunDoc;
 use crate::request::{self, Limits, OnDisconnect, RequestError};
 use crate::store::query;
 use crate::store::RunView;
@@ -13,6 +16,48 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use clawmux_actors::messages::{AdmitError, Cancel};
 use clawmux_actors::CancelReason;
 use clawmux_protocol::TraceParent;
+use serde::Serialize;
+
+/// `GET /v1/runs`: a page of the history.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunList {
+    /// Run documents, newest first.
+    pub runs: Vec<RunDoc>,
+    /// The next page's `cursor`; null on the last page.
+    #[schema(pattern = "^r[0-9]+$")]
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/runs/{runId}/abort`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AbortAnswer {
+    /// The run.
+    pub run_id: String,
+    /// True when the run was live here and is being cancelled (it ends `aborted`); false when it
+    /// had already finished.
+    pub aborted: bool,
+}
+
+/// `GET /v1/runs/{runId}/llm-calls`: the run's LLM calls from the proxy's audit log.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LlmCalls {
+    /// The run.
+    pub run_id: String,
+    /// False when this clawmux has no LLM proxy (`CLAWMUX_LLM_UPSTREAM_URL`): nothing records
+    /// calls, so the list is empty whatever the run did.
+    pub proxy: bool,
+    /// The calls in the order they ended (time, model, status, latency, tokens; never prompts,
+    /// completions or keys).
+    pub calls: Vec<LlmCall>,
+    /// True when the run made more calls than are listed ([`MAX_LLM_CALLS`]).
+    pub truncated: bool,
+}
+
+/// The most LLM calls `GET /v1/runs/{runId}/llm-calls` lists (a bounded answer).
+pub const MAX_LLM_CALLS: usize = 1000;
 
 /// The HTTP answer to a refused admission.
 fn refused(e: Refused, run_id: &str) -> ApiError {
@@ -50,6 +95,33 @@ fn admit_error(e: AdmitError, run_id: &str) -> ApiError {
     }
 }
 
+/// Start an agent run.
+#[utoipa::path(post, path = "/v1/runs", tag = "runs", security(("bearer" = [])),
+    request_body(content = RunRequest, content_type = "application/json"),
+    params(
+        ("wait" = Option<String>, Query, pattern = "^(true|false|1|0|)$",
+            description = "`false` or `0`: answer `202` with the document at once (JSON mode); `true`, `1` or empty: wait"),
+        ("Idempotency-Key" = Option<String>, Header, nullable = false, min_length = 1, max_length = 256,
+            description = "The same key with the same body returns the same run"),
+        ("traceparent" = Option<String>, Header, nullable = false, pattern = "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$",
+            description = "W3C trace context the run continues (its trace id attributes the run's LLM calls)"),
+    ),
+    responses(
+        (status = 200, description = "`Accept: text/event-stream`: the run's events; otherwise the run document at the end",
+            content((RunDoc = "application/json"), (SseEvent = "text/event-stream"))),
+        (status = 202, description = "`?wait=false`, or clawmux handed the run off while the caller waited", body = RunDoc),
+        (status = 400, description = "Invalid request (the message names the field)", body = ErrorBody),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 402, description = "The account's token budget is spent", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to the next budget period"))),
+        (status = 403, description = "The API key may not run, or not for this account", body = ErrorBody),
+        (status = 409, description = "Run id or trace id in use, or `ifBusy: reject` and the session is busy", body = ErrorBody),
+        (status = 413, description = "The body or message is too large", body = ErrorBody),
+        (status = 422, description = "Idempotency mismatch, unknown base ref, branch conflict", body = ErrorBody),
+        (status = 429, description = "The account's rate limits", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 503, description = "Gateway down, at capacity, shutting down, store or budgets unavailable", body = ErrorBody),
+    ))]
 pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let principal = authorize(&req, &state, Action::Run).await?;
     if *state.stopping.borrow() {
@@ -185,11 +257,41 @@ async fn find(state: &AppState, principal: &Principal, run_id: &str) -> Result<R
     Ok(view)
 }
 
+/// A run's document.
+#[utoipa::path(get, path = "/v1/runs/{run_id}", tag = "runs", security(("bearer" = [])),
+    params(("run_id" = String, Path, description = "The run id")),
+    responses(
+        (status = 200, description = "The run document", body = RunDoc),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "The API key lacks the `read` action", body = ErrorBody),
+        (status = 404, description = "No such run (or another tenant's)", body = ErrorBody),
+        (status = 503, description = "The run store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn get_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let principal = authorize(&req, &state, Action::Read).await?;
     Ok(HttpResponse::Ok().json(find(&state, &principal, &path).await?.doc()))
 }
 
+/// Run history, newest first.
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", security(("bearer" = [])),
+    params(
+        ("status" = Option<String>, Query, pattern = "^(queued|running|ok|error|aborted|timeout)(,(queued|running|ok|error|aborted|timeout))*$",
+            description = "One status or a comma list"),
+        ("billingAccountId" = Option<String>, Query, pattern = "^[A-Za-z0-9._:-]{1,128}$"),
+        ("stateKey" = Option<String>, Query, pattern = "^[A-Za-z0-9._:-]{1,128}$"),
+        ("since" = Option<String>, Query, format = DateTime, description = "Runs admitted at or after this RFC 3339 time"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "Page size (default 50)"),
+        ("cursor" = Option<String>, Query, pattern = "^r[1-9][0-9]{0,17}$", description = "`nextCursor` of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "A page of run documents", body = RunList),
+        (status = 400, description = "A bad, unknown or repeated parameter (the message names it)", body = ErrorBody),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "The API key lacks the `read` action", body = ErrorBody),
+        (status = 503, description = "The run store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn list_runs(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let principal = authorize(&req, &state, Action::Read).await?;
     let mut q = query::parse(req.query_string()).map_err(|e| {
@@ -199,9 +301,25 @@ pub(super) async fn list_runs(req: HttpRequest, state: web::Data<AppState>) -> R
     q.accounts = principal.account_scope();
     let (runs, last_seq) = state.store.list(&q).await.map_err(store_unavailable)?;
     let next = last_seq.map(query::cursor);
-    Ok(HttpResponse::Ok().json(serde_json::json!({"runs": runs, "nextCursor": next})))
+    Ok(HttpResponse::Ok().json(RunList { runs, next_cursor: next }))
 }
 
+/// Re-attach to a run's event stream: the events after `Last-Event-ID`, then live ones.
+#[utoipa::path(get, path = "/v1/runs/{run_id}/events", tag = "runs", security(("bearer" = [])),
+    params(
+        ("run_id" = String, Path, description = "The run id"),
+        ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{1,19}$", description = "The last event id the client saw"),
+    ),
+    responses(
+        (status = 200, description = "Server-sent events: `accepted`, `status`, `text_delta`, `relay`, then `final` or `error`",
+            body = SseEvent, content_type = "text/event-stream"),
+        (status = 400, description = "`Last-Event-ID` is not an event id", body = ErrorBody),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "The API key lacks the `read` action", body = ErrorBody),
+        (status = 404, description = "No such run (or another tenant's)", body = ErrorBody),
+        (status = 503, description = "Shutting down (re-attach to the next instance), or the store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let principal = authorize(&req, &state, Action::Read).await?;
     let view = find(&state, &principal, &path).await?;
@@ -222,12 +340,23 @@ pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state:
     sse_response(&req, &state, view, after, guard).await
 }
 
+/// Abort a run.
+#[utoipa::path(post, path = "/v1/runs/{run_id}/abort", tag = "runs", security(("bearer" = [])),
+    params(("run_id" = String, Path, description = "The run id")),
+    responses(
+        (status = 202, description = "Being cancelled (`aborted: true`), or it had finished", body = AbortAnswer),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "The API key lacks the `abort` action", body = ErrorBody),
+        (status = 404, description = "No such run (or another tenant's)", body = ErrorBody),
+        (status = 503, description = "Overloaded, or the store is not available", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
 pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let principal = authorize(&req, &state, Action::Abort).await?;
     let view = find(&state, &principal, &path).await?;
     let run_id = view.run_id().to_owned();
     if view.is_finished() {
-        return Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": run_id, "aborted": false})));
+        return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: false }));
     }
     let found = state
         .registry
@@ -235,5 +364,45 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
         .timeout(ADMIT_TIMEOUT)
         .await
         .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
-    Ok(HttpResponse::Accepted().json(serde_json::json!({"runId": run_id, "aborted": found})))
+    Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }))
+}
+
+/// The run's LLM calls, from the LLM proxy's audit log.
+#[utoipa::path(get, path = "/v1/runs/{run_id}/llm-calls", tag = "runs", security(("bearer" = [])),
+    params(("run_id" = String, Path, description = "The run id")),
+    responses(
+        (status = 200, description = "The calls (time, model, status, latency, tokens)", body = LlmCalls),
+        (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
+        (status = 403, description = "The API key lacks the `read` action", body = ErrorBody),
+        (status = 404, description = "No such run (or another tenant's)", body = ErrorBody),
+        (status = 503, description = "The run store or the audit log cannot be read now", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ))]
+pub(super) async fn llm_calls(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    // Scoped exactly like `GET /v1/runs/{id}`: another tenant's run is a 404.
+    let principal = authorize(&req, &state, Action::Read).await?;
+    let view = find(&state, &principal, &path).await?;
+    let run_id = view.run_id().to_owned();
+    if state.attributions.is_none() {
+        return Ok(HttpResponse::Ok().json(LlmCalls { run_id, proxy: false, calls: Vec::new(), truncated: false }));
+    }
+    let since_ms = created_ms(&view.doc().created_at);
+    let dir = state.cfg.audit_dir.clone();
+    let id = run_id.clone();
+    let (calls, truncated) = web::block(move || crate::audit::calls_of_run(&dir, &id, since_ms, MAX_LLM_CALLS))
+        .await
+        .map_err(audit_unavailable)?
+        .map_err(audit_unavailable)?;
+    Ok(HttpResponse::Ok().json(LlmCalls { run_id, proxy: true, calls, truncated }))
+}
+
+fn audit_unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError { retry_after: Some(2), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "audit_unavailable", format!("cannot read the LLM call audit log: {e}")) }
+}
+
+/// A document's `createdAt` in ms (0 when unreadable: then every audit file is read).
+fn created_ms(rfc3339: &str) -> i64 {
+    time::OffsetDateTime::parse(rfc3339, &time::format_description::well_known::Rfc3339)
+        .map(|t| i64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(0))
+        .unwrap_or(0)
 }

@@ -14,6 +14,21 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::broadcast::error::RecvError;
 
+/// One server-sent event of a run's stream (its `id:`, `event:` and `data:` lines; `: keep-alive`
+/// comment lines come between events). Only for the OpenAPI document: the stream is written by
+/// [`to_sse`] from a [`StoredEvent`].
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct SseEvent {
+    /// Per-run sequence number from 1; send the last one seen as `Last-Event-ID` to resume.
+    #[schema(pattern = "^[1-9][0-9]*$")]
+    id: String,
+    /// The event's name.
+    event: crate::store::EventName,
+    /// One JSON object (docs/API.md, "The SSE stream of a run").
+    data: String,
+}
+
 /// Comment lines keep quiet streams alive through proxies.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
 

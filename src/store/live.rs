@@ -28,7 +28,7 @@ use tokio::sync::broadcast;
 pub const CLIENT_BUFFER: usize = 256;
 
 /// `usage` of the run document.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DocUsage {
     /// Input tokens.
@@ -38,6 +38,7 @@ pub struct DocUsage {
     /// LLM calls.
     pub llm_calls: u64,
     /// `proxy` (billing truth) or `gateway` (OpenClaw's own numbers, a hint).
+    #[schema(value_type = String, pattern = "^(proxy|gateway)$")]
     pub source: &'static str,
     /// OpenClaw's own numbers when `source` is `proxy` (kept as a hint, never billed).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -45,7 +46,7 @@ pub struct DocUsage {
 }
 
 /// OpenClaw's own token counts.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GatewayHint {
     /// Input tokens.
@@ -55,7 +56,7 @@ pub struct GatewayHint {
 }
 
 /// `error` of the run document.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct DocError {
     /// Code.
     pub code: String,
@@ -64,7 +65,7 @@ pub struct DocError {
 }
 
 /// The run document of the contract.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RunDoc {
     /// API run id.
@@ -73,7 +74,19 @@ pub struct RunDoc {
     pub session_key: String,
     /// Gateway run id (null until accepted).
     pub gateway_run_id: Option<String>,
+    /// Who pays (operators filter and group runs by it; the runs page shows it).
+    pub billing_account_id: String,
+    /// The gateway agent that runs it.
+    pub agent_id: String,
+    /// The model override the request asked for (null: the agent's default).
+    pub model: Option<String>,
+    /// The conversation key (null: a one-off run).
+    pub state_key: Option<String>,
+    /// `sandbox/<branchKey>` for a branch run (null: no branch), known from admission on, before
+    /// the relay's result.
+    pub branch: Option<String>,
     /// `queued`, `running`, `ok`, `error`, `aborted`, `timeout`.
+    #[schema(pattern = "^(queued|running|ok|error|aborted|timeout)$")]
     pub status: String,
     /// Final text.
     pub content: String,
@@ -83,12 +96,16 @@ pub struct RunDoc {
     /// Token usage.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<DocUsage>,
-    /// Git relay result.
+    /// Git relay result: `{"branch","commitCount","pushed","pushedCommits","remoteHead"?,
+    /// "prUrl"?,"prNumber"?,"error"?}` (docs/API.md).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
     pub relay: Option<serde_json::Value>,
     /// RFC 3339.
+    #[schema(format = DateTime)]
     pub created_at: String,
     /// RFC 3339 or null.
+    #[schema(format = DateTime)]
     pub finished_at: Option<String>,
 }
 
@@ -123,6 +140,11 @@ impl RunDoc {
             run_id: row.run_id.clone(),
             session_key: row.session_key.clone(),
             gateway_run_id: row.gateway_run_id.clone(),
+            billing_account_id: row.billing_account_id.clone(),
+            agent_id: row.spec.agent_id.clone(),
+            model: row.spec.model.clone(),
+            state_key: row.state_key.clone(),
+            branch: row.spec.branch.as_ref().map(|b| b.branch()),
             status: row.status.clone(),
             content: row.content.clone(),
             error: row.error.as_ref().map(|(code, message)| DocError { code: code.clone(), message: message.clone() }),

@@ -39,7 +39,8 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// The name of an SSE event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(rename_all = "snake_case")]
 pub enum EventName {
     /// The gateway acknowledged the run.
     Accepted,

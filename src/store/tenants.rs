@@ -5,7 +5,7 @@ use super::StoreError;
 use serde::{Deserialize, Serialize};
 
 /// An API key as stored (the secret only as its SHA-256).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KeyRecord {
     /// Public id (the middle of `cmx_<id>_<secret>`).
@@ -14,6 +14,7 @@ pub struct KeyRecord {
     pub name: String,
     /// SHA-256 of the secret, hex.
     #[serde(skip_serializing)]
+    #[schema(ignore)]
     pub secret_sha256: String,
     /// Billing accounts the key may use and see; `["*"]` for all.
     pub accounts: Vec<String>,
@@ -21,6 +22,7 @@ pub struct KeyRecord {
     pub actions: Vec<String>,
     /// Signs the key's webhook deliveries.
     #[serde(skip_serializing)]
+    #[schema(ignore)]
     pub webhook_secret: String,
     /// Default webhook URL of the key's runs.
     pub webhook_url: Option<String>,
@@ -31,17 +33,45 @@ pub struct KeyRecord {
 }
 
 /// Limits of one billing account (`None`: unlimited).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Limits {
     /// Tokens (input + output, as the LLM proxy records them) per period.
     pub max_tokens: Option<u64>,
     /// The budget period in seconds (windows aligned to the Unix epoch: 86400 = UTC days).
+    #[schema(minimum = 1)]
     pub period_sec: Option<u64>,
     /// Live runs at once.
     pub max_concurrent: Option<u64>,
     /// Admissions per minute (sliding).
     pub max_runs_per_minute: Option<u64>,
+}
+
+/// The largest limit the store keeps (its columns are signed 64-bit).
+pub const MAX_LIMIT: u64 = i64::MAX as u64;
+
+impl Limits {
+    /// What `PUT /v1/admin/accounts/{account}/limits` refuses; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_tokens.is_some() != self.period_sec.is_some() {
+            return Err("fields `maxTokens` and `periodSec` go together: a token budget is per period".to_owned());
+        }
+        if self.period_sec == Some(0) {
+            return Err("field `periodSec`: must be at least 1".to_owned());
+        }
+        // A larger value would be answered as set but stored clamped (found by schemathesis).
+        for (name, v) in [
+            ("maxTokens", self.max_tokens),
+            ("periodSec", self.period_sec),
+            ("maxConcurrent", self.max_concurrent),
+            ("maxRunsPerMinute", self.max_runs_per_minute),
+        ] {
+            if v.is_some_and(|v| v > MAX_LIMIT) {
+                return Err(format!("field `{name}`: must be at most {MAX_LIMIT}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A webhook delivery to make.
@@ -107,4 +137,25 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError>;
     /// Deliveries of a run: (attempts, delivered, gave up, last error).
     async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_beyond_what_the_store_keeps_are_refused() {
+        let ok = Limits { max_tokens: Some(MAX_LIMIT), period_sec: Some(1), max_concurrent: Some(0), max_runs_per_minute: None };
+        assert_eq!(ok.validate(), Ok(()));
+        for l in [
+            Limits { max_tokens: Some(MAX_LIMIT + 1), period_sec: Some(1), ..Limits::default() },
+            Limits { max_tokens: Some(1), period_sec: Some(u64::MAX), ..Limits::default() },
+            Limits { max_concurrent: Some(MAX_LIMIT + 1), ..Limits::default() },
+            Limits { max_runs_per_minute: Some(u64::MAX), ..Limits::default() },
+        ] {
+            assert!(l.validate().is_err_and(|m| m.contains("at most")), "{l:?}");
+        }
+        assert!(Limits { max_tokens: Some(1), ..Limits::default() }.validate().is_err());
+        assert!(Limits { max_tokens: Some(1), period_sec: Some(0), ..Limits::default() }.validate().is_err());
+    }
 }

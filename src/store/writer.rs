@@ -55,6 +55,9 @@ impl StoreMetrics {
             )?,
             write_errors: IntCounter::new("clawmux_store_write_errors_total", "Run store writes that failed")?,
         };
+        for o in ["ok", "failed"] {
+            m.commits.with_label_values(&[o]);
+        }
         registry.register(Box::new(m.commits.clone()))?;
         registry.register(Box::new(m.batch_size.clone()))?;
         registry.register(Box::new(m.commit_seconds.clone()))?;
