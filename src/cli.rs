@@ -1,4 +1,4 @@
-//! The command line: `serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`.
+//! The command line: `serve`, `demo`, `replay-gateway`, `doctor`, `healthcheck`, `load`, `record`.
 
 use crate::config::{Config, LogFormat};
 use crate::server;
@@ -138,11 +138,25 @@ pub enum Command {
         #[arg(long)]
         note: Option<String>,
     },
-    /// Print the effective configuration (secrets redacted) and check the gateway.
+    /// Print the effective configuration (secrets redacted) and check the run store, the
+    /// gateway and the LLM upstream. Exit 0 when all are usable, 1 otherwise.
     Doctor {
         /// TOML configuration file.
         #[arg(long)]
         config: Option<PathBuf>,
+    },
+    /// Probe a running `serve`'s `/healthz` (the container image's HEALTHCHECK; the image has no
+    /// curl). Exit 0 on a 2xx answer within the timeout, 1 otherwise.
+    Healthcheck {
+        /// TOML configuration file (its `listen` names the address to probe).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// URL to probe instead (default: `/healthz` on `CLAWMUX_LISTEN`, a wildcard address on loopback).
+        #[arg(long)]
+        url: Option<String>,
+        /// Seconds to wait for the answer.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300))]
+        timeout_sec: u64,
     },
     /// API keys (in the run store, `CLAWMUX_STORE_URL`): scoped to billing accounts and actions.
     Keys {
@@ -330,6 +344,16 @@ pub fn main() -> i32 {
             };
             run_system_code(doctor(cfg))
         }
+        Command::Healthcheck { config, url, timeout_sec } => {
+            let url = match url {
+                Some(u) => u,
+                None => match load_config(config.as_ref()) {
+                    Ok(cfg) => crate::probe::healthz_url(cfg.listen),
+                    Err(code) => return code,
+                },
+            };
+            healthcheck(&url, Duration::from_secs(timeout_sec))
+        }
         Command::Keys { config, command } => match load_config(config.as_ref()) {
             Ok(cfg) => run_system_code(crate::admin_cli::keys(cfg, command)),
             Err(code) => code,
@@ -380,6 +404,25 @@ fn load(cfg: crate::load::LoadConfig, json: bool) -> i32 {
             }
         }
     })
+}
+
+/// `clawmux healthcheck`: silent when healthy (Docker keeps the output of every probe), one line
+/// on stderr when not.
+fn healthcheck(url: &str, timeout: Duration) -> i32 {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("clawmux healthcheck: cannot start the runtime: {e}");
+            return exit::FAILURE;
+        }
+    };
+    match runtime.block_on(crate::probe::healthz(url, timeout)) {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("clawmux healthcheck: unhealthy: {e}");
+            exit::FAILURE
+        }
+    }
 }
 
 /// SIGINT or SIGTERM.
@@ -491,6 +534,7 @@ async fn doctor(cfg: Config) -> i32 {
     }
     println!();
     let store_ok = doctor_store(&cfg).await;
+    let upstream_ok = doctor_upstream(&cfg).await;
     let Some(url) = cfg.gateway_url.clone() else {
         println!("gateway: NOT CONFIGURED. Fix: set CLAWMUX_GATEWAY_URL to the gateway's ws:// URL.");
         return exit::CONFIG;
@@ -520,10 +564,23 @@ async fn doctor(cfg: Config) -> i32 {
     };
     supervisor.do_send(clawmux_actors::supervisor::Disconnect);
     print!("{}", doctor_report(&url, &cfg, &snapshot, device.as_ref()));
-    match (snapshot.ready(), store_ok) {
-        (Ok(()), true) => exit::OK,
+    match (snapshot.ready(), store_ok, upstream_ok) {
+        (Ok(()), true, true) => exit::OK,
         _ => exit::FAILURE,
     }
+}
+
+/// Asks the LLM upstream for its model list with the proxy's key, when the proxy is configured;
+/// false when the proxy's calls could not work.
+async fn doctor_upstream(cfg: &Config) -> bool {
+    let Some(upstream) = cfg.llm_upstream_url.as_deref() else {
+        println!("llm upstream: not configured (the LLM proxy is off: set CLAWMUX_LLM_UPSTREAM_URL)\n");
+        return true;
+    };
+    let check = crate::probe::llm_upstream(upstream, cfg.llm_upstream_key.as_ref(), Duration::from_secs(10)).await;
+    let (report, ok) = crate::probe::upstream_report(upstream, &check);
+    println!("{report}");
+    ok
 }
 
 /// Opens the run store as `serve` would and says what it holds; false when it cannot be used.

@@ -27,7 +27,8 @@
 //!   - [`replay`]: the replay gateway (a fake OpenClaw gateway that replays recorded chat streams).
 //!   - [`load`]: the load driver (`clawmux load`): clawmux vs. the connection-per-call design.
 //!   - [`record`]: `clawmux record`: real gateway runs → a cassette.
-//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `load`, `record`);
+//!   - [`cli`]: the command line (`serve`, `demo`, `replay-gateway`, `doctor`, `healthcheck`,
+//!     `load`, `record`); [`probe`]: its HTTP probes (`healthcheck`, `doctor`'s LLM upstream check);
 //!     [`admin_cli`]: `keys` and `limits`, on the store directly; [`exit`]: the exit codes.
 
 pub mod admin_cli;
@@ -44,6 +45,7 @@ pub mod load;
 pub mod record;
 pub mod refname;
 pub mod relay;
+pub mod probe;
 pub mod proxy;
 pub mod replay;
 pub mod request;

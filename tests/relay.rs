@@ -1,7 +1,7 @@
 //! The git relay against a REAL Docker engine and real git (every test here is named `docker_…`).
 //!
 //! Each test starts its own plain container from the project's offline base image
-//! (`tests/support/docker-image.sh`: Debian minbase + git) with `--network none` and
+//! (`tests/support/docker-image.sh`: Debian minbase + git, python3) with `--network none` and
 //! `sleep infinity`, clones a host bare repository's bundle into `/workspace/repo` inside it, and
 //! drives [`GitRelay`] through the Docker API (bollard). Commits are made in the container's worktree
 //! with `docker exec` (standing in for the agent); the host bare repository is the remote; a fake
@@ -9,7 +9,7 @@
 //!
 //! Without a Docker engine or the image the tests print a skip line and pass, unless
 //! `CLAWMUX_REQUIRE_DOCKER=1` (tests/run.sh sets it), where they fail.
-//! Env: `CLAWMUX_BASE_IMAGE` (default `clawmux/base:bookworm-git`).
+//! Env: `CLAWMUX_BASE_IMAGE` (default `clawmux/base:bookworm`).
 //!
 //! `docker_gateway_agent_commit_is_relayed` is the end to end: the REAL OpenClaw gateway in a
 //! container (`tests/support/gateway-container.sh start DIR`, then `CLAWMUX_RELAY_GATEWAY_ENV=DIR/env`),
@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 // ------------------------------------------------------------------------------------------------
 
 fn image() -> String {
-    std::env::var("CLAWMUX_BASE_IMAGE").unwrap_or_else(|_| "clawmux/base:bookworm-git".to_owned())
+    std::env::var("CLAWMUX_BASE_IMAGE").unwrap_or_else(|_| "clawmux/base:bookworm".to_owned())
 }
 
 /// `Ok(())` when the engine answers and the image exists; otherwise skip (or fail when required).

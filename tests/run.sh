@@ -8,8 +8,8 @@
 # openclaw@2026.9.6 and openclaw@2026.4.12 from the npm registry (tests/support/install-openclaw.sh),
 # OpenClaw's protocol packages @openclaw/gateway-protocol and @openclaw/gateway-client, pinned
 # (tests/support/install-gateway-protocol.sh: the schema checks and the official-client suite),
-# and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io and debootstrap
-# (tests/support/docker.sh, docker-image.sh), iproute2 for the namespace test; schemathesis from
+# and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io, debootstrap and
+# docker-compose (tests/support/docker.sh, docker-image.sh, compose-stack.sh), iproute2 for the namespace test; schemathesis from
 # PyPI (tests/support/install-schemathesis.sh); Debian's chromium, chromium-driver and prometheus
 # (promtool) (tests/support/install-apt-tools.sh). Needs root for Docker, the network namespace,
 # the store-fault tests (read-only and tmpfs mounts) and the apt installs.
@@ -64,8 +64,10 @@ NETNS_NAME="cmx$$"
 GWC_DIR="$(mktemp -d /tmp/clawmux-gwc.XXXXXX)"
 CHAOS_DIR="$(mktemp -d /tmp/clawmux-gwchaos.XXXXXX)"
 RESTART_DIR="$(mktemp -d /tmp/clawmux-gwrestart.XXXXXX)"
+COMPOSE_DIR="$(mktemp -d /tmp/clawmux-compose.XXXXXX)"
 cleanup() {
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
+  tests/support/compose-stack.sh stop "$COMPOSE_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
   for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
@@ -74,7 +76,7 @@ cleanup() {
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
   # What the test processes left in their temporary directories (tests/common: temp_dir).
   rm -rf "${TMPDIR:-/tmp}/clawmux-tests"
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR" "$COMPOSE_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -169,5 +171,17 @@ tests/support/gateway-container.sh start "$GWC_DIR"
 CLAWMUX_REQUIRE_DOCKER=1 CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1 CLAWMUX_RELAY_GATEWAY_ENV="$GWC_DIR/env" \
   cargo test --locked --test relay -- docker_
 tests/support/gateway-container.sh stop "$GWC_DIR"
+
+say "the compose stack: clawmux, the gateway and LiteLLM in images built offline (images/)"
+# The same dockerd. Installs Debian's docker-compose when missing; builds the three images with
+# images/build.sh on the offline base, build containers on --network none, clawmux from the
+# release binary; brings images/compose.yaml up with images/compose.host.yaml (host networking:
+# this dockerd has no bridge); the fake LLM is LiteLLM's upstream. `stop` removes the stack's
+# containers and volumes and the images it built (the base image stays cached).
+cargo build --release --locked --bin clawmux
+tests/support/compose-stack.sh start "$COMPOSE_DIR"
+CLAWMUX_COMPOSE_ENV="$COMPOSE_DIR/env" CLAWMUX_REQUIRE_COMPOSE=1 \
+  cargo test --locked --test compose -- --test-threads=1 docker_compose_
+tests/support/compose-stack.sh stop "$COMPOSE_DIR"
 tests/support/docker.sh stop
 

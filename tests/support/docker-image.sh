@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The tests' base image, built offline: a minimal Debian with git, from the apt mirror this machine
-# is configured with (no registry pull, no host name in this file).
+# The tests' base image, built offline: a minimal Debian with git and python3, from the apt mirror
+# this machine is configured with (no registry pull, no host name in this file). It is the BASE
+# of every image the tests build (images/build.sh: clawmux, the gateway, LiteLLM) and the gateway
+# container of the relay tests; python3 is there for the LiteLLM image (one debootstrap for all).
 #
 #   tests/support/docker-image.sh            ensure the image exists; prints IMAGE=<name> on stdout
 #   tests/support/docker-image.sh --rebuild  rebuild the root tarball and re-import
@@ -8,24 +10,27 @@
 # Steps (each skipped when its result exists):
 #   1. the mirror: the first `deb` source of this machine's apt configuration that carries the
 #      suite (/etc/apt/sources.list.d/*.sources in deb822 form, then *.list and sources.list);
-#   2. `debootstrap --variant=minbase --include=git,ca-certificates SUITE ROOTFS MIRROR`
-#      (debootstrap is installed with apt when missing), apt caches and logs dropped;
-#   3. the root tarball, cached as CACHE/images/base-SUITE-git.tar;
-#   4. `docker import` as clawmux/base:SUITE-git (skipped when the image exists).
+#   2. `debootstrap --variant=minbase --include=PACKAGES SUITE ROOTFS MIRROR` with PACKAGES =
+#      git,ca-certificates,python3 (debootstrap is installed with apt when missing), apt caches
+#      and logs dropped;
+#   3. the root tarball, cached as CACHE/images/base-SUITE.tar (its package list beside it);
+#   4. `docker import` as clawmux/base:SUITE, labelled with the package list (skipped when the
+#      image exists with that label; an image or tarball of another package list is rebuilt).
 # Node 24 and openclaw are not in the image: tests/support/gateway-container.sh bind-mounts them
 # read-only from the cache (tests/support/install-openclaw.sh).
 #
 # Env: CLAWMUX_CACHE (default $HOME/.cache/clawmux), CLAWMUX_BASE_SUITE (default bookworm),
-#      CLAWMUX_BASE_IMAGE (default clawmux/base:<suite>-git), CLAWMUX_APT_MIRROR (override the
+#      CLAWMUX_BASE_IMAGE (default clawmux/base:<suite>), CLAWMUX_APT_MIRROR (override the
 #      mirror taken from the apt configuration).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE="${CLAWMUX_CACHE:-$HOME/.cache/clawmux}"
 SUITE="${CLAWMUX_BASE_SUITE:-bookworm}"
-IMAGE="${CLAWMUX_BASE_IMAGE:-clawmux/base:$SUITE-git}"
+IMAGE="${CLAWMUX_BASE_IMAGE:-clawmux/base:$SUITE}"
 DIR="$CACHE/images"
-TARBALL="$DIR/base-$SUITE-git.tar"
+TARBALL="$DIR/base-$SUITE.tar"
+PACKAGES=git,ca-certificates,python3
 
 say() { printf 'docker-image.sh: %s\n' "$*" >&2; }
 die() { say "$*"; exit 1; }
@@ -102,7 +107,10 @@ sys.exit(1)
 PY
 }
 
-image_exists() { docker image inspect "$IMAGE" >/dev/null 2>&1; }
+image_exists() {
+  [ "$(docker image inspect -f '{{index .Config.Labels "clawmux.base.packages"}}' "$IMAGE" 2>/dev/null)" = "$PACKAGES" ]
+}
+tarball_ok() { [ -s "$TARBALL" ] && [ "$(cat "$TARBALL.packages" 2>/dev/null)" = "$PACKAGES" ]; }
 
 "$HERE/docker.sh" ensure
 
@@ -116,15 +124,15 @@ mkdir -p "$DIR"
 exec 9>"$DIR/.lock"
 flock 9
 
-if [ "$REBUILD" = 1 ] || [ ! -s "$TARBALL" ]; then
+if [ "$REBUILD" = 1 ] || ! tarball_ok; then
   MIRROR="${CLAWMUX_APT_MIRROR:-$(apt_mirror "$SUITE" || true)}"
   [ -n "$MIRROR" ] || die "no deb source for '$SUITE' in this machine's apt configuration; set CLAWMUX_APT_MIRROR"
   "$HERE/docker.sh" apt-install debootstrap
   ROOTFS="$DIR/rootfs-$SUITE.tmp"
   rm -rf "$ROOTFS"
-  say "debootstrap --variant=minbase --include=git,ca-certificates $SUITE (mirror from the apt configuration)"
+  say "debootstrap --variant=minbase --include=$PACKAGES $SUITE (mirror from the apt configuration)"
   t0="$(now)"
-  if ! debootstrap --variant=minbase --include=git,ca-certificates "$SUITE" "$ROOTFS" "$MIRROR" \
+  if ! debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" "$MIRROR" \
     >"$DIR/debootstrap.log" 2>&1; then
     tail -n 30 "$DIR/debootstrap.log" >&2
     die "debootstrap failed (log: $DIR/debootstrap.log)"
@@ -138,6 +146,7 @@ if [ "$REBUILD" = 1 ] || [ ! -s "$TARBALL" ]; then
   t0="$(now)"
   tar --numeric-owner -C "$ROOTFS" -cf "$TARBALL.tmp" .
   mv -f "$TARBALL.tmp" "$TARBALL"
+  printf '%s' "$PACKAGES" >"$TARBALL.packages"
   rm -rf "$ROOTFS"
   say "root tarball $TARBALL ($(du -m "$TARBALL" | cut -f1) MB) in $(elapsed "$t0") s"
 fi
@@ -148,7 +157,8 @@ if [ "$REBUILD" = 1 ] || ! image_exists; then
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["/bin/bash"]' \
-    --message "clawmux test base: debootstrap minbase $SUITE + git" \
+    --change "LABEL clawmux.base.packages=$PACKAGES" \
+    --message "clawmux test base: debootstrap minbase $SUITE + $PACKAGES" \
     "$TARBALL" "$IMAGE" >/dev/null
   say "imported $IMAGE in $(elapsed "$t0") s ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{ printf "%.0f MB", $1 / 1e6 }'))"
 fi
