@@ -390,13 +390,14 @@ async fn browser_shows_markup_in_runs_as_text_and_runs_none_of_it() {
     let base = base(&running);
     let c = reqwest::Client::new();
     wait_ready(&c, &base, Duration::from_secs(10)).await;
-    // The replay gateway echoes a message's first line into the run's output; a model it does not
-    // know comes back in the run's error message.
+    // The replay gateway echoes a message's first line into the run's output; a model whose
+    // provider it does not know comes back in the run's error message (2026.9.6 takes any bare
+    // model id, so the payload is the provider).
     let script = r#"<script>window.__xss="script";document.title="owned"</script>"#;
     let img = r#"<img src=x onerror="window.__xss='img';document.title='owned'">"#;
     let doc = run_to_end(&c, &base, json!({"message": format!("{script}{img}</pre><b>bold</b>"), "billingAccountId": "acct-x", "runId": "run-xss"})).await;
     assert!(doc["content"].as_str().is_some_and(|t| t.contains(img)), "the payload is in the output: {doc}");
-    let doc = run_to_end(&c, &base, json!({"message": "hi", "billingAccountId": "acct-x", "runId": "run-xss-model", "model": img})).await;
+    let doc = run_to_end(&c, &base, json!({"message": "hi", "billingAccountId": "acct-x", "runId": "run-xss-model", "model": format!("{img}/m")})).await;
     assert!(doc["error"]["message"].as_str().is_some_and(|m| m.contains(img)), "the payload is in the error: {doc}");
 
     let untouched = "return [window.__xss === undefined, document.title.startsWith('clawmux')];";
@@ -417,7 +418,7 @@ async fn browser_shows_markup_in_runs_as_text_and_runs_none_of_it() {
     b.goto(&format!("{base}/ui/run?id=run-xss-model")).await;
     b.wait_for("the error", PAGE, "return document.getElementById('error-message').textContent;", |v| v.as_str().is_some_and(|s| s.contains(img))).await;
     assert_eq!(b.js("return document.querySelectorAll('#run-error img, #model img').length;", json!([])).await, json!(0));
-    assert_eq!(b.text("#model").await, img);
+    assert_eq!(b.text("#model").await, format!("{img}/m"));
     assert_eq!(b.js(untouched, json!([])).await, json!([true, true]));
 
     b.quit().await;
