@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 C="${1:-1000}"; RUNS="${2:-3000}"
+# BENCH_STORE_URL (memory:; e.g. sqlite:///tmp/x.db) is the store clawmux writes to.
 # BENCH_NICE=1 runs the load driver and the replay gateway at nice 19, so that clawmux gets the CPU
 # it would have on a machine of its own (all three share 2 cores here).
 NICE=""; [ "${BENCH_NICE:-0}" = 1 ] && NICE="nice -n 19"
@@ -24,7 +25,7 @@ CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn $NICE "$BIN" replay-gateway --cas
 GW_PID=$!
 sleep 0.5
 CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$GW_PORT" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$CM_PORT" \
-  CLAWMUX_DEVICE_IDENTITY=off CLAWMUX_LOG=warn "$BIN" serve >/dev/null 2>&1 &
+  CLAWMUX_STORE_URL="${BENCH_STORE_URL:-memory:}" CLAWMUX_DEVICE_IDENTITY=off CLAWMUX_LOG=warn "$BIN" serve >/dev/null 2>&1 &
 CM_PID=$!
 for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$CM_PORT/readyz" >/dev/null 2>&1 && break; sleep 0.1; done
 timeout 300 $NICE "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 \

@@ -17,7 +17,8 @@
 #
 # Knobs (env): BENCH_REPS (3), BENCH_LEVELS ("10 100 1000"), BENCH_OUT (BENCHMARKS.md),
 #   BENCH_SPEED (1 = recorded timing), BENCH_CRITERION (1), BENCH_PERCALL_1000_RUNS (1000), BENCH_CASSETTE,
-#   BENCH_GW_RSS_LIMIT_MB (6000: a per-call load is stopped when the gateway's buffers grow past it).
+#   BENCH_GW_RSS_LIMIT_MB (6000: a per-call load is stopped when the gateway's buffers grow past it),
+#   BENCH_STORE (sqlite: a fresh file per clawmux; or memory). The store's own cost: bench/store.sh.
 # The per-call design at concurrency 1000 makes the gateway send ~N x N frames (every socket gets
 # every run's events); it runs once (not 3 times) with a deadline and the memory guard above.
 set -euo pipefail
@@ -35,6 +36,10 @@ GW_RSS_LIMIT_MB="${BENCH_GW_RSS_LIMIT_MB:-6000}"
 BIN="$REPO/target/release/clawmux"
 WORK="$(mktemp -d /tmp/clawmux-bench.XXXXXX)"
 RESULTS="$WORK/results.jsonl"
+# The store is explicit (never the user's ~/.local/share/clawmux): a fresh SQLite file per clawmux,
+# the default a user gets; BENCH_STORE=memory measures without it (bench/store.sh compares both).
+STORE_URL=""
+next_store() { if [ "${BENCH_STORE:-sqlite}" = memory ]; then STORE_URL="memory:"; else STORE_URL="sqlite://$WORK/store-$RANDOM$RANDOM.db"; fi; }
 : >"$RESULTS"
 STARTED_AT="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 T0=$(date +%s)
@@ -91,9 +96,10 @@ start_gateway() {
 
 start_clawmux() {
   stop_pid "$CM_PID"
+  next_store
   CM_PORT="$(free_port)"
   CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$GW_PORT" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$CM_PORT" \
-    CLAWMUX_LOG=warn "$BIN" serve >>"$WORK/clawmux.log" 2>&1 &
+    CLAWMUX_STORE_URL="$STORE_URL" HOME="$WORK" CLAWMUX_LOG=warn "$BIN" serve >>"$WORK/clawmux.log" 2>&1 &
   CM_PID=$!
   wait_http "http://127.0.0.1:$CM_PORT/readyz" 30 || die "clawmux did not become ready (see $WORK/clawmux.log)"
 }

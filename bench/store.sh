@@ -9,17 +9,21 @@
 #    times each, alternating (a fresh clawmux per measurement). Reported: runs/s (`clawmux load`),
 #    clawmux's added latency p50/p99 (`clawmux_frame_to_client_seconds`: frame on the gateway
 #    socket -> delta stored and handed to the SSE clients), clawmux CPU, group-commit batch sizes.
+#    The same at a tenth of the frame rate (BENCH_LAT_SPEED, BENCH_LAT_RUNS), gateway and driver at
+#    nice 19: the p99 added latency with and without the store where clawmux is not starved of CPU.
 # 2. Restart: RESTART_RUNS runs in flight on a slow replay gateway (--speed 0.02: a run lasts ~27 s),
 #    `kill -9` of clawmux, start again on the same store: time from process start to `/readyz` 200
 #    (every stored run is re-admitted before the HTTP server listens), the resume itself (from the
 #    log), and the time until every run ended `final` after the restart.
 #
-# Knobs: BENCH_C (1000), BENCH_RUNS (3000), BENCH_REPS (2), BENCH_RESTART_RUNS (1000),
+# Knobs: BENCH_C (1000), BENCH_RUNS (3000), BENCH_REPS (2), BENCH_RESTART_RUNS (1000), BENCH_LAT_SPEED (0.1),
+# BENCH_LAT_RUNS (2000),
 # BENCH_OUT (BENCHMARKS.md). Every step is bounded; everything started is stopped by PID.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO="$(pwd)"
 C="${BENCH_C:-1000}"; RUNS="${BENCH_RUNS:-3000}"; REPS="${BENCH_REPS:-2}"; RESTART_RUNS="${BENCH_RESTART_RUNS:-1000}"
+LAT_SPEED="${BENCH_LAT_SPEED:-0.1}"; LAT_RUNS="${BENCH_LAT_RUNS:-2000}"
 OUT="${BENCH_OUT:-BENCHMARKS.md}"
 BIN="$REPO/target/release/clawmux"
 WORK="$(mktemp -d /tmp/clawmux-bench-store.XXXXXX)"
@@ -42,10 +46,10 @@ say "build (release)"
 cargo build --release --locked --bin clawmux 2>&1 | tail -1 >&2
 TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 
-start_gateway() { # SPEED
+start_gateway() { # SPEED [NICE]
   stop_pid "$GW_PID"
   GW_PORT="$(free_port)"
-  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$BIN" replay-gateway --cassette tests/cassettes/openclaw-2026.9.6-short.jsonl \
+  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn ${2:-} "$BIN" replay-gateway --cassette tests/cassettes/openclaw-2026.9.6-short.jsonl \
     --listen "127.0.0.1:$GW_PORT" --speed "$1" --deltas 20 >>"$WORK/gateway.log" 2>&1 &
   GW_PID=$!
   sleep 0.5
@@ -72,23 +76,24 @@ for line in sys.stdin:
 print(json.dumps(out))'
 }
 
-say "store cost: C=$C, $RUNS runs, $REPS reps per store"
-for rep in $(seq 1 "$REPS"); do
+measure() { # CASE SPEED RUNS NICE: every store REPS times, alternating, a fresh clawmux each time
+  local case="$1" speed="$2" runs="$3" nice="$4" rep store url
+  for rep in $(seq 1 "$REPS"); do
   for store in memory sqlite; do
-    start_gateway 1
+    start_gateway "$speed" "$nice"
     CM_PORT="$(free_port)"
-    url="memory:"; [ "$store" = sqlite ] && url="sqlite://$WORK/cost-$rep.db"
-    start_clawmux "$url" "$WORK/clawmux-cost.log"
+    url="memory:"; [ "$store" = sqlite ] && url="sqlite://$WORK/$case-$rep.db"
+    start_clawmux "$url" "$WORK/clawmux-$case.log"
     wait_http "http://127.0.0.1:$CM_PORT/readyz" 30 || die "clawmux did not start"
     # Warm-up, not measured; then a fresh counter for the measured load.
-    timeout 120 "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$C" --concurrency "$C" --timeout-sec 60 --deadline-sec 60 --json --no-progress >/dev/null 2>&1 || true
+    timeout 120 $nice "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$C" --concurrency "$C" --timeout-sec 60 --deadline-sec 60 --json --no-progress >/dev/null 2>&1 || true
     before="$(metric_snapshot)"; cpu0="$(cpu_ticks "$CM_PID")"
-    timeout 300 "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 --deadline-sec 240 \
-      --json --no-progress >"$WORK/load-$store-$rep.json" 2>/dev/null || true
+    timeout 300 $nice "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$runs" --concurrency "$C" --timeout-sec 60 --deadline-sec 240 \
+      --json --no-progress >"$WORK/load-$case-$store-$rep.json" 2>/dev/null || true
     cpu1="$(cpu_ticks "$CM_PID")"; after="$(metric_snapshot)"
-    python3 - "$store" "$rep" "$WORK/load-$store-$rep.json" "$before" "$after" "$cpu0" "$cpu1" "$CLK_TCK" >>"$RESULTS" <<'PY'
+    python3 - "$case" "$store" "$rep" "$WORK/load-$case-$store-$rep.json" "$before" "$after" "$cpu0" "$cpu1" "$CLK_TCK" >>"$RESULTS" <<'PY'
 import json, sys
-store, rep, path, before, after, c0, c1, tck = sys.argv[1:]
+case, store, rep, path, before, after, c0, c1, tck = sys.argv[1:]
 load = json.load(open(path))
 b, a = json.loads(before), json.loads(after)
 def quantiles(name):
@@ -101,15 +106,25 @@ def quantiles(name):
 def mean(name):
     n = a.get(name + "_count", 0) - b.get(name + "_count", 0)
     return (a.get(name + "_sum", 0) - b.get(name + "_sum", 0)) / n if n else None
-print(json.dumps({"case": "cost", "store": store, "rep": int(rep), "runsPerSec": load.get("runsPerSec"), "finals": load.get("finals"),
+print(json.dumps({"case": case, "store": store, "rep": int(rep), "runsPerSec": load.get("runsPerSec"), "finals": load.get("finals"),
                   "errors": load.get("errors"), "violations": load.get("isolationViolations"),
-                  "latency": quantiles("clawmux_frame_to_client_seconds"), "commit": quantiles("clawmux_store_commit_seconds"),
+                  "latency": quantiles("clawmux_frame_to_client_seconds"), "latencyMean": mean("clawmux_frame_to_client_seconds"), "commit": quantiles("clawmux_store_commit_seconds"),
                   "batchMean": mean("clawmux_store_batch_writes"), "cpuSec": (int(c1) - int(c0)) / int(tck)}))
 PY
     tail -1 "$RESULTS" >&2
     stop_pid "$CM_PID"; CM_PID=""
   done
-done
+  done
+}
+
+say "store cost: C=$C, $RUNS runs at recorded speed, $REPS reps per store"
+measure cost 1 "$RUNS" ""
+# At recorded speed C=1000 saturates both cores (three processes), so p99 is queueing in buckets
+# hundreds of ms wide. The same 1000 concurrent runs at a tenth of the frame rate, with the gateway
+# and the load driver at nice 19, leave clawmux the CPU it would have on its own machine: there
+# p99 is clawmux's own added latency, and the store's share of it can be read.
+say "store latency: C=$C, $LAT_RUNS runs at speed $LAT_SPEED, gateway and driver at nice 19"
+measure latency "$LAT_SPEED" "$LAT_RUNS" "nice -n 19"
 
 say "restart: $RESTART_RUNS runs in flight, kill -9, start again"
 start_gateway 0.02
@@ -157,7 +172,7 @@ tail -1 "$RESULTS" >&2
 stop_pid "$CM_PID"; CM_PID=""; stop_pid "$GW_PID"; GW_PID=""
 
 say "writing the store section of $OUT"
-python3 - "$RESULTS" "$OUT" "$STARTED_AT" "$C" "$RUNS" "$REPS" <<'PY'
+LAT_SPEED="$LAT_SPEED" python3 - "$RESULTS" "$OUT" "$STARTED_AT" "$C" "$RUNS" "$REPS" <<'PY'
 import json, statistics, subprocess, sys, re, os
 res, out, started, c, runs, reps = sys.argv[1:]
 rows = [json.loads(l) for l in open(res) if l.strip()]
@@ -166,11 +181,12 @@ commit = sh("git rev-parse --short HEAD")
 cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-").strip()
 med = lambda xs: statistics.median([x for x in xs if x is not None]) if [x for x in xs if x is not None] else None
 cost = {s: [r for r in rows if r["case"] == "cost" and r["store"] == s] for s in ("memory", "sqlite")}
+lat = {s: [r for r in rows if r["case"] == "latency" and r["store"] == s] for s in ("memory", "sqlite")}
 def summ(rs):
     return {"rps": med([r["runsPerSec"] for r in rs]), "p50": med([r["latency"]["p50"] for r in rs]),
             "p99": med([r["latency"]["p99"] for r in rs]), "cpu": med([r["cpuSec"] for r in rs]),
             "batch": med([r["batchMean"] for r in rs]), "c50": med([r["commit"]["p50"] for r in rs]), "c99": med([r["commit"]["p99"] for r in rs]),
-            "finals": sum(r["finals"] or 0 for r in rs), "errors": sum(r["errors"] or 0 for r in rs),
+            "mean": med([r["latencyMean"] for r in rs]), "finals": sum(r["finals"] or 0 for r in rs), "errors": sum(r["errors"] or 0 for r in rs),
             "violations": sum(r["violations"] or 0 for r in rs)}
 m, q = summ(cost["memory"]), summ(cost["sqlite"])
 ms = lambda x: "n/a" if x is None else f"{x * 1000:g} ms"
@@ -197,6 +213,17 @@ if m["p99"] is not None and q["p99"] is not None:
                  "store, sets p99 here. The target **cannot be judged** from this run; the commit latency column is the store's own share.")
     else:
         L.append(f"- p99 added latency grows by {d:g} ms with SQLite (target < 2 ms; bucket bounds): **{'MET' if d < 2 else 'MISSED'}**.")
+lm, lq = summ(lat["memory"]), summ(lat["sqlite"])
+if lm["p99"] is not None and lq["p99"] is not None:
+    L += ["", f"The same {c} concurrent runs at a tenth of the frame rate (`--speed {os.environ.get('LAT_SPEED', '0.1')}`, gateway and load driver",
+          "at nice 19, so clawmux has the CPU it would have on a machine of its own):", "",
+          "| store | added latency p50 / p99 / mean | commit p50 / p99 | clawmux CPU s | finals / errors / violations |", "|---|---|---|---|---|"]
+    for name, s in (("memory:", lm), ("sqlite://", lq)):
+        L.append(f"| `{name}` | {ms(s['p50'])} / {ms(s['p99'])} / {ms(s['mean'])} | {ms(s['c50'])} / {ms(s['c99'])} | {s['cpu'] and round(s['cpu'], 2)} | "
+                 f"{s['finals']} / {s['errors']} / {s['violations']} |")
+    d = (lq["p99"] - lm["p99"]) * 1000
+    verdict = "MET" if d < 2 else "MISSED"
+    L += ["", f"- p99 added latency grows by {d:g} ms with SQLite here (bucket upper bounds; target < 2 ms): **{verdict}**."]
 r = next((r for r in rows if r["case"] == "restart"), None)
 if r:
     L += ["", f"Restart: {r['runs']} runs in flight on a slow replay gateway (`--speed 0.02`), `kill -9`, start on the same",
