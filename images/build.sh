@@ -56,11 +56,13 @@ if [ -n "${DOCKER_BUILD_NETWORK:-}" ]; then NETWORK_ARGS=(--network "$DOCKER_BUI
 STAGES=()
 cleanup() { for d in "${STAGES[@]}"; do rm -rf "$d"; done; }
 trap cleanup EXIT
-stage() { # a fresh staging directory, removed on exit
+# new_stage VAR: a fresh staging directory in VAR, removed on exit. Not `$(stage)`: a command
+# substitution is a subshell, whose STAGES+= the exit trap never sees (each build leaked ~1 GB).
+new_stage() {
   local d
   d="$(mktemp -d "${TMPDIR:-/tmp}/clawmux-image.XXXXXX")"
   STAGES+=("$d")
-  echo "$d"
+  printf -v "$1" '%s' "$d"
 }
 # link_or_copy SRC DST: a hard-linked copy of a tree when on one filesystem, else a real copy
 link_or_copy() { cp -al "$1" "$2" 2>/dev/null || { rm -rf "$2"; cp -a "$1" "$2"; }; }
@@ -89,7 +91,7 @@ build_clawmux() {
     fi
   fi
   [ -x "$bin" ] || die "no clawmux binary at $bin"
-  ctx="$(stage)"
+  new_stage ctx
   # debug info out (the release profile keeps line tables: ~100 MB), symbols in (named frames
   # in a backtrace)
   if command -v strip >/dev/null; then strip --strip-debug -o "$ctx/clawmux" "$bin"; else cp "$bin" "$ctx/clawmux"; fi
@@ -105,7 +107,7 @@ build_openclaw() {
   mjs="$(printf '%s\n' "$out" | sed -n 's/^CLAWMUX_OPENCLAW_MJS=//p')"
   prefix="${mjs%%/node_modules/*}"
   [ -x "$node_bin" ] && [ -d "$prefix/node_modules/openclaw" ] || die "node ($node_bin) or openclaw ($prefix) missing"
-  ctx="$(stage)"
+  new_stage ctx
   cp "$node_bin" "$ctx/node"
   mkdir "$ctx/openclaw"
   cp "$prefix/package.json" "$ctx/openclaw/"
@@ -124,7 +126,7 @@ build_litellm() {
   site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   ver="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   [ -d "$site/litellm" ] || die "no litellm package in $site"
-  ctx="$(stage)"
+  new_stage ctx
   link_or_copy "$site" "$ctx/site-packages"
   # redis (a LiteLLM dependency) imports async-timeout on CPython < 3.11.3, which is what
   # bookworm's python3 is (3.11.2); pip resolved the venv on a newer 3.11 and left it out
