@@ -19,6 +19,7 @@
 #   BENCH_SPEED (1 = recorded timing), BENCH_CRITERION (1), BENCH_PERCALL_1000_RUNS (1000), BENCH_CASSETTE,
 #   BENCH_GW_RSS_LIMIT_MB (6000: a per-call load is stopped when the gateway's buffers grow past it),
 #   BENCH_STORE (sqlite: a fresh file per clawmux; or memory). The store's own cost: bench/store.sh.
+#   BENCH_STORE_SECTION (1: then bench/store.sh adds the store section).
 # The per-call design at concurrency 1000 makes the gateway send ~N x N frames (every socket gets
 # every run's events); it runs once (not 3 times) with a deadline and the memory guard above.
 set -euo pipefail
@@ -374,3 +375,9 @@ print(f"wrote {out}", file=sys.stderr)
 PY
 cp "$RESULTS" "$REPO/bench/last-results.jsonl"
 say "done in ${ELAPSED}s; raw rows in bench/last-results.jsonl, logs in $WORK"
+# The run store's cost (memory: vs sqlite://) and the restart figure: bench/store.sh adds its own
+# section to the file just written (BENCH_STORE_SECTION=0 skips it).
+if [ "${BENCH_STORE_SECTION:-1}" = 1 ]; then
+  cleanup; CM_PID=""; GW_PID=""
+  BENCH_OUT="$OUT" bench/store.sh
+fi
