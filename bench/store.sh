@@ -145,7 +145,7 @@ PY
 # Until every run is running on the gateway (accepted), bounded.
 for _ in $(seq 1 600); do
   n="$(curl -fsS "http://127.0.0.1:$CM_PORT/v1/runs?status=running&limit=500" | python3 -c 'import json,sys; print(sum(1 for r in json.load(sys.stdin)["runs"] if r["gatewayRunId"]))')"
-  [ "$n" -ge 500 ] && break; sleep 0.1
+  [ "$n" -ge "$(( RESTART_RUNS / 2 < 500 ? RESTART_RUNS / 2 : 500 ))" ] && break; sleep 0.1
 done
 sleep 2
 kill -KILL "$CM_PID"; wait "$CM_PID" 2>/dev/null || true; CM_PID=""
@@ -189,7 +189,7 @@ def summ(rs):
             "mean": med([r["latencyMean"] for r in rs]), "finals": sum(r["finals"] or 0 for r in rs), "errors": sum(r["errors"] or 0 for r in rs),
             "violations": sum(r["violations"] or 0 for r in rs)}
 m, q = summ(cost["memory"]), summ(cost["sqlite"])
-ms = lambda x: "n/a" if x is None else f"{x * 1000:g} ms"
+ms = lambda x: "n/a" if x is None else f"{round(x * 1000, 3):g} ms"
 L = ["<!-- store:begin -->", "## Run store (bench/store.sh)", "",
      f"`bench/store.sh` on {started}, commit `{commit}`, {sh('nproc')} cores ({cpu}); clawmux, the replay gateway",
      "and the load driver share them. Added latency = `clawmux_frame_to_client_seconds`: a chat frame's",
