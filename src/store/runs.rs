@@ -5,6 +5,7 @@
 use super::live::RunLog;
 use super::memory::MemoryStore;
 use super::notes::EndNotes;
+use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
@@ -105,9 +106,15 @@ impl RunStore {
                 let s = Arc::new(SqliteStore::open(path).await?);
                 (s.clone(), s)
             }
+            StoreUrl::Postgres { url, display } => {
+                let s = Arc::new(PgStore::open(url.expose(), display).await?);
+                (s.clone(), s)
+            }
         };
+        // Notes are a file next to an SQLite store; a PostgreSQL store is shared by replicas that
+        // share no file.
         let notes = match url {
-            StoreUrl::Memory => None,
+            StoreUrl::Memory | StoreUrl::Postgres { .. } => None,
             StoreUrl::Sqlite(path) => Some(Arc::new(EndNotes::open(path).map_err(StoreError)?)),
         };
         Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes))
