@@ -279,3 +279,61 @@ async fn pg_stopped_mid_load_admission_answers_503_with_retry_after_then_recover
     }
     assert!(!app.log().contains(&password_of(&pg.url)), "the database password is in the log");
 }
+
+/// `clawmux doctor` against `store_url` (and the replay gateway); its output and exit status. On
+/// a thread of its own: the replay gateway runs on the test's runtime.
+async fn doctor(gw: &ReplayHandle, store_url: &str) -> (String, bool) {
+    let (gw_url, store_url) = (gw.url(), store_url.to_owned());
+    tokio::task::spawn_blocking(move || doctor_blocking(&gw_url, &store_url)).await.unwrap()
+}
+
+fn doctor_blocking(gw_url: &str, store_url: &str) -> (String, bool) {
+    let home = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
+        .arg("doctor")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", home.path())
+        .env("CLAWMUX_GATEWAY_URL", gw_url)
+        .env("CLAWMUX_GATEWAY_TOKEN", GW_TOKEN)
+        .env("CLAWMUX_DEVICE_IDENTITY", "off")
+        .env("CLAWMUX_STORE_URL", store_url)
+        .output()
+        .unwrap();
+    (format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)), out.status.success())
+}
+
+#[actix_rt::test]
+async fn doctor_reports_an_sqlite_store_with_its_schema_version() {
+    let gw = gateway_at(1.0);
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("runs.db").display());
+    let (out, ok) = doctor(&gw, &url).await;
+    assert!(ok, "{out}");
+    assert!(out.contains(&format!("store ({url}): OK, sqlite kind, reachable, schema version 2, 0 unfinished")), "{out}");
+}
+
+#[actix_rt::test]
+async fn pg_doctor_reports_the_store_without_its_password() {
+    let Some(server) = server_url("pg_doctor") else { return };
+    let url = clawmux::store::postgres::create_test_database(&server, "cmx_doctor").await.unwrap();
+    let password = password_of(&url);
+    let gw = gateway_at(1.0);
+    let (out, ok) = doctor(&gw, &url).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("OK, postgres kind, reachable, schema version 2, 0 unfinished"), "{out}");
+    assert!(out.contains("postgres://clawmux@127.0.0.1:"), "{out}");
+    assert!(!out.contains(&password), "the password is in doctor's output:\n{out}");
+    // A wrong password: not reachable, and neither password is shown.
+    let wrong = url.replace(&password, "not-the-password-42");
+    let (out, ok) = doctor(&gw, &wrong).await;
+    assert!(!ok, "{out}");
+    assert!(out.contains("FAILED, postgres kind, not reachable") && out.contains("Fix:"), "{out}");
+    assert!(!out.contains(&password) && !out.contains("not-the-password-42"), "a password is in doctor's output:\n{out}");
+    // A server that is not there: the same, in bounded time.
+    let port = child::free_port();
+    let t0 = Instant::now();
+    let (out, ok) = doctor(&gw, &format!("postgres://clawmux:secret-pw-7@127.0.0.1:{port}/clawmux")).await;
+    assert!(!ok && out.contains("not reachable") && !out.contains("secret-pw-7"), "{out}");
+    assert!(t0.elapsed() < Duration::from_secs(60), "doctor took {:?}", t0.elapsed());
+}

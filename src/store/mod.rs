@@ -393,6 +393,20 @@ pub trait Store: Send + Sync + 'static {
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError>;
     /// Deletes finished runs past the retention; returns their run ids.
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError>;
+    /// The schema version the store has and the newest this build knows (`None`: no schema, as
+    /// `memory:`). Reading it proves the store answers (`doctor`).
+    async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// A durable store's schema version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaVersion {
+    /// Migrations applied to the store.
+    pub applied: i64,
+    /// Migrations this build has.
+    pub known: i64,
 }
 
 /// `CLAWMUX_STORE_URL`.

@@ -9,7 +9,7 @@
 //! of a batch go in with one statement.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SpecRecord, Store, StoreError, StoredEvent, Write};
+use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row, Transaction};
 use std::collections::HashMap;
@@ -26,6 +26,9 @@ const POOL_SIZE: u32 = 16;
 /// How long a caller waits for a connection before the store counts as unavailable (admission
 /// answers `503` rather than hanging while the database is down).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long the first connection at start may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a webhook delivery a replica took is not handed to another one.
 const DELIVERY_CLAIM_MS: i64 = 60_000;
@@ -45,6 +48,13 @@ impl PgStore {
     pub async fn open(url: &str, display: &str) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| StoreError(format!("the run store {display} {what}: {e}"));
         let options = PgConnectOptions::from_str(url).map_err(|e| fail("has an invalid URL", &redact(&e.to_string(), url)))?;
+        // One connection first, for its own error: the pool would only say it timed out.
+        let first: Result<sqlx::PgConnection, sqlx::Error> =
+            match tokio::time::timeout(CONNECT_TIMEOUT, sqlx::Connection::connect_with(&options)).await {
+                Ok(r) => r,
+                Err(_) => return Err(fail("cannot be reached", &format!("no answer within {CONNECT_TIMEOUT:?}"))),
+            };
+        sqlx::Connection::close(first.map_err(|e| fail("cannot be reached", &e))?).await.map_err(|e| fail("cannot be reached", &e))?;
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(ACQUIRE_TIMEOUT)
@@ -60,20 +70,6 @@ impl PgStore {
     /// The connection pool (replica coordination shares it).
     pub fn pool(&self) -> &PgPool {
         &self.pool
-    }
-
-    /// The highest schema version applied.
-    pub async fn schema_version(&self) -> Result<i64, StoreError> {
-        sqlx::query_scalar::<_, Option<i64>>("SELECT max(version) FROM _sqlx_migrations WHERE success")
-            .fetch_one(&self.pool)
-            .await
-            .map(Option::unwrap_or_default)
-            .map_err(|e| self.err(e))
-    }
-
-    /// The newest schema version this build knows.
-    pub fn known_schema_version() -> i64 {
-        MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
     }
 
     fn err(&self, e: impl std::fmt::Display) -> StoreError {
@@ -482,6 +478,15 @@ impl Store for PgStore {
         b.push(" ORDER BY seq DESC LIMIT ").push_bind(i64::try_from(q.limit).unwrap_or(i64::MAX));
         let rows = b.build().fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
         Ok(self.decode_rows(rows))
+    }
+
+    async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
+        let applied = sqlx::query_scalar::<_, Option<i64>>("SELECT max(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+            .unwrap_or_default();
+        Ok(Some(SchemaVersion { applied, known: MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0) }))
     }
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {

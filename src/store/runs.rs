@@ -165,6 +165,11 @@ impl RunStore {
         self.backend.kind()
     }
 
+    /// The backend's schema version (`None`: `memory:`); an error when it does not answer.
+    pub async fn schema(&self) -> Result<Option<super::SchemaVersion>, StoreError> {
+        self.backend.schema().await
+    }
+
     /// Stores a new run unless its run id or idempotency key is taken.
     pub async fn insert(&self, mut row: RunRow) -> Result<Insert, StoreError> {
         match self.writer.apply(Write::Insert(Box::new(row.clone()))).await? {

@@ -10,7 +10,7 @@
 //! Reads are short (by primary key, or a page of at most 500 rows) and run on the caller's thread.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SpecRecord, Store, StoreError, StoredEvent, Write};
+use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
 use std::collections::HashMap;
@@ -458,6 +458,11 @@ impl Store for SqliteStore {
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
         self.query_rows(UNFINISHED, Vec::new())
+    }
+
+    async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
+        let applied = self.read(|c| c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)))?;
+        Ok(Some(SchemaVersion { applied, known: MIGRATIONS.len() as i64 }))
     }
 
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
