@@ -484,3 +484,112 @@ async fn history_pages_have_a_cursor_only_when_more_runs_follow() {
     assert_eq!(page(4, None).await.1, None);
     assert_eq!(page(5, None).await.1, None);
 }
+
+/// Keys, limits, spend and the webhook outbox: the same on every backend.
+async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::TenantStore>) {
+    use super::tenants::{DeliveryOutcome, KeyRecord, Limits};
+    let kind = s.kind();
+    let key = |id: &str, at: i64| KeyRecord {
+        id: id.to_owned(),
+        name: format!("key {id}"),
+        secret_sha256: "ab".repeat(32),
+        accounts: vec!["acct-a".into(), "acct-b".into()],
+        actions: vec!["run".into(), "read".into()],
+        webhook_secret: "whsec_x".into(),
+        webhook_url: Some("https://hooks.example.com/k".into()),
+        created_at_ms: at,
+        revoked_at_ms: None,
+    };
+    t.create_key(&key("k2", 2)).await.expect("create");
+    t.create_key(&key("k1", 1)).await.expect("create");
+    assert!(t.create_key(&key("k1", 3)).await.is_err(), "{kind}: a key id is unique");
+    assert_eq!(t.key("k1").await.expect("key"), Some(key("k1", 1)), "{kind}");
+    assert_eq!(t.keys().await.expect("keys").into_iter().map(|k| k.id).collect::<Vec<_>>(), ["k1", "k2"], "{kind}");
+    assert!(t.revoke_key("k1", 10).await.expect("revoke"), "{kind}");
+    assert!(t.revoke_key("k1", 20).await.expect("revoke again"), "{kind}");
+    assert_eq!(t.key("k1").await.expect("key").and_then(|k| k.revoked_at_ms), Some(10), "{kind}: the first revocation stays");
+    assert!(!t.revoke_key("nope", 1).await.expect("revoke"), "{kind}");
+
+    let limits = Limits { max_tokens: Some(1000), period_sec: Some(60), max_concurrent: Some(2), max_runs_per_minute: None };
+    assert_eq!(t.limits("acct-a").await.expect("limits"), None, "{kind}");
+    t.set_limits("acct-a", &Limits::default(), 1).await.expect("set");
+    t.set_limits("acct-a", &limits, 2).await.expect("set again");
+    assert_eq!(t.limits("acct-a").await.expect("limits"), Some(limits), "{kind}");
+    assert_eq!(t.all_limits().await.expect("all"), [("acct-a".to_owned(), limits)], "{kind}");
+
+    let spend = |tokens| Write::Spend { account: "acct-a".into(), window_start_ms: 60_000, tokens };
+    s.apply(&[spend(5), spend(7)]).await.expect("spend");
+    s.apply(&[spend(30)]).await.expect("spend");
+    assert_eq!(t.spend("acct-a", 60_000).await.expect("spend"), 42, "{kind}");
+    assert_eq!(t.spend("acct-a", 0).await.expect("spend"), 0, "{kind}");
+
+    insert(&*s, row("run-w", "acct-a", 1)).await;
+    let webhook = NewDelivery { url: "https://hooks.example.com/k".into(), key_id: Some("k2".into()), body: "{\"runId\":\"run-w\"}".into() };
+    s.apply(&[Write::Append { run_id: "run-w".into(), event: Some(event(1, EventName::Final, "{}")), patch: finish(5), webhook: Some(webhook) }])
+        .await
+        .expect("end with a webhook");
+    let due = t.due_deliveries(super::now_ms() + 1_000, 10).await.expect("due");
+    assert_eq!(due.len(), 1, "{kind}");
+    assert_eq!((due[0].run_id.as_str(), due[0].key_id.as_deref(), due[0].body.as_str(), due[0].attempts), ("run-w", Some("k2"), "{\"runId\":\"run-w\"}", 0), "{kind}");
+    t.record_delivery(due[0].id, &DeliveryOutcome::Retry { next_at_ms: i64::MAX, error: "503".into() }, 1).await.expect("retry");
+    assert!(t.due_deliveries(super::now_ms() + 1_000, 10).await.expect("due").is_empty(), "{kind}: not due before its next attempt");
+    t.record_delivery(due[0].id, &DeliveryOutcome::Delivered, 2).await.expect("delivered");
+    assert_eq!(t.deliveries_of("run-w").await.expect("deliveries"), [(2, true, false, Some("503".into()))], "{kind}");
+}
+
+#[tokio::test]
+async fn tenant_rows_round_trip_on_memory_and_sqlite() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = Arc::new(SqliteStore::open(&dir.path().join("runs.db")).await.expect("sqlite opens"));
+    tenant_rows_round_trip(sqlite.clone(), sqlite).await;
+    let memory = Arc::new(MemoryStore::new());
+    tenant_rows_round_trip(memory.clone(), memory).await;
+}
+
+#[tokio::test]
+async fn pg_tenant_rows_round_trip() {
+    if let Some(url) = pg_url("pg_tenant_rows_round_trip").await {
+        let pg = Arc::new(open_pg(&url).await);
+        tenant_rows_round_trip(pg.clone(), pg).await;
+    }
+}
+
+/// A stored row that does not decode (its contents are input too): skipped and logged by reads,
+/// never a panic nor another run; an event of an unknown kind is an error naming the store.
+async fn unreadable_rows_are_skipped_and_never_panic(s: Arc<dyn Store>, corrupt: impl std::future::Future<Output = ()>) {
+    let kind = s.kind();
+    insert(&*s, row("good", "a", 1)).await;
+    insert(&*s, row("bad", "a", 2)).await;
+    s.apply(&[append("bad", Some(delta(1)), RunPatch::default())]).await.expect("event");
+    corrupt.await;
+    assert_eq!(s.run("bad").await.expect("read"), None, "{kind}");
+    assert_eq!(s.list(&ListQuery { limit: 10, ..ListQuery::default() }).await.expect("list").into_iter().map(|r| r.run_id).collect::<Vec<_>>(), ["good"], "{kind}");
+    assert_eq!(s.unfinished().await.expect("unfinished").len(), 1, "{kind}");
+    let e = s.events("bad", 0).await.expect_err("an unknown event kind");
+    assert!(e.0.contains("unknown kind") && e.0.contains("run store"), "{kind}: {e}");
+}
+
+#[tokio::test]
+async fn sqlite_unreadable_rows_are_skipped_and_never_panic() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("runs.db");
+    let s = Arc::new(SqliteStore::open(&path).await.expect("sqlite opens"));
+    let corrupt = async {
+        let c = rusqlite::Connection::open(&path).expect("open");
+        c.execute_batch("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'; UPDATE events SET name = 'nonsense' WHERE run_id = 'bad';").expect("corrupt");
+    };
+    unreadable_rows_are_skipped_and_never_panic(s, corrupt).await;
+}
+
+#[tokio::test]
+async fn pg_unreadable_rows_are_skipped_and_never_panic() {
+    if let Some(url) = pg_url("pg_unreadable_rows_are_skipped_and_never_panic").await {
+        let s = Arc::new(open_pg(&url).await);
+        let pool = s.pool().clone();
+        let corrupt = async move {
+            sqlx::query("UPDATE runs SET spec = '{not json', last_event_id = -5 WHERE run_id = 'bad'").execute(&pool).await.expect("corrupt");
+            sqlx::query("UPDATE events SET name = 'nonsense' WHERE run_id = 'bad'").execute(&pool).await.expect("corrupt");
+        };
+        unreadable_rows_are_skipped_and_never_panic(s, corrupt).await;
+    }
+}
