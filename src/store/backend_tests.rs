@@ -593,3 +593,35 @@ async fn pg_unreadable_rows_are_skipped_and_never_panic() {
         unreadable_rows_are_skipped_and_never_panic(s, corrupt).await;
     }
 }
+
+/// Not a test: `CLAWMUX_TEST_PG_URL=… cargo test --release -p clawmux --lib pg_batch_cost -- --ignored --nocapture`
+/// prints what a batch of events costs the PostgreSQL store on this machine (as
+/// `store::sqlite::probe` does for SQLite).
+#[tokio::test]
+#[ignore]
+async fn pg_batch_cost() {
+    let Some(url) = pg_url("pg_batch_cost").await else { return };
+    let s = open_pg(&url).await;
+    let inserts: Vec<Write> = (0..1000).map(|i| Write::Insert(Box::new(row(&format!("run-{i}"), "a", 1)))).collect();
+    s.apply(&inserts).await.expect("insert");
+    let mut id = 0u64;
+    for batch in [1usize, 10, 100, 1000] {
+        let rounds = 20_000 / batch;
+        let t0 = std::time::Instant::now();
+        for r in 0..rounds {
+            let writes: Vec<Write> = (0..batch)
+                .map(|i| {
+                    id += 1;
+                    append(&format!("run-{}", (r * batch + i) % 1000), Some(event(1_000_000 + id, EventName::TextDelta, "{\"text\":\"hello world, a delta\"}")), RunPatch::default())
+                })
+                .collect();
+            s.apply(&writes).await.expect("apply");
+        }
+        let el = t0.elapsed();
+        println!(
+            "batch {batch:>5}: {rounds} commits, {:.1} us per event, {:.2} ms per commit",
+            el.as_micros() as f64 / 20_000.0,
+            el.as_secs_f64() * 1000.0 / rounds as f64
+        );
+    }
+}
