@@ -607,11 +607,30 @@ async fn doctor_store(cfg: &Config) -> bool {
     let query = crate::store::ListQuery { statuses: vec!["queued".into(), "running".into()], limit: 500, ..Default::default() };
     let unfinished = store.list(&query).await.map(|(r, _)| r.len());
     let (report, ok) = store_report(&store.url(), store.kind(), &schema, &unfinished);
-    println!("{report}");
+    print!("{report}");
+    match store.replicas().await {
+        Ok(Some(replicas)) => println!("{}", replicas_report(&replicas, crate::store::now_ms())),
+        Ok(None) => println!(),
+        Err(e) => println!("  replicas: cannot be read: {e}\n"),
+    }
     if !ok {
         println!("  Fix: {fix}\n");
     }
     ok
+}
+
+/// The processes a shared store has seen, with the age of their last heartbeat (pure, tested).
+pub fn replicas_report(replicas: &[crate::store::Replica], now_ms: i64) -> String {
+    use std::fmt::Write;
+    if replicas.is_empty() {
+        return "  replicas seen: none yet\n".to_owned();
+    }
+    let mut out = format!("  replicas seen: {}\n", replicas.len());
+    for r in replicas {
+        let age = now_ms.saturating_sub(r.heartbeat_at_ms).max(0) as f64 / 1000.0;
+        let _ = writeln!(out, "    {:<40} last heartbeat {age:.0} s ago (clawmux {})", r.id, r.version);
+    }
+    out
 }
 
 fn store_kind(url: &crate::store::StoreUrl) -> &'static str {
@@ -761,6 +780,16 @@ mod tests {
         assert!(!ok && out.contains("FAILED, postgres kind, not reachable: connection refused"), "{out}");
         let (out, ok) = store_report("memory:", "memory", &Ok(None), &Ok(0));
         assert!(ok && out.contains("no schema"), "{out}");
+    }
+
+    #[test]
+    fn doctor_lists_the_replicas_with_the_age_of_their_heartbeat() {
+        let r = |id: &str, at| crate::store::Replica { id: id.into(), started_at_ms: 0, heartbeat_at_ms: at, version: "0.1.0".into() };
+        let out = replicas_report(&[r("host-a-12", 95_000), r("host-b-7", 40_000)], 100_000);
+        assert!(out.contains("replicas seen: 2"), "{out}");
+        assert!(out.contains("host-a-12") && out.contains("last heartbeat 5 s ago"), "{out}");
+        assert!(out.contains("host-b-7") && out.contains("last heartbeat 60 s ago"), "{out}");
+        assert!(replicas_report(&[], 0).contains("none yet"));
     }
 
     #[test]

@@ -319,9 +319,26 @@ async fn pg_doctor_reports_the_store_without_its_password() {
     let url = clawmux::store::postgres::create_test_database(&server, "cmx_doctor").await.unwrap();
     let password = password_of(&url);
     let gw = gateway_at(1.0);
+    // A process on the store renews its heartbeat row; doctor lists it.
+    let http = http();
+    let mut app = Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", &url), ("CLAWMUX_REPLICA_ID", "replica-doctor-7")]);
+    app.start(&http).await;
+    // Its first heartbeat is written at start, next to readiness: wait for the row (bounded).
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM replicas WHERE id = 'replica-doctor-7'").fetch_one(&pool).await.unwrap() == 0 {
+        assert!(Instant::now() < deadline, "no heartbeat row within 30 s; log: {}", app.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    pool.close().await;
     let (out, ok) = doctor(&gw, &url).await;
+    app.kill_9();
     assert!(ok, "{out}");
-    assert!(out.contains("OK, postgres kind, reachable, schema version 2, 0 unfinished"), "{out}");
+    assert!(out.contains("OK, postgres kind, reachable, schema version 3, 0 unfinished"), "{out}");
+    let seen = out.lines().find(|l| l.contains("replica-doctor-7")).unwrap_or_else(|| panic!("the replica is not listed:\n{out}"));
+    assert!(seen.contains("last heartbeat") && seen.contains("s ago"), "{seen}");
+    // doctor itself is no replica: only the serving process is listed.
+    assert!(out.contains("replicas seen: 1"), "{out}");
     assert!(out.contains("postgres://clawmux@127.0.0.1:"), "{out}");
     assert!(!out.contains(&password), "the password is in doctor's output:\n{out}");
     // A wrong password: not reachable, and neither password is shown.

@@ -625,3 +625,26 @@ async fn pg_batch_cost() {
         );
     }
 }
+
+#[tokio::test]
+async fn pg_heartbeats_keep_one_row_per_replica_newest_first() {
+    let Some(url) = pg_url("pg_heartbeats_keep_one_row_per_replica_newest_first").await else { return };
+    let s = open_pg(&url).await;
+    let beat = |id: &str, started, at| super::Replica { id: id.into(), started_at_ms: started, heartbeat_at_ms: at, version: "0.1.0".into() };
+    assert_eq!(s.replicas().await.expect("replicas"), Some(Vec::new()));
+    s.heartbeat(&beat("a", 1, 10)).await.expect("beat");
+    s.heartbeat(&beat("b", 2, 20)).await.expect("beat");
+    s.heartbeat(&beat("a", 1, 30)).await.expect("beat");
+    assert_eq!(s.replicas().await.expect("replicas"), Some(vec![beat("a", 1, 30), beat("b", 2, 20)]));
+    // A restart under the same id is a new start.
+    s.heartbeat(&beat("b", 40, 40)).await.expect("beat");
+    assert_eq!(s.replicas().await.expect("replicas").expect("tracked")[0], beat("b", 40, 40));
+}
+
+#[tokio::test]
+async fn stores_of_one_process_track_no_replicas() {
+    for (s, _dir) in backends().await {
+        s.heartbeat(&super::Replica { id: "a".into(), started_at_ms: 1, heartbeat_at_ms: 1, version: "x".into() }).await.expect("no-op");
+        assert_eq!(s.replicas().await.expect("replicas"), None, "{}", s.kind());
+    }
+}

@@ -398,6 +398,29 @@ pub trait Store: Send + Sync + 'static {
     async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
         Ok(None)
     }
+    /// Records that this process is alive (stores shared by several processes; a no-op for the
+    /// others).
+    async fn heartbeat(&self, _replica: &Replica) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The processes that have used the store, most recent heartbeat first (`None`: the store
+    /// does not track them).
+    async fn replicas(&self) -> Result<Option<Vec<Replica>>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// A clawmux process sharing the store, as its heartbeat row says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replica {
+    /// `CLAWMUX_REPLICA_ID`.
+    pub id: String,
+    /// When it started (ms).
+    pub started_at_ms: i64,
+    /// Its last heartbeat (ms).
+    pub heartbeat_at_ms: i64,
+    /// The clawmux version it runs.
+    pub version: String,
 }
 
 /// A durable store's schema version.

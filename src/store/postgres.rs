@@ -9,7 +9,7 @@
 //! of a batch go in with one statement.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
+use super::{Applied, CheckpointRecord, EventName, ListQuery, Replica, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row, Transaction};
 use std::collections::HashMap;
@@ -487,6 +487,30 @@ impl Store for PgStore {
             .map_err(|e| self.err(e))?
             .unwrap_or_default();
         Ok(Some(SchemaVersion { applied, known: MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0) }))
+    }
+
+    async fn heartbeat(&self, r: &Replica) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO replicas (id, started_at, heartbeat_at, version) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO UPDATE \
+             SET started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, version = excluded.version",
+        )
+        .bind(&r.id)
+        .bind(r.started_at_ms)
+        .bind(r.heartbeat_at_ms)
+        .bind(&r.version)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn replicas(&self) -> Result<Option<Vec<Replica>>, StoreError> {
+        let rows: Vec<(String, i64, i64, String)> =
+            sqlx::query_as("SELECT id, started_at, heartbeat_at, version FROM replicas ORDER BY heartbeat_at DESC, id LIMIT 100")
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?;
+        Ok(Some(rows.into_iter().map(|(id, started_at_ms, heartbeat_at_ms, version)| Replica { id, started_at_ms, heartbeat_at_ms, version }).collect()))
     }
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {

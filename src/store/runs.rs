@@ -165,6 +165,16 @@ impl RunStore {
         self.backend.kind()
     }
 
+    /// Records that this process (`replica`) is alive; see [`Store::heartbeat`].
+    pub async fn heartbeat(&self, replica: &super::Replica) -> Result<(), StoreError> {
+        self.backend.heartbeat(replica).await
+    }
+
+    /// The processes sharing the store; see [`Store::replicas`].
+    pub async fn replicas(&self) -> Result<Option<Vec<super::Replica>>, StoreError> {
+        self.backend.replicas().await
+    }
+
     /// The backend's schema version (`None`: `memory:`); an error when it does not answer.
     pub async fn schema(&self) -> Result<Option<super::SchemaVersion>, StoreError> {
         self.backend.schema().await
