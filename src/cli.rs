@@ -599,7 +599,10 @@ async fn doctor_store(cfg: &Config) -> bool {
     let store = match crate::store::RunStore::open(&cfg.store_url, retention, metrics, None).await {
         Ok(store) => store,
         Err(e) => {
-            println!("store ({}): FAILED, {} kind, not reachable: {e}\n  Fix: {fix}\n", cfg.store_url.display(), store_kind(&cfg.store_url));
+            // Reached but refused (a schema newer than this build, a file that is no store) is
+            // not "not reachable".
+            let what = if e.0.contains("cannot be reached") { "not reachable" } else { "not usable" };
+            println!("store ({}): FAILED, {} kind, {what}: {e}\n  Fix: {fix}\n", cfg.store_url.display(), store_kind(&cfg.store_url));
             return false;
         }
     };

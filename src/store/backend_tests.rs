@@ -648,3 +648,20 @@ async fn stores_of_one_process_track_no_replicas() {
         assert_eq!(s.replicas().await.expect("replicas"), None, "{}", s.kind());
     }
 }
+
+/// A database migrated by a newer clawmux (a downgrade): refused at start, in one line naming the
+/// store without its password.
+#[tokio::test]
+async fn pg_refuses_a_schema_newer_than_this_build_in_one_line() {
+    let Some(url) = pg_url("pg_refuses_a_schema_newer_than_this_build_in_one_line").await else { return };
+    let s = open_pg(&url).await;
+    sqlx::query("INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) VALUES (99, 'from the future', true, '\\x00'::bytea, 1)")
+        .execute(s.pool())
+        .await
+        .expect("a newer migration");
+    let display = super::StoreUrl::parse(&url).expect("url").display();
+    let e = PgStore::open(&url, &display).await.err().expect("a newer schema is refused");
+    let password = reqwest::Url::parse(&url).expect("url").password().unwrap_or_default().to_owned();
+    assert!(e.0.contains(&display) && e.0.contains("99") && !e.0.contains('\n'), "{e}");
+    assert!(!e.0.contains(&password), "{e}");
+}

@@ -20,7 +20,8 @@ use std::time::Duration;
 /// The schema, embedded at build time.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
 
-/// Connections per replica: the writer's, the readers', LISTEN's own (outside the pool).
+/// Connections per process: the group-commit writer holds one per batch, readers (HTTP, history,
+/// the webhook outbox) share the rest.
 const POOL_SIZE: u32 = 16;
 
 /// How long a caller waits for a connection before the store counts as unavailable (admission
