@@ -36,6 +36,7 @@ const DELIVERY_CLAIM_MS: i64 = 60_000;
 
 /// The PostgreSQL store.
 pub struct PgStore {
+    /// Connections shared by the group-commit writer and every reader.
     pool: PgPool,
     /// `postgres://user@host:port/db` (no password), for messages.
     display: String,
@@ -231,9 +232,13 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow) -> Result<Applied, sqlx::Error> {
 /// Events queued by a batch, inserted with one statement.
 #[derive(Default)]
 struct Events {
+    /// Column `run_id`, one entry per event (UNNEST takes columns, not rows).
     run_ids: Vec<String>,
+    /// Column `id`.
     ids: Vec<i64>,
+    /// Column `name`.
     names: Vec<&'static str>,
+    /// Column `data`.
     data: Vec<String>,
 }
 
@@ -279,8 +284,11 @@ async fn queue_webhook(tx: &mut Tx<'_>, run_id: &str, w: &super::NewDelivery) ->
 /// id a `Fail` sets.
 #[derive(Default)]
 struct Pending {
+    /// The batch's changes to the row, later ones winning.
     patch: RunPatch,
+    /// The highest event id of the batch's changes (the column only moves forward).
     last_id: u64,
+    /// The last event id a `Fail` sets exactly (events after it were dropped).
     exact: Option<u64>,
 }
 
