@@ -24,6 +24,10 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres
 /// the webhook outbox) share the rest.
 const POOL_SIZE: u32 = 16;
 
+/// The writer's connections: it applies one batch at a time (a second one for a batch that
+/// starts while a broken connection is being replaced).
+const WRITE_POOL_SIZE: u32 = 2;
+
 /// How long a caller waits for a connection before the store counts as unavailable (admission
 /// answers `503` rather than hanging while the database is down).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -36,8 +40,13 @@ const DELIVERY_CLAIM_MS: i64 = 60_000;
 
 /// The PostgreSQL store.
 pub struct PgStore {
-    /// Connections shared by the group-commit writer and every reader.
+    /// Connections of the readers (HTTP handlers, history, the webhook outbox, heartbeats).
     pool: PgPool,
+    /// The group-commit writer's own connections, opened lazily by the writer itself: a socket
+    /// is driven by the runtime that opened it, and the writer runs on a thread of its own. On a
+    /// connection opened by a busy HTTP thread, each round trip of a commit would also wait for
+    /// that thread's event loop to turn.
+    write_pool: PgPool,
     /// `postgres://user@host:port/db` (no password), for messages.
     display: String,
     /// The last `apply` failed because the database was out of reach (see [`Store::unreachable`]).
@@ -62,11 +71,16 @@ impl PgStore {
             .acquire_timeout(ACQUIRE_TIMEOUT)
             // A connection that broke while the database restarted is found out before use.
             .test_before_acquire(true)
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
             .map_err(|e| fail("cannot be reached", &e))?;
         MIGRATOR.run(&pool).await.map_err(|e| fail("cannot be set up", &e))?;
-        Ok(Self { pool, display: display.to_owned(), unreachable: AtomicBool::new(false) })
+        let write_pool = PgPoolOptions::new()
+            .max_connections(WRITE_POOL_SIZE)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .test_before_acquire(true)
+            .connect_lazy_with(options);
+        Ok(Self { pool, write_pool, display: display.to_owned(), unreachable: AtomicBool::new(false) })
     }
 
     /// The connection pool (replica coordination shares it).
@@ -341,7 +355,7 @@ async fn update(tx: &mut Tx<'_>, run_id: &str, p: &Pending) -> Result<(), sqlx::
 
 impl PgStore {
     async fn apply_tx(&self, batch: &[Write]) -> Result<Vec<Applied>, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_pool.begin().await?;
         let mut out = Vec::with_capacity(batch.len());
         // Row changes of the whole batch, coalesced: one update per run (later changes win).
         let mut order: Vec<&str> = Vec::new();
