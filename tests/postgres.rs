@@ -178,11 +178,15 @@ fn script(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `postgres.sh start DIR`: the URL it prints.
+fn start_in(dir: &Path) -> String {
+    let out = script(&["start", dir.to_str().unwrap()]);
+    out.lines().find_map(|l| l.strip_prefix("CLAWMUX_TEST_PG_URL=")).expect("the URL line").to_owned()
+}
+
 impl OwnPostgres {
     fn start(dir: &Path) -> Self {
-        let out = script(&["start", dir.to_str().unwrap()]);
-        let url = out.lines().find_map(|l| l.strip_prefix("CLAWMUX_TEST_PG_URL=")).expect("the URL line").to_owned();
-        Self { dir: dir.to_owned(), url }
+        Self { dir: dir.to_owned(), url: start_in(dir) }
     }
     /// Stops it by its PID (fast shutdown: connections are cut).
     fn stop(&self) {
@@ -190,9 +194,7 @@ impl OwnPostgres {
     }
     /// Starts it again: same data, port and password.
     fn restart(&self) {
-        let again = Self::start(&self.dir);
-        assert_eq!(again.url, self.url);
-        std::mem::forget(again);
+        assert_eq!(start_in(&self.dir), self.url);
     }
 }
 
