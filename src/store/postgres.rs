@@ -35,9 +35,6 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the first connection at start may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a webhook delivery a replica took is not handed to another one.
-const DELIVERY_CLAIM_MS: i64 = 60_000;
-
 /// The PostgreSQL store.
 pub struct PgStore {
     /// Connections of the readers (HTTP handlers, history, the webhook outbox, heartbeats).
@@ -680,20 +677,19 @@ impl TenantStore for PgStore {
     }
 
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
-        // Every replica polls the outbox: a due delivery is taken (its next attempt moved a minute
-        // on) by exactly one of them; the attempt's outcome then sets it properly.
+        // A plain read, as on SQLite: one process per database. (Taking an item for a while
+        // before the attempt would let replicas share the outbox, but a process killed during the
+        // attempt would then hold it back for that while.)
         let rows: Vec<(i64, String, String, Option<String>, String, i64, i64)> = sqlx::query_as(
-            "UPDATE webhook_outbox SET next_at = $1 + $3 WHERE id IN (SELECT id FROM webhook_outbox \
-               WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1 ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-             RETURNING id, run_id, url, key_id, body, attempts, created_at",
+            "SELECT id, run_id, url, key_id, body, attempts, created_at FROM webhook_outbox \
+             WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1 ORDER BY id LIMIT $2",
         )
         .bind(now_ms)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .bind(DELIVERY_CLAIM_MS)
         .fetch_all(&self.pool)
         .await
         .map_err(|e| self.err(e))?;
-        let mut items: Vec<OutboxItem> = rows
+        Ok(rows
             .into_iter()
             .map(|(id, run_id, url, key_id, body, attempts, created_at_ms)| OutboxItem {
                 id,
@@ -704,9 +700,7 @@ impl TenantStore for PgStore {
                 attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
                 created_at_ms,
             })
-            .collect();
-        items.sort_by_key(|i| i.id);
-        Ok(items)
+            .collect())
     }
 
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError> {
