@@ -229,6 +229,10 @@ mod cases {
             s.kind()
         );
         assert_eq!(s.run("run-other").await.expect("read"), None, "{}: a retry made a second run", s.kind());
+        // A key is its account's own: another account's equal key is another run.
+        let mut other_account = row("run-acct-b", "b", 3);
+        other_account.idempotency_key = Some("key-1".into());
+        assert!(matches!(s.apply(&[Write::Insert(Box::new(other_account))]).await.expect("insert").as_slice(), [Applied::Inserted { .. }]), "{}", s.kind());
         // A deleted run (its admission failed) frees its key and id.
         s.apply(&[Write::Delete { run_id: "run-1".into() }]).await.expect("delete");
         assert!(matches!(s.apply(&[Write::Insert(Box::new(first))]).await.expect("insert").as_slice(), [Applied::Inserted { .. }]));
@@ -664,4 +668,39 @@ async fn pg_refuses_a_schema_newer_than_this_build_in_one_line() {
     let password = reqwest::Url::parse(&url).expect("url").password().unwrap_or_default().to_owned();
     assert!(e.0.contains(&display) && e.0.contains("99") && !e.0.contains('\n'), "{e}");
     assert!(!e.0.contains(&password), "{e}");
+}
+
+/// A store made by the previous schema (idempotency keys unique across accounts) is migrated:
+/// every run kept, the admission counter kept (a swept run's seq is never handed out again), and
+/// keys become per account.
+#[tokio::test]
+async fn sqlite_migrates_a_version_2_store_keeping_runs_and_the_admission_counter() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("runs.db");
+    {
+        let c = rusqlite::Connection::open(&path).expect("create");
+        c.execute_batch(include_str!("../../migrations/sqlite/0001_runs.sql")).expect("v1");
+        c.execute_batch(include_str!("../../migrations/sqlite/0002_tenants.sql")).expect("v2");
+        c.pragma_update(None, "user_version", 2).expect("version");
+        for (id, key) in [("run-1", "key-1"), ("run-2", "key-2"), ("run-3", "key-3")] {
+            c.execute(
+                "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, session_key, spec, status, created_at) \
+                 VALUES (?, ?, ?, 'a', 's', ?, 'queued', 1)",
+                rusqlite::params![id, key, format!("fp-{id}"), serde_json::to_string(&row(id, "a", 1).spec).expect("spec")],
+            )
+            .expect("insert");
+        }
+        c.execute("DELETE FROM runs WHERE run_id = 'run-3'", []).expect("swept");
+    }
+    let s = SqliteStore::open(&path).await.expect("migrates");
+    assert_eq!(s.schema().await.expect("schema"), Some(super::SchemaVersion { applied: 3, known: 3 }));
+    let kept: Vec<(String, i64)> = s.unfinished().await.expect("runs").into_iter().map(|r| (r.run_id, r.seq)).collect();
+    assert_eq!(kept, [("run-1".to_owned(), 1), ("run-2".to_owned(), 2)]);
+    let mut same = row("run-again", "a", 2);
+    same.idempotency_key = Some("key-1".into());
+    same.fingerprint = "fp-run-1".into();
+    assert_eq!(s.apply(&[Write::Insert(Box::new(same))]).await.expect("insert"), [Applied::Existing { run_id: "run-1".into() }]);
+    let mut other = row("run-b", "b", 2);
+    other.idempotency_key = Some("key-1".into());
+    assert_eq!(insert(&s, other).await, 4, "a new run after the swept run-3, on another account's equal key");
 }

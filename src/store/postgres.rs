@@ -225,7 +225,11 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow) -> Result<Applied, sqlx::Error> {
     // A constraint said no: which row won, and is it the same request?
     if let Some(key) = &row.idempotency_key {
         let existing: Option<(String, String)> =
-            sqlx::query_as("SELECT run_id, fingerprint FROM runs WHERE idempotency_key = $1").bind(key).fetch_optional(&mut **tx).await?;
+            sqlx::query_as("SELECT run_id, fingerprint FROM runs WHERE billing_account_id = $1 AND idempotency_key = $2")
+                .bind(&row.billing_account_id)
+                .bind(key)
+                .fetch_optional(&mut **tx)
+                .await?;
         if let Some((id, fp)) = existing {
             return Ok(if fp == row.fingerprint { Applied::Existing { run_id: id } } else { Applied::IdempotencyMismatch });
         }
