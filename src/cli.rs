@@ -590,18 +590,79 @@ async fn doctor_store(cfg: &Config) -> bool {
         Err(_) => return false,
     };
     let retention = crate::store::Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-    match crate::store::RunStore::open(&cfg.store_url, retention, metrics, None).await {
-        Ok(store) => {
-            let query = crate::store::ListQuery { statuses: vec!["queued".into(), "running".into()], limit: 500, ..Default::default() };
-            let unfinished = store.list(&query).await.map(|(r, _)| r.len()).unwrap_or(0);
-            println!("store ({}): OK, {} kind, {unfinished} unfinished run(s) the next start continues\n", store.url(), store.kind());
-            true
+    let fix = match cfg.store_url {
+        crate::store::StoreUrl::Postgres { .. } => {
+            "check that the PostgreSQL server CLAWMUX_STORE_URL names is up and reachable from here, and the user, password and database in the URL"
         }
+        _ => "point CLAWMUX_STORE_URL at a writable file (sqlite://PATH) or use memory:",
+    };
+    let store = match crate::store::RunStore::open(&cfg.store_url, retention, metrics, None).await {
+        Ok(store) => store,
         Err(e) => {
-            println!("store: FAILED: {e}\n  Fix: point CLAWMUX_STORE_URL at a writable file (sqlite://PATH) or use memory:\n");
-            false
+            // Reached but refused (a schema newer than this build, a file that is no store) is
+            // not "not reachable".
+            let what = if e.0.contains("cannot be reached") { "not reachable" } else { "not usable" };
+            println!("store ({}): FAILED, {} kind, {what}: {e}\n  Fix: {fix}\n", cfg.store_url.display(), store_kind(&cfg.store_url));
+            return false;
         }
+    };
+    let schema = store.schema().await;
+    let query = crate::store::ListQuery { statuses: vec!["queued".into(), "running".into()], limit: 500, ..Default::default() };
+    let unfinished = store.list(&query).await.map(|(r, _)| r.len());
+    let (report, ok) = store_report(&store.url(), store.kind(), &schema, &unfinished);
+    print!("{report}");
+    match store.replicas().await {
+        Ok(Some(replicas)) => println!("{}", replicas_report(&replicas, crate::store::now_ms())),
+        Ok(None) => println!(),
+        Err(e) => println!("  replicas: cannot be read: {e}\n"),
     }
+    if !ok {
+        println!("  Fix: {fix}\n");
+    }
+    ok
+}
+
+/// The processes a shared store has seen, with the age of their last heartbeat (pure, tested).
+pub fn replicas_report(replicas: &[crate::store::Replica], now_ms: i64) -> String {
+    use std::fmt::Write;
+    if replicas.is_empty() {
+        return "  replicas seen: none yet\n".to_owned();
+    }
+    let mut out = format!("  replicas seen: {}\n", replicas.len());
+    for r in replicas {
+        let age = now_ms.saturating_sub(r.heartbeat_at_ms).max(0) as f64 / 1000.0;
+        let _ = writeln!(out, "    {:<40} last heartbeat {age:.0} s ago (clawmux {})", r.id, r.version);
+    }
+    out
+}
+
+fn store_kind(url: &crate::store::StoreUrl) -> &'static str {
+    match url {
+        crate::store::StoreUrl::Sqlite(_) => "sqlite",
+        crate::store::StoreUrl::Memory => "memory",
+        crate::store::StoreUrl::Postgres { .. } => "postgres",
+    }
+}
+
+/// The store line of `doctor` (pure, so it is tested): kind, reachable, schema version; whether
+/// the store can be used.
+pub fn store_report(
+    url: &str,
+    kind: &str,
+    schema: &Result<Option<crate::store::SchemaVersion>, crate::store::StoreError>,
+    unfinished: &Result<usize, crate::store::StoreError>,
+) -> (String, bool) {
+    let (schema, ok) = match schema {
+        Ok(None) => ("no schema (nothing is kept)".to_owned(), true),
+        Ok(Some(v)) if v.applied == v.known => (format!("schema version {}", v.applied), true),
+        Ok(Some(v)) => (format!("schema version {} but this build knows {}", v.applied, v.known), false),
+        Err(e) => return (format!("store ({url}): FAILED, {kind} kind, not reachable: {e}\n"), false),
+    };
+    let unfinished = match unfinished {
+        Ok(n) => format!("{n} unfinished run(s) the next start continues"),
+        Err(e) => return (format!("store ({url}): FAILED, {kind} kind, reachable, {schema}, but its runs cannot be read: {e}\n"), false),
+    };
+    (format!("store ({url}): {}, {kind} kind, reachable, {schema}, {unfinished}\n", if ok { "OK" } else { "FAILED" }), ok)
 }
 
 /// The gateway half of `doctor`'s output (pure, so it is tested).
@@ -708,6 +769,30 @@ mod tests {
         let out = doctor_report("ws://10.213.0.2:1", &cfg(), &s, Some(&device));
         assert!(out.contains("`openclaw devices list`"), "{out}");
         assert!(!out.contains("approve abc"), "{out}");
+    }
+
+    #[test]
+    fn doctor_reports_the_store_kind_reachability_and_schema_version() {
+        use crate::store::{SchemaVersion, StoreError};
+        let v = |applied, known| Ok(Some(SchemaVersion { applied, known }));
+        let (out, ok) = store_report("postgres://cmx@db:5432/runs", "postgres", &v(2, 2), &Ok(3));
+        assert!(ok && out.contains("OK, postgres kind, reachable, schema version 2, 3 unfinished"), "{out}");
+        let (out, ok) = store_report("sqlite:///x.db", "sqlite", &v(3, 2), &Ok(0));
+        assert!(!ok && out.contains("schema version 3 but this build knows 2"), "{out}");
+        let (out, ok) = store_report("postgres://cmx@db/runs", "postgres", &Err(StoreError("connection refused".into())), &Ok(0));
+        assert!(!ok && out.contains("FAILED, postgres kind, not reachable: connection refused"), "{out}");
+        let (out, ok) = store_report("memory:", "memory", &Ok(None), &Ok(0));
+        assert!(ok && out.contains("no schema"), "{out}");
+    }
+
+    #[test]
+    fn doctor_lists_the_replicas_with_the_age_of_their_heartbeat() {
+        let r = |id: &str, at| crate::store::Replica { id: id.into(), started_at_ms: 0, heartbeat_at_ms: at, version: "0.1.0".into() };
+        let out = replicas_report(&[r("host-a-12", 95_000), r("host-b-7", 40_000)], 100_000);
+        assert!(out.contains("replicas seen: 2"), "{out}");
+        assert!(out.contains("host-a-12") && out.contains("last heartbeat 5 s ago"), "{out}");
+        assert!(out.contains("host-b-7") && out.contains("last heartbeat 60 s ago"), "{out}");
+        assert!(replicas_report(&[], 0).contains("none yet"));
     }
 
     #[test]

@@ -138,6 +138,28 @@ pub struct Config {
     pub webhook_secret: Option<Secret>,
     /// How long a webhook delivery is retried.
     pub webhook_max_age_sec: u64,
+    /// This process among the ones sharing a store (`CLAWMUX_REPLICA_ID`; default hostname-pid):
+    /// its heartbeat row says it is alive.
+    pub replica_id: String,
+}
+
+/// `<hostname>-<pid>`: unique among the processes sharing a store, and readable in `doctor`.
+pub fn default_replica_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "clawmux".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+fn parse_replica_id(v: &str) -> Result<String, ConfigError> {
+    if (1..=128).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(v.to_owned())
+    } else {
+        Err(invalid("CLAWMUX_REPLICA_ID", "must be 1 to 128 visible ASCII characters"))
+    }
 }
 
 /// `$XDG_STATE_HOME/clawmux`, else `$HOME/.local/state/clawmux`, else `./clawmux-state`.
@@ -191,6 +213,7 @@ impl Default for Config {
             webhook_allow: String::new(),
             webhook_secret: None,
             webhook_max_age_sec: 86_400,
+            replica_id: default_replica_id(),
         }
     }
 }
@@ -466,6 +489,9 @@ impl Config {
         if let Some(v) = get("CLAWMUX_WEBHOOK_SECRET") {
             self.webhook_secret = Some(Secret::new(v));
         }
+        if let Some(v) = get("CLAWMUX_REPLICA_ID") {
+            self.replica_id = parse_replica_id(&v)?;
+        }
         if let Some(v) = get("CLAWMUX_WEBHOOK_MAX_AGE_SEC") {
             self.webhook_max_age_sec = parse_num("CLAWMUX_WEBHOOK_MAX_AGE_SEC", &v)?;
         }
@@ -540,6 +566,7 @@ impl Config {
             ("CLAWMUX_WEBHOOK_ALLOW", if self.webhook_allow.is_empty() { "(none: webhooks refused)".to_owned() } else { self.webhook_allow.clone() }),
             ("CLAWMUX_WEBHOOK_SECRET", secret(&self.webhook_secret)),
             ("CLAWMUX_WEBHOOK_MAX_AGE_SEC", self.webhook_max_age_sec.to_string()),
+            ("CLAWMUX_REPLICA_ID", self.replica_id.clone()),
         ]
     }
 }
@@ -552,6 +579,17 @@ mod tests {
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn replica_ids_default_to_host_and_pid_and_are_checked() {
+        let c = Config::load(None, &env(&[])).expect("defaults are valid");
+        assert!(c.replica_id.ends_with(&format!("-{}", std::process::id())) && c.replica_id.len() > 2, "{}", c.replica_id);
+        let c = Config::load(None, &env(&[("CLAWMUX_REPLICA_ID", "eu-1a")])).expect("valid");
+        assert_eq!(c.replica_id, "eu-1a");
+        for bad in ["has space", &"x".repeat(129), "t\u{e9}st"] {
+            assert!(Config::load(None, &env(&[("CLAWMUX_REPLICA_ID", bad)])).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -102,7 +102,8 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
     let store = RunStore::open(&cfg.store_url, retention, store_metrics, Some(metrics.frame_to_client.clone()))
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
-    tracing::info!(store = %store.url(), "run store open");
+    tracing::info!(store = %store.url(), replica = %cfg.replica_id, "run store open");
+    spawn_heartbeat(store.clone(), cfg.replica_id.clone());
     // Without the LLM proxy nothing counts tokens: token budgets refuse their runs (fail-closed).
     let metered = cfg.llm_upstream_url.is_some();
     let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer(), metered).await.map_err(|e| std::io::Error::other(e.0))?;
@@ -366,4 +367,38 @@ async fn wait_for_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// How often a process renews its heartbeat row (stores shared by several processes).
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// Renews this process's heartbeat row while it runs; a failure is logged once per streak (the
+/// store being down is reported by admission and the writer already).
+fn spawn_heartbeat(store: Arc<RunStore>, replica_id: String) {
+    let started_at_ms = crate::store::now_ms();
+    actix::spawn(async move {
+        let mut every = tokio::time::interval(HEARTBEAT_EVERY);
+        let mut failing = false;
+        loop {
+            every.tick().await;
+            let beat = crate::store::Replica {
+                id: replica_id.clone(),
+                started_at_ms,
+                heartbeat_at_ms: crate::store::now_ms(),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+            };
+            match store.heartbeat(&beat).await {
+                Ok(()) if failing => {
+                    failing = false;
+                    tracing::info!(replica = %replica_id, "heartbeat stored again");
+                }
+                Ok(()) => {}
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(replica = %replica_id, error = %e, "cannot store this process's heartbeat");
+                }
+                Err(_) => {}
+            }
+        }
+    });
 }

@@ -1141,7 +1141,8 @@ async fn run_id_reuse_and_idempotency_keys() {
     assert_eq!(one.text(), two.text());
     assert_eq!(env.gw.runs().len(), 2, "an identical in-flight body started another gateway run");
 
-    // Idempotency-Key: same key and body → the same run; same key, other body → 422.
+    // Idempotency-Key: same key and body → the same run; same key, other body → 422; the same
+    // key of another account → another run (a key is its account's own).
     let key = unique("idem");
     let b = body(&unique("<idem>"), "acct-idem");
     let post = |b: &Value| env.http.post(env.url("/v1/runs")).header("idempotency-key", key.as_str()).json(b).send();
@@ -1153,9 +1154,17 @@ async fn run_id_reuse_and_idempotency_keys() {
     let d2: Value = r2.json().await.unwrap();
     assert_eq!(d1, d2);
     let mut b2 = b.clone();
-    b2["billingAccountId"] = json!("acct-other");
+    b2["message"] = json!(unique("<idem-other>"));
     expect_error(post(&b2).await.unwrap(), 422, "idempotency_mismatch", "same key, other body").await;
     assert_eq!(env.gw.runs().len(), 3);
+    let mut b3 = b.clone();
+    b3["billingAccountId"] = json!("acct-other");
+    let r3 = post(&b3).await.unwrap();
+    assert_eq!(r3.status(), 200, "same key, another account");
+    let d3: Value = r3.json().await.unwrap();
+    assert_ne!(d3["runId"], d1["runId"], "another account's equal key found the first account's run");
+    assert_eq!(d3["billingAccountId"], "acct-other");
+    assert_eq!(env.gw.runs().len(), 4);
 }
 
 #[actix_rt::test]

@@ -2,6 +2,9 @@
 //! delays): every filter, admission order, page sizes, bad parameters, a cursor walk while runs
 //! keep arriving, API-key scoping, 10,000 stored runs paged through, and
 //! `CLAWMUX_RUN_RETENTION_SEC` / `_MAX` enforced by the store (SQLite and `memory:`).
+//!
+//! Each test also runs on PostgreSQL as `pg_<name>` (a database of its own on the server
+//! `CLAWMUX_TEST_PG_URL` names; skipped without it unless `CLAWMUX_REQUIRE_PG=1`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -9,6 +12,7 @@ mod common;
 
 use clawmux::replay::{ReplayConfig, ReplayGateway, ReplayHandle, RunScript};
 use clawmux::server::Running;
+use clawmux::store::postgres::PgStore;
 use clawmux::store::sqlite::SqliteStore;
 use clawmux::store::{EventName, RunPatch, RunRow, SpecRecord, Store, StoredEvent, Write};
 use common::*;
@@ -19,6 +23,58 @@ use tokio::time::Instant;
 
 const GW_TOKEN: &str = "history-gw-token";
 const WAIT: Duration = Duration::from_secs(10);
+
+/// A fresh store of `kind` (`sqlite`, `memory:`, `postgres`), as a `CLAWMUX_STORE_URL`.
+async fn fresh_store(kind: &str) -> String {
+    match kind {
+        "sqlite" => format!("sqlite://{}", temp_dir("history").join("runs.db").display()),
+        "postgres" => {
+            let server = std::env::var("CLAWMUX_TEST_PG_URL").expect("CLAWMUX_TEST_PG_URL");
+            clawmux::store::postgres::create_test_database(&server, "cmx_history").await.unwrap()
+        }
+        other => other.to_owned(),
+    }
+}
+
+/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
+fn pg_available(test: &str) -> bool {
+    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
+        return true;
+    }
+    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+    false
+}
+
+/// Each case as `name` (on SQLite; and `memory:` where it says so) and `pg_name` (PostgreSQL).
+macro_rules! on_sqlite_and_postgres {
+    ($($case:ident: $test:ident, $pg:ident, [$($kind:literal),*]);* $(;)?) => { $(
+        #[actix_rt::test]
+        async fn $test() {
+            $case(&[$($kind),*]).await;
+        }
+
+        #[actix_rt::test]
+        async fn $pg() {
+            if pg_available(stringify!($pg)) {
+                $case(&["postgres"]).await;
+            }
+        }
+    )* };
+}
+
+on_sqlite_and_postgres! {
+    filters_order_page_size_and_bad_parameters:
+        history_filters_order_page_size_and_bad_parameters, pg_history_filters_order_page_size_and_bad_parameters, ["sqlite"];
+    cursor_walk_is_stable_while_runs_keep_arriving:
+        history_cursor_walk_is_stable_while_runs_keep_arriving, pg_history_cursor_walk_is_stable_while_runs_keep_arriving, ["sqlite"];
+    an_api_key_lists_only_its_accounts_runs:
+        history_an_api_key_lists_only_its_accounts_runs, pg_history_an_api_key_lists_only_its_accounts_runs, ["sqlite"];
+    pages_through_10000_stored_runs:
+        history_pages_through_10000_stored_runs, pg_history_pages_through_10000_stored_runs, ["sqlite"];
+    retention_limits_are_enforced_by_the_store:
+        history_retention_limits_are_enforced_by_the_store, pg_history_retention_limits_are_enforced_by_the_store, ["sqlite", "memory:"];
+}
 
 fn gateway() -> ReplayHandle {
     ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0).token(GW_TOKEN)).unwrap()
@@ -126,9 +182,9 @@ fn newest_first(ids: &[&String]) -> Vec<String> {
     ids.iter().rev().map(|s| (*s).clone()).collect()
 }
 
-#[actix_rt::test]
-async fn history_filters_order_page_size_and_bad_parameters() {
-    let env = env_with(gateway(), &[]).await;
+async fn filters_order_page_size_and_bad_parameters(kinds: &[&str]) {
+    let store_url = fresh_store(kinds[0]).await;
+    let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &store_url)]).await;
     // In admission order: 55 runs of one account, then a time boundary, then one run of each
     // status over three accounts and two conversations.
     let mut order: Vec<String> = Vec::new();
@@ -229,9 +285,9 @@ async fn history_filters_order_page_size_and_bad_parameters() {
     env.gw.set_paused(false);
 }
 
-#[actix_rt::test]
-async fn history_cursor_walk_is_stable_while_runs_keep_arriving() {
-    let env = env_with(gateway(), &[]).await;
+async fn cursor_walk_is_stable_while_runs_keep_arriving(kinds: &[&str]) {
+    let store_url = fresh_store(kinds[0]).await;
+    let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &store_url)]).await;
     // Every run, in admission order, with its account.
     let mut before = Vec::new();
     for i in 0..30 {
@@ -266,9 +322,9 @@ async fn history_cursor_walk_is_stable_while_runs_keep_arriving() {
     }
 }
 
-#[actix_rt::test]
-async fn history_an_api_key_lists_only_its_accounts_runs() {
-    let env = env_with(gateway(), &[]).await;
+async fn an_api_key_lists_only_its_accounts_runs(kinds: &[&str]) {
+    let store_url = fresh_store(kinds[0]).await;
+    let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &store_url)]).await;
     let mut of: HashMap<&str, Vec<String>> = HashMap::new();
     for i in 0..12 {
         let account = ["acct-a", "acct-b", "acct-c"][i % 3];
@@ -348,13 +404,14 @@ fn stored_row(i: usize) -> RunRow {
 
 /// 10,000 finished runs written through the store API (one transaction: through the HTTP API
 /// they would take minutes), then read back page by page over HTTP.
-#[actix_rt::test]
-async fn history_pages_through_10000_stored_runs() {
+async fn pages_through_10000_stored_runs(kinds: &[&str]) {
     const RUNS: usize = 10_000;
-    let dir = temp_dir("history-10k");
-    let path = dir.join("runs.db");
+    let url = fresh_store(kinds[0]).await;
     {
-        let store = SqliteStore::open(&path).await.unwrap();
+        let store: Box<dyn Store> = match clawmux::store::StoreUrl::parse(&url).unwrap() {
+            clawmux::store::StoreUrl::Sqlite(path) => Box::new(SqliteStore::open(&path).await.unwrap()),
+            pg => Box::new(PgStore::open(&url, &pg.display()).await.unwrap()),
+        };
         let now = clawmux::store::now_ms();
         let mut writes = Vec::with_capacity(RUNS * 2);
         for i in 0..RUNS {
@@ -366,7 +423,6 @@ async fn history_pages_through_10000_stored_runs() {
         }
         store.apply(&writes).await.unwrap();
     }
-    let url = format!("sqlite://{}", path.display());
     let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &url), ("CLAWMUX_RUN_RETENTION_MAX", "20000")]).await;
     let expected: Vec<String> = (0..RUNS).rev().map(|i| stored_row(i).run_id).collect();
     let t0 = std::time::Instant::now();
@@ -392,10 +448,9 @@ async fn ids_listed(env: &Env) -> HashSet<String> {
 /// `CLAWMUX_RUN_RETENTION_MAX` and `_SEC`, on both stores: finished runs past either limit are
 /// gone from every read; unfinished runs never go. (The sweep runs every 10 s; the test runs it
 /// itself rather than wait.)
-#[actix_rt::test]
-async fn history_retention_limits_are_enforced_by_the_store() {
-    for store in ["sqlite", "memory:"] {
-        let store_url = if store == "sqlite" { format!("sqlite://{}", temp_dir("retention").join("runs.db").display()) } else { store.to_owned() };
+async fn retention_limits_are_enforced_by_the_store(kinds: &[&str]) {
+    for &store in kinds {
+        let store_url = fresh_store(store).await;
         // By count: the 2 newest finished runs stay.
         let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &store_url), ("CLAWMUX_RUN_RETENTION_MAX", "2")]).await;
         let mut done = Vec::new();
@@ -422,7 +477,7 @@ async fn history_retention_limits_are_enforced_by_the_store() {
 
         // By age: runs finished more than a second ago go; a run admitted more than a second ago
         // but not finished stays.
-        let store_url = if store == "sqlite" { format!("sqlite://{}", temp_dir("retention").join("runs.db").display()) } else { store.to_owned() };
+        let store_url = fresh_store(store).await;
         let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &store_url), ("CLAWMUX_RUN_RETENTION_SEC", "1")]).await;
         let mut finished = Vec::new();
         for i in 0..3 {

@@ -6,6 +6,9 @@
 //! runs keep their admission order, runs sent but not ACKed are sent again under their stored
 //! idempotency key, a gateway restarted meanwhile ends the resumed runs, and a stopping process
 //! answers `503` + `Retry-After` until it exits.
+//!
+//! Each test also runs on PostgreSQL as `pg_<name>` (a database of its own on the server
+//! `CLAWMUX_TEST_PG_URL` names; skipped without it unless `CLAWMUX_REQUIRE_PG=1`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -37,11 +40,49 @@ fn gateway_at(speed: f64) -> ReplayHandle {
     ReplayGateway::start("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
 }
 
-/// clawmux as a child process against `gw`, on a store of its own.
-fn clawmux(gw: &ReplayHandle, extra: &[(&str, &str)]) -> Clawmux {
+/// clawmux as a child process against `gw`, on a store of its own of `kind` (`sqlite`: a file in
+/// its directory; `postgres`: a database of its own on the test server).
+async fn clawmux(kind: &str, gw: &ReplayHandle, extra: &[(&str, &str)]) -> Clawmux {
+    let pg_url = match kind {
+        "postgres" => {
+            let server = std::env::var("CLAWMUX_TEST_PG_URL").expect("CLAWMUX_TEST_PG_URL");
+            Some(clawmux::store::postgres::create_test_database(&server, "cmx_restart").await.unwrap())
+        }
+        _ => None,
+    };
     let mut env = vec![("CLAWMUX_DEVICE_IDENTITY", "off")];
+    if let Some(u) = &pg_url {
+        env.push(("CLAWMUX_STORE_URL", u.as_str()));
+    }
     env.extend_from_slice(extra);
     Clawmux::new(&gw.url(), GW_TOKEN, &env)
+}
+
+/// Each case as `name` (SQLite) and `pg_name` (PostgreSQL).
+macro_rules! on_sqlite_and_postgres {
+    ($($name:ident, $pg:ident: $case:ident);* $(;)?) => { $(
+        #[actix_rt::test]
+        async fn $name() {
+            $case("sqlite").await;
+        }
+
+        #[actix_rt::test]
+        async fn $pg() {
+            if pg_available(stringify!($pg)) {
+                $case("postgres").await;
+            }
+        }
+    )* };
+}
+
+/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
+fn pg_available(test: &str) -> bool {
+    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
+        return true;
+    }
+    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+    false
 }
 
 fn body(i: usize, tag: &str) -> Value {
@@ -125,12 +166,11 @@ fn http() -> reqwest::Client {
     reqwest::Client::builder().pool_max_idle_per_host(256).build().unwrap()
 }
 
-#[actix_rt::test]
-async fn kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing() {
+async fn case_kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing(kind: &str) {
     const N: usize = 200;
     let gw = slow_gateway();
     let http = http();
-    let mut app = clawmux(&gw, &[]);
+    let mut app = clawmux(kind, &gw, &[]).await;
     app.start(&http).await;
     let ids = post_runs(&http, &app.base, N, "k9").await;
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
@@ -192,12 +232,11 @@ async fn kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing() {
 
 /// SIGTERM with 50 runs streaming: the process hands the runs off (streams end without a terminal
 /// event, no gateway run cancelled), and the next start finishes every one.
-#[actix_rt::test]
-async fn sigterm_hands_runs_off_to_the_next_start() {
+async fn case_sigterm_hands_runs_off_to_the_next_start(kind: &str) {
     const N: usize = 50;
     let gw = slow_gateway();
     let http = http();
-    let mut app = clawmux(&gw, &[]);
+    let mut app = clawmux(kind, &gw, &[]).await;
     app.start(&http).await;
     let ids = post_runs(&http, &app.base, N, "term").await;
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
@@ -241,12 +280,11 @@ async fn sigterm_hands_runs_off_to_the_next_start() {
 
 /// `CLAWMUX_SHUTDOWN=cancel`: the old behaviour: every run ends `aborted` and its gateway run is
 /// cancelled; nothing is left for the next start.
-#[actix_rt::test]
-async fn sigterm_with_shutdown_cancel_cancels_every_run() {
+async fn case_sigterm_with_shutdown_cancel_cancels_every_run(kind: &str) {
     const N: usize = 20;
     let gw = slow_gateway();
     let http = http();
-    let mut app = clawmux(&gw, &[("CLAWMUX_SHUTDOWN", "cancel")]);
+    let mut app = clawmux(kind, &gw, &[("CLAWMUX_SHUTDOWN", "cancel")]).await;
     app.start(&http).await;
     let ids = post_runs(&http, &app.base, N, "cancel").await;
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
@@ -280,12 +318,11 @@ async fn sigterm_with_shutdown_cancel_cancels_every_run() {
 /// killed while the first one streams. After the restart they run in their admission order, each
 /// once, and the waiting ones say `queued`. Their run ids sort the other way round, so an order by
 /// id (or by anything but admission) shows.
-#[actix_rt::test]
-async fn kill_9_keeps_queued_runs_in_their_admission_order() {
+async fn case_kill_9_keeps_queued_runs_in_their_admission_order(kind: &str) {
     const N: usize = 4;
     let gw = gateway_at(2.0);
     let http = http();
-    let mut app = clawmux(&gw, &[]);
+    let mut app = clawmux(kind, &gw, &[]).await;
     app.start(&http).await;
     let mut ids = Vec::new();
     for i in 0..N {
@@ -332,14 +369,13 @@ async fn kill_9_keeps_queued_runs_in_their_admission_order() {
 /// lost (the gateway has the run), once with the request lost (it has not). After the restart both
 /// are sent again under their stored idempotency keys: the first is deduped (`in_flight`), the
 /// second starts; each runs once on the gateway and ends with its own text.
-#[actix_rt::test]
-async fn kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once() {
+async fn case_kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once(kind: &str) {
     let gw = gateway_at(2.0);
     gw.script_runs("<ack-0>", RunScript { lose_ack: true, ..RunScript::default() });
     gw.lose_agent_requests("<ack-1>", 1);
     gw.set_paused(true);
     let http = http();
-    let mut app = clawmux(&gw, &[]);
+    let mut app = clawmux(kind, &gw, &[]).await;
     app.start(&http).await;
     let agents = |gw: &ReplayHandle| gw.stats().requests_received.get("agent").copied().unwrap_or(0);
     let mut ids = vec![post_run(&http, &app.base, &body(0, "ack"), "ack-idem-0").await];
@@ -376,12 +412,11 @@ async fn kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway
 /// The gateway restarted while clawmux was down (a new boot id, its runs gone): every resumed run
 /// ends `gateway_disconnected` as soon as clawmux is connected again, without waiting out its
 /// timeout, and nothing is started on the new gateway in its place.
-#[actix_rt::test]
-async fn kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected() {
+async fn case_kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected(kind: &str) {
     const N: usize = 5;
     let gw = slow_gateway();
     let http = http();
-    let mut app = clawmux(&gw, &[]);
+    let mut app = clawmux(kind, &gw, &[]).await;
     app.start(&http).await;
     let mut ids = Vec::new();
     for i in 0..N {
@@ -455,15 +490,14 @@ async fn held_upstream() -> (u16, tokio::sync::watch::Sender<bool>) {
 /// live streams end until the process exits (the proxy lets the stream finish first), a new run is
 /// refused with `503` + `Retry-After`, and so is re-attaching to the unfinished run (its stream
 /// would end at once); documents are still served. Then the process exits on its own.
-#[actix_rt::test]
-async fn sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits() {
+async fn case_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits(kind: &str) {
     let gw = gateway_at(1.0);
     gw.set_paused(true);
     let (upstream_port, release) = held_upstream().await;
     let proxy = format!("127.0.0.1:{}", child::free_port());
     let upstream = format!("http://127.0.0.1:{upstream_port}");
     let http = http();
-    let mut app = clawmux(&gw, &[("CLAWMUX_PROXY_LISTEN", proxy.as_str()), ("CLAWMUX_LLM_UPSTREAM_URL", upstream.as_str())]);
+    let mut app = clawmux(kind, &gw, &[("CLAWMUX_PROXY_LISTEN", proxy.as_str()), ("CLAWMUX_LLM_UPSTREAM_URL", upstream.as_str())]).await;
     app.start(&http).await;
     let (_, traceparent) = common::new_traceparent();
     let r = http.post(format!("{}/v1/runs?wait=false", app.base)).header("traceparent", &traceparent).json(&body(0, "term503")).send().await.unwrap();
@@ -502,4 +536,14 @@ async fn sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exi
     assert!(rest.contains("[DONE]"), "the LLM stream was cut at shutdown: {rest:?}");
     app.wait_exit(Duration::from_secs(30));
     assert!(http.post(format!("{}/v1/runs?wait=false", app.base)).json(&body(9, "term503")).send().await.is_err(), "still answering after exit");
+}
+
+on_sqlite_and_postgres! {
+    kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing, pg_kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing: case_kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing;
+    sigterm_hands_runs_off_to_the_next_start, pg_sigterm_hands_runs_off_to_the_next_start: case_sigterm_hands_runs_off_to_the_next_start;
+    sigterm_with_shutdown_cancel_cancels_every_run, pg_sigterm_with_shutdown_cancel_cancels_every_run: case_sigterm_with_shutdown_cancel_cancels_every_run;
+    kill_9_keeps_queued_runs_in_their_admission_order, pg_kill_9_keeps_queued_runs_in_their_admission_order: case_kill_9_keeps_queued_runs_in_their_admission_order;
+    kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once, pg_kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once: case_kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once;
+    kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected, pg_kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected: case_kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected;
+    sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits, pg_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits: case_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits;
 }

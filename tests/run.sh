@@ -11,8 +11,10 @@
 # and LiteLLM from PyPI (tests/support/install-litellm.sh); Debian's docker.io, debootstrap and
 # docker-compose (tests/support/docker.sh, docker-image.sh, compose-stack.sh), iproute2 for the namespace test; schemathesis from
 # PyPI (tests/support/install-schemathesis.sh); Debian's chromium, chromium-driver and prometheus
-# (promtool) (tests/support/install-apt-tools.sh). Needs root for Docker, the network namespace,
-# the store-fault tests (read-only and tmpfs mounts) and the apt installs.
+# (promtool) (tests/support/install-apt-tools.sh); Debian's postgresql (tests/support/postgres.sh).
+# Needs root for Docker, the network namespace,
+# the store-fault tests (read-only and tmpfs mounts), PostgreSQL (run as its own user) and the apt
+# installs.
 # Env: CLAWMUX_CACHE, CARGO_TEST_ARGS (extra args for cargo test).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,7 +39,22 @@ say "unit and replay-gateway tests"
 # protocol.schema.json (protocol/tests/official_schema.rs, tests/replay_schema.rs, the replay's
 # field lists) are required too.
 # shellcheck disable=SC2086
-CLAWMUX_REQUIRE_MOUNTS=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_ --skip browser_
+CLAWMUX_REQUIRE_MOUNTS=1 CLAWMUX_REQUIRE_GATEWAY_PROTOCOL=1 cargo test --workspace --locked ${CARGO_TEST_ARGS:-} -- --skip live_ --skip proxied_ --skip litellm_ --skip netns_ --skip docker_ --skip browser_ --skip pg_
+
+say "the run store on a real PostgreSQL"
+# Debian's postgresql (installed when missing), initdb in a fresh directory as the unprivileged
+# `postgres` user, on 127.0.0.1 on a free port, stopped by PID (tests/support/postgres.sh). The
+# backend suite's pg_ cases, the history, tenant and restart tests (a database each), kill -9 + restart of clawmux
+# on it, and the fault test, which starts (and stops, and starts) a PostgreSQL of its own through the same script.
+PG_DIR="$(mktemp -d /tmp/clawmux-pg.XXXXXX)"
+trap 'tests/support/postgres.sh stop "$PG_DIR" >/dev/null 2>&1 || true; rm -rf "$PG_DIR"' EXIT INT TERM
+PG_ENV="$(tests/support/postgres.sh start "$PG_DIR")"  # an assignment: a failed start stops the script
+eval "$PG_ENV"
+CLAWMUX_TEST_PG_URL="$CLAWMUX_TEST_PG_URL" CLAWMUX_REQUIRE_PG=1 \
+  cargo test --locked -p clawmux --lib --test postgres --test history --test tenants --test restart -- pg_
+tests/support/postgres.sh stop "$PG_DIR"
+rm -rf "$PG_DIR"
+trap - EXIT INT TERM
 
 say "operator surface: OpenAPI vs. a live clawmux (schemathesis), metrics and alert rules (promtool), the runs page (headless Chromium)"
 # A live `clawmux serve` + `clawmux replay-gateway` + the fake LLM behind the LLM proxy

@@ -16,6 +16,9 @@
 //! - Webhooks: retried until accepted (across a `kill -9`), accepted exactly once, signed as the
 //!   README says to verify; a URL outside `CLAWMUX_WEBHOOK_ALLOW` is `400` and never contacted; a
 //!   redirect is not followed.
+//!
+//! Each test also runs on PostgreSQL as `pg_<name>` (a database of its own on the server
+//! `CLAWMUX_TEST_PG_URL` names; skipped without it unless `CLAWMUX_REQUIRE_PG=1`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -42,6 +45,8 @@ const PERIOD_SEC: u64 = 1_000_000_000;
 
 /// The replay gateway, the fake LLM and clawmux (a child process, with its LLM proxy).
 struct Env {
+    /// `CLAWMUX_STORE_URL` of the process (and of the CLI run on its store).
+    store_url: String,
     gw: ReplayHandle,
     llm: FakeLlm,
     cm: Clawmux,
@@ -65,7 +70,9 @@ impl Key {
 }
 
 impl Env {
-    async fn start(extra: &[(&str, &str)]) -> Self {
+    /// clawmux on a store of `kind` (`sqlite`: a file in its directory; `postgres`: a database of
+    /// its own on the test server).
+    async fn start(kind: &str, extra: &[(&str, &str)]) -> Self {
         let dir = temp_dir("tenants");
         let llm = FakeLlm::start(&dir.join("llm"));
         let cassette = Cassette::bundled().unwrap();
@@ -80,10 +87,21 @@ impl Env {
             ("CLAWMUX_AUDIT_DIR", audit.as_str()),
         ];
         env.extend_from_slice(extra);
+        let pg_url = match kind {
+            "postgres" => {
+                let server = std::env::var("CLAWMUX_TEST_PG_URL").expect("CLAWMUX_TEST_PG_URL");
+                Some(clawmux::store::postgres::create_test_database(&server, "cmx_tenants").await.unwrap())
+            }
+            _ => None,
+        };
+        if let Some(u) = &pg_url {
+            env.push(("CLAWMUX_STORE_URL", u.as_str()));
+        }
         let mut cm = Clawmux::new(&gw.url(), GW_TOKEN, &env);
+        let store_url = pg_url.clone().unwrap_or_else(|| format!("sqlite://{}", cm.dir.join("runs.db").display()));
         let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
         cm.start(&http).await;
-        Self { gw, llm, cm, http, proxy: format!("http://{listen}") }
+        Self { store_url, gw, llm, cm, http, proxy: format!("http://{listen}") }
     }
 
     fn url(&self, path: &str) -> String {
@@ -181,18 +199,75 @@ impl Env {
     }
 }
 
-/// `clawmux keys …` on the store of `cm` (another process, as an operator runs it).
-fn cli(cm: &Clawmux, args: &[&str]) -> String {
+/// `clawmux keys …` on the store of `env` (another process, as an operator runs it).
+fn cli(env: &Env, args: &[&str]) -> String {
+    let cm = &env.cm;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"))
         .args(args)
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("HOME", &cm.dir)
-        .env("CLAWMUX_STORE_URL", format!("sqlite://{}", cm.dir.join("runs.db").display()))
+        .env("CLAWMUX_STORE_URL", &env.store_url)
         .output()
         .unwrap();
     assert!(out.status.success(), "clawmux {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// Each case as `name` (SQLite) and `pg_name` (PostgreSQL).
+macro_rules! on_sqlite_and_postgres {
+    ($($name:ident, $pg:ident: $case:ident);* $(;)?) => { $(
+        #[actix_rt::test]
+        async fn $name() {
+            $case("sqlite").await;
+        }
+
+        #[actix_rt::test]
+        async fn $pg() {
+            if pg_available(stringify!($pg)) {
+                $case("postgres").await;
+            }
+        }
+    )* };
+}
+
+/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
+fn pg_available(test: &str) -> bool {
+    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
+        return true;
+    }
+    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+    false
+}
+
+on_sqlite_and_postgres! {
+    keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged, pg_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged: case_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged;
+    a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart, pg_a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart: case_a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart;
+    without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs, pg_without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs: case_without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs;
+    rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each, pg_rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each: case_rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each;
+    if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream, pg_if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream: case_if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream;
+    webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected, pg_webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected: case_webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected;
+}
+
+/// Everything the store holds, as text: the SQLite files, or the rows of the database's keys and
+/// runs.
+async fn store_contents(env: &Env) -> String {
+    if env.store_url.starts_with("postgres") {
+        let pool = sqlx::PgPool::connect(&env.store_url).await.unwrap();
+        let mut rows: Vec<(String,)> = sqlx::query_as("SELECT row_to_json(k)::text FROM api_keys k").fetch_all(&pool).await.unwrap();
+        rows.extend(sqlx::query_as::<_, (String,)>("SELECT row_to_json(r)::text FROM runs r").fetch_all(&pool).await.unwrap());
+        pool.close().await;
+        return rows.into_iter().map(|(r,)| r).collect::<Vec<_>>().join("\n");
+    }
+    let mut store = Vec::new();
+    for f in std::fs::read_dir(&env.cm.dir).unwrap() {
+        let f = f.unwrap();
+        if f.file_name().to_string_lossy().starts_with("runs.db") {
+            store.extend(std::fs::read(f.path()).unwrap());
+        }
+    }
+    String::from_utf8_lossy(&store).into_owned()
 }
 
 fn run_body(run_id: &str, account: &str) -> Value {
@@ -205,15 +280,14 @@ fn run_ids(list: &Value) -> Vec<String> {
     ids
 }
 
-#[actix_rt::test]
-async fn keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged() {
+async fn case_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged(kind: &str) {
     // Debug logging: nothing clawmux (or a library under it) logs may carry a secret.
-    let env = Env::start(&[("CLAWMUX_LOG", "debug")]).await;
+    let env = Env::start(kind, &[("CLAWMUX_LOG", "debug")]).await;
     env.gw.set_paused(true); // runs stay live until the end
     let a = env.create_key("team-a", &["acct-a"], &["run", "read", "abort"]).await;
     let ro = env.create_key("auditor-a", &["acct-a"], &["read"]).await;
     // Key b comes from the CLI, on the store of the running clawmux.
-    let out = cli(&env.cm, &["keys", "create", "--name", "team-b", "--accounts", "acct-b"]);
+    let out = cli(&env, &["keys", "create", "--name", "team-b", "--accounts", "acct-b"]);
     let field = |name: &str| out.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned()).unwrap_or_else(|| panic!("{name} in {out}"));
     let b = Key { token: field("key:"), id: field("id:"), webhook_secret: field("webhook secret:") };
 
@@ -265,7 +339,7 @@ async fn keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_a
     // Revoked with the CLI while it has an open stream: its next request, and its re-attach, are refused.
     let mut stream_b = SseReader::new(env.http.get(env.url("/v1/runs/run-of-b/events")).bearer_auth(&b.token).header("accept", "text/event-stream").send().await.unwrap());
     let seen = stream_b.until(Duration::from_secs(10), |e| e.event == "accepted").await.expect("b's stream is open");
-    assert!(cli(&env.cm, &["keys", "revoke", &b.id]).contains("revoked"));
+    assert!(cli(&env, &["keys", "revoke", &b.id]).contains("revoked"));
     let reattach = env.http.get(env.url("/v1/runs/run-of-b/events")).bearer_auth(&b.token).header("last-event-id", seen.id.to_string()).header("accept", "text/event-stream").send().await.unwrap();
     assert_eq!(reattach.status(), 401, "re-attaching with a revoked key");
     assert_eq!(env.get(&b.token, "/v1/runs/run-of-b").await.0, 401);
@@ -282,14 +356,7 @@ async fn keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_a
     assert_eq!(env.finished("run-of-b").await["status"], "ok");
 
     // The store keeps each key's hash, never its secret; the log names keys by id only.
-    let mut store = Vec::new();
-    for f in std::fs::read_dir(&env.cm.dir).unwrap() {
-        let f = f.unwrap();
-        if f.file_name().to_string_lossy().starts_with("runs.db") {
-            store.extend(std::fs::read(f.path()).unwrap());
-        }
-    }
-    let store = String::from_utf8_lossy(&store);
+    let store = store_contents(&env).await;
     let log = env.cm.log();
     assert!(log.contains("DEBUG"), "clawmux logged at debug level");
     for k in [&a, &ro, &b] {
@@ -306,9 +373,8 @@ async fn keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_a
     assert!(!log.contains(ADMIN), "the admin token is in clawmux's log");
 }
 
-#[actix_rt::test]
-async fn a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart() {
-    let mut env = Env::start(&[]).await;
+async fn case_a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart(kind: &str) {
+    let mut env = Env::start(kind, &[]).await;
     env.gw.set_paused(true);
     // Each call below is 18 tokens (fake LLM: 40 characters / 4 in, 8 words out): the second
     // call crosses the cap, the third would start past it.
@@ -364,10 +430,9 @@ async fn a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_
     assert_eq!(env.finished("run-other-3").await["status"], "ok");
 }
 
-#[actix_rt::test]
-async fn without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs() {
+async fn case_without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs(kind: &str) {
     // Nothing would count the tokens: fail-closed.
-    let env = Env::start(&[("CLAWMUX_LLM_UPSTREAM_URL", "")]).await;
+    let env = Env::start(kind, &[("CLAWMUX_LLM_UPSTREAM_URL", "")]).await;
     env.set_limits("acct-budgeted", json!({"maxTokens": 1_000_000, "periodSec": PERIOD_SEC})).await;
     env.set_limits("acct-limited", json!({"maxConcurrent": 5})).await;
     let r = env.post_run(ADMIN, &run_body("run-unmetered", "acct-budgeted"), None).await;
@@ -398,9 +463,8 @@ async fn assert_capped(env: &Env, when: &str) {
     assert!(retry.is_some_and(|r| r > 0), "Retry-After: {retry:?}");
 }
 
-#[actix_rt::test]
-async fn rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each() {
-    let env = Env::start(&[]).await;
+async fn case_rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each(kind: &str) {
+    let env = Env::start(kind, &[]).await;
     env.gw.set_paused(true); // admitted runs stay live: they count toward the concurrency cap
     env.set_limits("acct-rate", json!({"maxRunsPerMinute": 37})).await;
     env.set_limits("acct-conc", json!({"maxConcurrent": 23})).await;
@@ -445,9 +509,8 @@ async fn rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_po
     assert_eq!(env.post_run(ADMIN, &run_body("rate-after", "acct-rate"), None).await.status(), 429);
 }
 
-#[actix_rt::test]
-async fn if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream() {
-    let env = Env::start(&[]).await;
+async fn case_if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream(kind: &str) {
+    let env = Env::start(kind, &[]).await;
     env.gw.set_paused(true);
     let busy = |run_id: &str, if_busy: Option<&str>| {
         let mut b = json!({"message": format!("{run_id} in the conversation"), "billingAccountId": "acct-s", "stateKey": "conv-1", "runId": run_id});
@@ -633,15 +696,14 @@ fn readme_verifies(secret: &str, signature: &str, body: &[u8]) -> bool {
     }
 }
 
-#[actix_rt::test]
-async fn webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected() {
+async fn case_webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected(kind: &str) {
     let hook = Receiver::start(|n| (if n < 3 { 500 } else { 200 }, vec![])).await;
     let forbidden = Receiver::start(|_| (200, vec![])).await;
     let target = Receiver::start(|_| (200, vec![])).await;
     let to = target.url();
     let redirect = Receiver::start(move |_| (307, vec![("location".to_owned(), to.clone())])).await;
     let allow = format!("127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}", hook.addr.port(), redirect.addr.port(), target.addr.port());
-    let mut env = Env::start(&[("CLAWMUX_WEBHOOK_ALLOW", &allow)]).await;
+    let mut env = Env::start(kind, &[("CLAWMUX_WEBHOOK_ALLOW", &allow)]).await;
     let key = env.create_key("hooks", &["acct-w"], &["run", "read"]).await;
     let with_hook = |run_id: &str, url: &str| {
         let mut b = run_body(run_id, "acct-w");

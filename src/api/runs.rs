@@ -102,7 +102,7 @@ fn admit_error(e: AdmitError, run_id: &str) -> ApiError {
         ("wait" = Option<String>, Query, pattern = "^(true|false|1|0|)$",
             description = "`false` or `0`: answer `202` with the document at once (JSON mode); `true`, `1` or empty: wait"),
         ("Idempotency-Key" = Option<String>, Header, nullable = false, min_length = 1, max_length = 256,
-            description = "The same key with the same body returns the same run"),
+            description = "The same key with the same body returns the same run; a key is its billing account's own"),
         ("traceparent" = Option<String>, Header, nullable = false, pattern = "^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$",
             description = "W3C trace context the run continues (its trace id attributes the run's LLM calls)"),
     ),

@@ -1,7 +1,10 @@
-//! The store backends against one contract: every test runs on `memory:` and on SQLite (some only
-//! on SQLite: what must survive a reopen).
+//! The store backends against one contract: every case runs on `memory:` and SQLite (`name`) and
+//! on PostgreSQL (`pg_name`, a database of its own on the server `CLAWMUX_TEST_PG_URL` names, see
+//! tests/support/postgres.sh; skipped without it unless `CLAWMUX_REQUIRE_PG=1`). What must survive
+//! a reopen, or two processes on one store, runs on the durable backends only.
 
 use super::memory::MemoryStore;
+use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::{Applied, CheckpointRecord, EventName, ListQuery, NewDelivery, Retention, RunPatch, RunRow, SpecRecord, Store, StoredEvent, Write};
 use crate::attribution::Usage;
@@ -67,6 +70,53 @@ async fn backends() -> Vec<(Arc<dyn Store>, Option<tempfile::TempDir>)> {
     vec![(Arc::new(MemoryStore::new()), None), (Arc::new(sqlite), Some(dir))]
 }
 
+/// A fresh PostgreSQL database's URL, or `None` (the test is skipped) without a test server.
+pub(crate) async fn pg_url(test: &str) -> Option<String> {
+    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
+        assert!(
+            !std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"),
+            "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set (tests/support/postgres.sh start DIR)"
+        );
+        eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+        return None;
+    };
+    Some(super::postgres::create_test_database(&server, "cmx_unit").await.expect("a test database"))
+}
+
+async fn open_pg(url: &str) -> PgStore {
+    let display = super::StoreUrl::parse(url).expect("url").display();
+    PgStore::open(url, &display).await.expect("postgres opens")
+}
+
+/// Each case as `name` (memory, SQLite) and `pg_name` (PostgreSQL).
+macro_rules! on_every_backend {
+    ($($case:ident => $pg:ident),* $(,)?) => { $(
+        #[tokio::test]
+        async fn $case() {
+            for (s, _dir) in backends().await {
+                cases::$case(s).await;
+            }
+        }
+
+        #[tokio::test]
+        async fn $pg() {
+            if let Some(url) = pg_url(stringify!($pg)).await {
+                cases::$case(Arc::new(open_pg(&url).await)).await;
+            }
+        }
+    )* };
+}
+
+on_every_backend! {
+    a_run_document_round_trips_with_every_field => pg_a_run_document_round_trips_with_every_field,
+    events_come_back_in_order_after_any_id_and_a_failed_batch_stores_nothing => pg_events_come_back_in_order_after_any_id_and_a_failed_batch_stores_nothing,
+    idempotency_keys_and_run_ids_find_the_same_request_and_refuse_another => pg_idempotency_keys_and_run_ids_find_the_same_request_and_refuse_another,
+    unfinished_runs_are_listed_in_admission_order => pg_unfinished_runs_are_listed_in_admission_order,
+    the_end_of_a_failed_run_replaces_what_clients_never_saw => pg_the_end_of_a_failed_run_replaces_what_clients_never_saw,
+    retention_sweeps_finished_runs_by_age_and_count_and_never_unfinished_ones => pg_retention_sweeps_finished_runs_by_age_and_count_and_never_unfinished_ones,
+    history_filters_and_pages => pg_history_filters_and_pages,
+}
+
 async fn insert(s: &dyn Store, row: RunRow) -> i64 {
     match s.apply(&[Write::Insert(Box::new(row))]).await.expect("insert").as_slice() {
         [Applied::Inserted { seq }] => *seq,
@@ -74,9 +124,10 @@ async fn insert(s: &dyn Store, row: RunRow) -> i64 {
     }
 }
 
-#[tokio::test]
-async fn a_run_document_round_trips_with_every_field() {
-    for (s, _dir) in backends().await {
+mod cases {
+    use super::*;
+
+    pub(super) async fn a_run_document_round_trips_with_every_field(s: Arc<dyn Store>) {
         let mut r = row("run-1", "acct-a", 1_000);
         r.idempotency_key = Some("idem-1".into());
         r.state_key = Some("conv:1".into());
@@ -128,11 +179,8 @@ async fn a_run_document_round_trips_with_every_field() {
         assert_eq!(s.run("run-1").await.expect("read").as_ref(), Some(&r), "{}: after every change", s.kind());
         assert_eq!(s.run("no-such-run").await.expect("read"), None);
     }
-}
 
-#[tokio::test]
-async fn events_come_back_in_order_after_any_id_and_a_failed_batch_stores_nothing() {
-    for (s, _dir) in backends().await {
+    pub(super) async fn events_come_back_in_order_after_any_id_and_a_failed_batch_stores_nothing(s: Arc<dyn Store>) {
         insert(&*s, row("run-1", "a", 1)).await;
         insert(&*s, row("run-2", "a", 2)).await;
         // Interleaved, as live runs write them.
@@ -143,7 +191,7 @@ async fn events_come_back_in_order_after_any_id_and_a_failed_batch_stores_nothin
         assert_eq!(ids(s.events("run-1", 3).await.expect("events")), [4, 5], "{}", s.kind());
         assert_eq!(ids(s.events("run-1", 5).await.expect("events")), Vec::<u64>::new(), "{}", s.kind());
         assert_eq!(s.events("run-2", 1).await.expect("events")[0], delta(2), "{}: name and data kept", s.kind());
-        if s.kind() == "sqlite" {
+        if s.kind() != "memory" {
             // A batch is one transaction: a duplicate event id fails it, and its other writes
             // (here a new event of another run) are not stored either.
             let bad = [append("run-2", Some(delta(6)), RunPatch::default()), append("run-1", Some(delta(5)), RunPatch::default())];
@@ -151,11 +199,8 @@ async fn events_come_back_in_order_after_any_id_and_a_failed_batch_stores_nothin
             assert_eq!(ids(s.events("run-2", 5).await.expect("events")), Vec::<u64>::new(), "half a batch was stored");
         }
     }
-}
 
-#[tokio::test]
-async fn idempotency_keys_and_run_ids_find_the_same_request_and_refuse_another() {
-    for (s, _dir) in backends().await {
+    pub(super) async fn idempotency_keys_and_run_ids_find_the_same_request_and_refuse_another(s: Arc<dyn Store>) {
         let mut first = row("run-1", "a", 1);
         first.idempotency_key = Some("key-1".into());
         insert(&*s, first.clone()).await;
@@ -184,15 +229,16 @@ async fn idempotency_keys_and_run_ids_find_the_same_request_and_refuse_another()
             s.kind()
         );
         assert_eq!(s.run("run-other").await.expect("read"), None, "{}: a retry made a second run", s.kind());
+        // A key is its account's own: another account's equal key is another run.
+        let mut other_account = row("run-acct-b", "b", 3);
+        other_account.idempotency_key = Some("key-1".into());
+        assert!(matches!(s.apply(&[Write::Insert(Box::new(other_account))]).await.expect("insert").as_slice(), [Applied::Inserted { .. }]), "{}", s.kind());
         // A deleted run (its admission failed) frees its key and id.
         s.apply(&[Write::Delete { run_id: "run-1".into() }]).await.expect("delete");
         assert!(matches!(s.apply(&[Write::Insert(Box::new(first))]).await.expect("insert").as_slice(), [Applied::Inserted { .. }]));
     }
-}
 
-#[tokio::test]
-async fn unfinished_runs_are_listed_in_admission_order() {
-    for (s, _dir) in backends().await {
+    pub(super) async fn unfinished_runs_are_listed_in_admission_order(s: Arc<dyn Store>) {
         // Admission order, not creation time, is the order.
         for (i, id) in ["c", "a", "d", "b"].iter().enumerate() {
             insert(&*s, row(id, "acct", 100 - i as i64)).await;
@@ -201,11 +247,8 @@ async fn unfinished_runs_are_listed_in_admission_order() {
         let ids: Vec<String> = s.unfinished().await.expect("unfinished").into_iter().map(|r| r.run_id).collect();
         assert_eq!(ids, ["c", "d", "b"], "{}", s.kind());
     }
-}
 
-#[tokio::test]
-async fn the_end_of_a_failed_run_replaces_what_clients_never_saw() {
-    for (s, _dir) in backends().await {
+    pub(super) async fn the_end_of_a_failed_run_replaces_what_clients_never_saw(s: Arc<dyn Store>) {
         let mut r = row("run-1", "a", 1);
         r.webhook_url = Some("https://hooks.example.com/x".into());
         insert(&*s, r).await;
@@ -233,11 +276,37 @@ async fn the_end_of_a_failed_run_replaces_what_clients_never_saw() {
         assert!(got.usage.is_some(), "{}", s.kind());
         assert!(s.unfinished().await.expect("unfinished").is_empty(), "{}", s.kind());
     }
-}
 
-#[tokio::test]
-async fn retention_sweeps_finished_runs_by_age_and_count_and_never_unfinished_ones() {
-    for (s, _dir) in backends().await {
+    pub(super) async fn history_filters_and_pages(s: Arc<dyn Store>) {
+        for i in 0..12i64 {
+            let mut r = row(&format!("run-{i}"), if i % 3 == 0 { "acct-a" } else { "acct-b" }, 1_000 + i);
+            r.state_key = (i % 2 == 0).then(|| "conv".to_owned());
+            insert(&*s, r).await;
+        }
+        s.apply(&[append("run-4", Some(event(1, EventName::Final, "{}")), finish(5))]).await.expect("finish");
+        let ids = |rows: Vec<RunRow>| rows.into_iter().map(|r| r.run_id).collect::<Vec<_>>();
+        let q = |f: fn(&mut ListQuery)| {
+            let mut q = ListQuery { limit: 100, ..ListQuery::default() };
+            f(&mut q);
+            q
+        };
+        let kind = s.kind();
+        assert_eq!(ids(s.list(&q(|q| q.billing_account_id = Some("acct-a".into()))).await.expect("list")), ["run-9", "run-6", "run-3", "run-0"], "{kind}");
+        assert_eq!(ids(s.list(&q(|q| q.statuses = vec!["ok".into()])).await.expect("list")), ["run-4"], "{kind}");
+        assert_eq!(ids(s.list(&q(|q| q.statuses = vec!["ok".into(), "error".into()])).await.expect("list")), ["run-4"], "{kind}");
+        assert_eq!(ids(s.list(&q(|q| q.state_key = Some("conv".into()))).await.expect("list")).len(), 6, "{kind}");
+        assert_eq!(ids(s.list(&q(|q| q.since_ms = Some(1_010))).await.expect("list")), ["run-11", "run-10"], "{kind}");
+        assert!(s.list(&q(|q| q.accounts = Some(Vec::new()))).await.expect("list").is_empty(), "{kind}");
+        assert_eq!(ids(s.list(&q(|q| q.accounts = Some(vec!["acct-a".into()]))).await.expect("list")).len(), 4, "{kind}");
+        // Pages by admission order: the cursor is the last row's seq.
+        let first = s.list(&ListQuery { limit: 5, ..ListQuery::default() }).await.expect("page");
+        let cursor = first.last().map(|r| r.seq);
+        let second = s.list(&ListQuery { limit: 5, before_seq: cursor, ..ListQuery::default() }).await.expect("page");
+        assert_eq!(ids(first), ["run-11", "run-10", "run-9", "run-8", "run-7"], "{kind}");
+        assert_eq!(ids(second), ["run-6", "run-5", "run-4", "run-3", "run-2"], "{kind}");
+    }
+
+    pub(super) async fn retention_sweeps_finished_runs_by_age_and_count_and_never_unfinished_ones(s: Arc<dyn Store>) {
         // Finished at 1000, 2000, ..., 5000; two unfinished runs admitted long before.
         insert(&*s, row("old-unfinished", "a", 0)).await;
         for i in 1..=5 {
@@ -270,34 +339,113 @@ async fn retention_sweeps_finished_runs_by_age_and_count_and_never_unfinished_on
     }
 }
 
-#[tokio::test]
-async fn sqlite_keeps_runs_events_keys_and_unfinished_runs_across_a_reopen() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("runs.db");
-    let mut r = row("run-1", "a", 1);
-    r.idempotency_key = Some("key-1".into());
-    {
-        let s = SqliteStore::open(&path).await.expect("open");
-        r.seq = insert(&s, r.clone()).await;
-        insert(&s, row("run-2", "a", 2)).await;
-        let patch = RunPatch { status: Some("running".into()), checkpoint: Some(CheckpointRecord::Sending { boot_id: None }), ..RunPatch::default() };
-        s.apply(&[append("run-1", Some(event(1, EventName::Accepted, "{}")), patch.clone()), append("run-1", Some(delta(2)), RunPatch::default())])
-            .await
-            .expect("events");
-        patch.apply(&mut r);
-        r.last_event_id = 1;
-        s.apply(&[append("run-2", Some(event(1, EventName::Final, "{}")), finish(3))]).await.expect("finish");
+/// Opens one durable store again and again (a restart, or another process on the same store).
+type Opener = Box<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Arc<dyn Store>> + Send>> + Send + Sync>;
+
+fn sqlite_opener(path: std::path::PathBuf) -> Opener {
+    Box::new(move || {
+        let path = path.clone();
+        Box::pin(async move { Arc::new(SqliteStore::open(&path).await.expect("sqlite opens")) as Arc<dyn Store> })
+    })
+}
+
+fn pg_opener(url: String) -> Opener {
+    Box::new(move || {
+        let url = url.clone();
+        Box::pin(async move { Arc::new(open_pg(&url).await) as Arc<dyn Store> })
+    })
+}
+
+/// Each case as `sqlite_name` and `pg_name`: given a way to open the same store again.
+macro_rules! on_durable_backends {
+    ($($case:ident: $sqlite:ident, $pg:ident),* $(,)?) => { $(
+        #[tokio::test]
+        async fn $sqlite() {
+            let dir = tempfile::tempdir().expect("temp dir");
+            durable::$case(sqlite_opener(dir.path().join("runs.db"))).await;
+        }
+
+        #[tokio::test]
+        async fn $pg() {
+            if let Some(url) = pg_url(stringify!($pg)).await {
+                durable::$case(pg_opener(url)).await;
+            }
+        }
+    )* };
+}
+
+on_durable_backends! {
+    keeps_runs_events_keys_and_unfinished_runs_across_a_reopen:
+        sqlite_keeps_runs_events_keys_and_unfinished_runs_across_a_reopen, pg_keeps_runs_events_keys_and_unfinished_runs_across_a_reopen,
+    two_processes_admitting_one_request_at_once_store_it_once:
+        sqlite_two_processes_admitting_one_request_at_once_store_it_once, pg_two_processes_admitting_one_request_at_once_store_it_once,
+}
+
+mod durable {
+    use super::*;
+
+    pub(super) async fn keeps_runs_events_keys_and_unfinished_runs_across_a_reopen(open: Opener) {
+        let mut r = row("run-1", "a", 1);
+        r.idempotency_key = Some("key-1".into());
+        {
+            let s = open().await;
+            r.seq = insert(&*s, r.clone()).await;
+            insert(&*s, row("run-2", "a", 2)).await;
+            let patch = RunPatch { status: Some("running".into()), checkpoint: Some(CheckpointRecord::Sending { boot_id: None }), ..RunPatch::default() };
+            s.apply(&[append("run-1", Some(event(1, EventName::Accepted, "{}")), patch.clone()), append("run-1", Some(delta(2)), RunPatch::default())])
+                .await
+                .expect("events");
+            patch.apply(&mut r);
+            r.last_event_id = 1;
+            s.apply(&[append("run-2", Some(event(1, EventName::Final, "{}")), finish(3))]).await.expect("finish");
+        }
+        let s = open().await;
+        assert_eq!(s.run("run-1").await.expect("read"), Some(r.clone()), "{}", s.kind());
+        assert_eq!(s.events("run-1", 0).await.expect("events").len(), 2, "{}", s.kind());
+        assert_eq!(s.unfinished().await.expect("unfinished"), [r.clone()], "{}", s.kind());
+        let mut again = row("run-new", "a", 9);
+        again.idempotency_key = Some("key-1".into());
+        again.fingerprint = r.fingerprint.clone();
+        assert_eq!(s.apply(&[Write::Insert(Box::new(again))]).await.expect("insert"), [Applied::Existing { run_id: "run-1".into() }], "{}", s.kind());
+        // A new run after the reopen continues the admission order.
+        assert!(insert(&*s, row("run-3", "a", 0)).await > r.seq, "{}", s.kind());
     }
-    let s = SqliteStore::open(&path).await.expect("reopen");
-    assert_eq!(s.run("run-1").await.expect("read"), Some(r.clone()));
-    assert_eq!(s.events("run-1", 0).await.expect("events").len(), 2);
-    assert_eq!(s.unfinished().await.expect("unfinished"), [r.clone()]);
-    let mut again = row("run-new", "a", 9);
-    again.idempotency_key = Some("key-1".into());
-    again.fingerprint = r.fingerprint.clone();
-    assert_eq!(s.apply(&[Write::Insert(Box::new(again))]).await.expect("insert"), [Applied::Existing { run_id: "run-1".into() }]);
-    // A new run after the reopen continues the admission order.
-    assert!(insert(&s, row("run-3", "a", 0)).await > r.seq);
+
+    /// Two stores on one database (two processes, or two replicas) admit the same run ids and
+    /// idempotency keys at once: the database's constraints let exactly one of each in, and the
+    /// other learns it is the same run.
+    pub(super) async fn two_processes_admitting_one_request_at_once_store_it_once(open: Opener) {
+        let (a, b) = (open().await, open().await);
+        const N: usize = 40;
+        let request = |i: usize, by: &str| {
+            let mut r = row(&format!("run-{i}"), "acct", i as i64);
+            // Odd ones: the same idempotency key under two run ids (a client retrying through
+            // another replica); even ones: the same run id.
+            if i % 2 == 1 {
+                r.run_id = format!("run-{i}-{by}");
+                r.idempotency_key = Some(format!("key-{i}"));
+                r.fingerprint = format!("fp-{i}");
+            }
+            Write::Insert(Box::new(r))
+        };
+        let admit = |s: Arc<dyn Store>, by: &'static str| async move {
+            let mut out = Vec::new();
+            for i in 0..N {
+                out.push(s.apply(&[request(i, by)]).await.expect("admission").pop().expect("one result"));
+            }
+            out
+        };
+        let (ra, rb) = tokio::join!(tokio::spawn(admit(a.clone(), "a")), tokio::spawn(admit(b.clone(), "b")));
+        let (ra, rb) = (ra.expect("a"), rb.expect("b"));
+        for i in 0..N {
+            let inserted = [&ra[i], &rb[i]].iter().filter(|r| matches!(r, Applied::Inserted { .. })).count();
+            assert_eq!(inserted, 1, "{}: request {i} stored {inserted} times: {:?} / {:?}", a.kind(), ra[i], rb[i]);
+            let existing = [&ra[i], &rb[i]].into_iter().find(|r| !matches!(r, Applied::Inserted { .. })).expect("the other");
+            assert!(matches!(existing, Applied::Existing { .. }), "{}: request {i}: {existing:?}", a.kind());
+        }
+        let all = a.list(&ListQuery { limit: 500, ..ListQuery::default() }).await.expect("list");
+        assert_eq!(all.len(), N, "{}", a.kind());
+    }
 }
 
 #[tokio::test]
@@ -339,4 +487,220 @@ async fn history_pages_have_a_cursor_only_when_more_runs_follow() {
     assert_eq!(page(2, Some(next)).await, (vec!["run-1".to_owned(), "run-0".to_owned()], None));
     assert_eq!(page(4, None).await.1, None);
     assert_eq!(page(5, None).await.1, None);
+}
+
+/// Keys, limits, spend and the webhook outbox: the same on every backend.
+async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::TenantStore>) {
+    use super::tenants::{DeliveryOutcome, KeyRecord, Limits};
+    let kind = s.kind();
+    let key = |id: &str, at: i64| KeyRecord {
+        id: id.to_owned(),
+        name: format!("key {id}"),
+        secret_sha256: "ab".repeat(32),
+        accounts: vec!["acct-a".into(), "acct-b".into()],
+        actions: vec!["run".into(), "read".into()],
+        webhook_secret: "whsec_x".into(),
+        webhook_url: Some("https://hooks.example.com/k".into()),
+        created_at_ms: at,
+        revoked_at_ms: None,
+    };
+    t.create_key(&key("k2", 2)).await.expect("create");
+    t.create_key(&key("k1", 1)).await.expect("create");
+    assert!(t.create_key(&key("k1", 3)).await.is_err(), "{kind}: a key id is unique");
+    assert_eq!(t.key("k1").await.expect("key"), Some(key("k1", 1)), "{kind}");
+    assert_eq!(t.keys().await.expect("keys").into_iter().map(|k| k.id).collect::<Vec<_>>(), ["k1", "k2"], "{kind}");
+    assert!(t.revoke_key("k1", 10).await.expect("revoke"), "{kind}");
+    assert!(t.revoke_key("k1", 20).await.expect("revoke again"), "{kind}");
+    assert_eq!(t.key("k1").await.expect("key").and_then(|k| k.revoked_at_ms), Some(10), "{kind}: the first revocation stays");
+    assert!(!t.revoke_key("nope", 1).await.expect("revoke"), "{kind}");
+
+    let limits = Limits { max_tokens: Some(1000), period_sec: Some(60), max_concurrent: Some(2), max_runs_per_minute: None };
+    assert_eq!(t.limits("acct-a").await.expect("limits"), None, "{kind}");
+    t.set_limits("acct-a", &Limits::default(), 1).await.expect("set");
+    t.set_limits("acct-a", &limits, 2).await.expect("set again");
+    assert_eq!(t.limits("acct-a").await.expect("limits"), Some(limits), "{kind}");
+    assert_eq!(t.all_limits().await.expect("all"), [("acct-a".to_owned(), limits)], "{kind}");
+
+    let spend = |tokens| Write::Spend { account: "acct-a".into(), window_start_ms: 60_000, tokens };
+    s.apply(&[spend(5), spend(7)]).await.expect("spend");
+    s.apply(&[spend(30)]).await.expect("spend");
+    assert_eq!(t.spend("acct-a", 60_000).await.expect("spend"), 42, "{kind}");
+    assert_eq!(t.spend("acct-a", 0).await.expect("spend"), 0, "{kind}");
+
+    insert(&*s, row("run-w", "acct-a", 1)).await;
+    let webhook = NewDelivery { url: "https://hooks.example.com/k".into(), key_id: Some("k2".into()), body: "{\"runId\":\"run-w\"}".into() };
+    s.apply(&[Write::Append { run_id: "run-w".into(), event: Some(event(1, EventName::Final, "{}")), patch: finish(5), webhook: Some(webhook) }])
+        .await
+        .expect("end with a webhook");
+    let due = t.due_deliveries(super::now_ms() + 1_000, 10).await.expect("due");
+    assert_eq!(due.len(), 1, "{kind}");
+    assert_eq!((due[0].run_id.as_str(), due[0].key_id.as_deref(), due[0].body.as_str(), due[0].attempts), ("run-w", Some("k2"), "{\"runId\":\"run-w\"}", 0), "{kind}");
+    t.record_delivery(due[0].id, &DeliveryOutcome::Retry { next_at_ms: i64::MAX, error: "503".into() }, 1).await.expect("retry");
+    assert!(t.due_deliveries(super::now_ms() + 1_000, 10).await.expect("due").is_empty(), "{kind}: not due before its next attempt");
+    t.record_delivery(due[0].id, &DeliveryOutcome::Delivered, 2).await.expect("delivered");
+    assert_eq!(t.deliveries_of("run-w").await.expect("deliveries"), [(2, true, false, Some("503".into()))], "{kind}");
+}
+
+#[tokio::test]
+async fn tenant_rows_round_trip_on_memory_and_sqlite() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = Arc::new(SqliteStore::open(&dir.path().join("runs.db")).await.expect("sqlite opens"));
+    tenant_rows_round_trip(sqlite.clone(), sqlite).await;
+    let memory = Arc::new(MemoryStore::new());
+    tenant_rows_round_trip(memory.clone(), memory).await;
+}
+
+#[tokio::test]
+async fn pg_tenant_rows_round_trip() {
+    if let Some(url) = pg_url("pg_tenant_rows_round_trip").await {
+        let pg = Arc::new(open_pg(&url).await);
+        tenant_rows_round_trip(pg.clone(), pg).await;
+    }
+}
+
+/// A stored row that does not decode (its contents are input too): skipped and logged by reads,
+/// never a panic nor another run; an event of an unknown kind is an error naming the store.
+async fn unreadable_rows_are_skipped_and_never_panic(s: Arc<dyn Store>, corrupt: impl std::future::Future<Output = ()>) {
+    let kind = s.kind();
+    insert(&*s, row("good", "a", 1)).await;
+    insert(&*s, row("bad", "a", 2)).await;
+    s.apply(&[append("bad", Some(delta(1)), RunPatch::default())]).await.expect("event");
+    corrupt.await;
+    assert_eq!(s.run("bad").await.expect("read"), None, "{kind}");
+    assert_eq!(s.list(&ListQuery { limit: 10, ..ListQuery::default() }).await.expect("list").into_iter().map(|r| r.run_id).collect::<Vec<_>>(), ["good"], "{kind}");
+    assert_eq!(s.unfinished().await.expect("unfinished").len(), 1, "{kind}");
+    let e = s.events("bad", 0).await.expect_err("an unknown event kind");
+    assert!(e.0.contains("unknown kind") && e.0.contains("run store"), "{kind}: {e}");
+}
+
+#[tokio::test]
+async fn sqlite_unreadable_rows_are_skipped_and_never_panic() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("runs.db");
+    let s = Arc::new(SqliteStore::open(&path).await.expect("sqlite opens"));
+    let corrupt = async {
+        let c = rusqlite::Connection::open(&path).expect("open");
+        c.execute_batch("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'; UPDATE events SET name = 'nonsense' WHERE run_id = 'bad';").expect("corrupt");
+    };
+    unreadable_rows_are_skipped_and_never_panic(s, corrupt).await;
+}
+
+#[tokio::test]
+async fn pg_unreadable_rows_are_skipped_and_never_panic() {
+    if let Some(url) = pg_url("pg_unreadable_rows_are_skipped_and_never_panic").await {
+        let s = Arc::new(open_pg(&url).await);
+        let pool = s.pool().clone();
+        let corrupt = async move {
+            sqlx::query("UPDATE runs SET spec = '{not json', last_event_id = -5 WHERE run_id = 'bad'").execute(&pool).await.expect("corrupt");
+            sqlx::query("UPDATE events SET name = 'nonsense' WHERE run_id = 'bad'").execute(&pool).await.expect("corrupt");
+        };
+        unreadable_rows_are_skipped_and_never_panic(s, corrupt).await;
+    }
+}
+
+/// Not a test: `CLAWMUX_TEST_PG_URL=… cargo test --release -p clawmux --lib pg_batch_cost -- --ignored --nocapture`
+/// prints what a batch of events costs the PostgreSQL store on this machine (as
+/// `store::sqlite::probe` does for SQLite).
+#[tokio::test]
+#[ignore]
+async fn pg_batch_cost() {
+    let Some(url) = pg_url("pg_batch_cost").await else { return };
+    let s = open_pg(&url).await;
+    let inserts: Vec<Write> = (0..1000).map(|i| Write::Insert(Box::new(row(&format!("run-{i}"), "a", 1)))).collect();
+    s.apply(&inserts).await.expect("insert");
+    let mut id = 0u64;
+    for batch in [1usize, 10, 100, 1000] {
+        let rounds = 20_000 / batch;
+        let t0 = std::time::Instant::now();
+        for r in 0..rounds {
+            let writes: Vec<Write> = (0..batch)
+                .map(|i| {
+                    id += 1;
+                    append(&format!("run-{}", (r * batch + i) % 1000), Some(event(1_000_000 + id, EventName::TextDelta, "{\"text\":\"hello world, a delta\"}")), RunPatch::default())
+                })
+                .collect();
+            s.apply(&writes).await.expect("apply");
+        }
+        let el = t0.elapsed();
+        println!(
+            "batch {batch:>5}: {rounds} commits, {:.1} us per event, {:.2} ms per commit",
+            el.as_micros() as f64 / 20_000.0,
+            el.as_secs_f64() * 1000.0 / rounds as f64
+        );
+    }
+}
+
+#[tokio::test]
+async fn pg_heartbeats_keep_one_row_per_replica_newest_first() {
+    let Some(url) = pg_url("pg_heartbeats_keep_one_row_per_replica_newest_first").await else { return };
+    let s = open_pg(&url).await;
+    let beat = |id: &str, started, at| super::Replica { id: id.into(), started_at_ms: started, heartbeat_at_ms: at, version: "0.1.0".into() };
+    assert_eq!(s.replicas().await.expect("replicas"), Some(Vec::new()));
+    s.heartbeat(&beat("a", 1, 10)).await.expect("beat");
+    s.heartbeat(&beat("b", 2, 20)).await.expect("beat");
+    s.heartbeat(&beat("a", 1, 30)).await.expect("beat");
+    assert_eq!(s.replicas().await.expect("replicas"), Some(vec![beat("a", 1, 30), beat("b", 2, 20)]));
+    // A restart under the same id is a new start.
+    s.heartbeat(&beat("b", 40, 40)).await.expect("beat");
+    assert_eq!(s.replicas().await.expect("replicas").expect("tracked")[0], beat("b", 40, 40));
+}
+
+#[tokio::test]
+async fn stores_of_one_process_track_no_replicas() {
+    for (s, _dir) in backends().await {
+        s.heartbeat(&super::Replica { id: "a".into(), started_at_ms: 1, heartbeat_at_ms: 1, version: "x".into() }).await.expect("no-op");
+        assert_eq!(s.replicas().await.expect("replicas"), None, "{}", s.kind());
+    }
+}
+
+/// A database migrated by a newer clawmux (a downgrade): refused at start, in one line naming the
+/// store without its password.
+#[tokio::test]
+async fn pg_refuses_a_schema_newer_than_this_build_in_one_line() {
+    let Some(url) = pg_url("pg_refuses_a_schema_newer_than_this_build_in_one_line").await else { return };
+    let s = open_pg(&url).await;
+    sqlx::query("INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) VALUES (99, 'from the future', true, '\\x00'::bytea, 1)")
+        .execute(s.pool())
+        .await
+        .expect("a newer migration");
+    let display = super::StoreUrl::parse(&url).expect("url").display();
+    let e = PgStore::open(&url, &display).await.err().expect("a newer schema is refused");
+    let password = reqwest::Url::parse(&url).expect("url").password().unwrap_or_default().to_owned();
+    assert!(e.0.contains(&display) && e.0.contains("99") && !e.0.contains('\n'), "{e}");
+    assert!(!e.0.contains(&password), "{e}");
+}
+
+/// A store made by the previous schema (idempotency keys unique across accounts) is migrated:
+/// every run kept, the admission counter kept (a swept run's seq is never handed out again), and
+/// keys become per account.
+#[tokio::test]
+async fn sqlite_migrates_a_version_2_store_keeping_runs_and_the_admission_counter() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("runs.db");
+    {
+        let c = rusqlite::Connection::open(&path).expect("create");
+        c.execute_batch(include_str!("../../migrations/sqlite/0001_runs.sql")).expect("v1");
+        c.execute_batch(include_str!("../../migrations/sqlite/0002_tenants.sql")).expect("v2");
+        c.pragma_update(None, "user_version", 2).expect("version");
+        for (id, key) in [("run-1", "key-1"), ("run-2", "key-2"), ("run-3", "key-3")] {
+            c.execute(
+                "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, session_key, spec, status, created_at) \
+                 VALUES (?, ?, ?, 'a', 's', ?, 'queued', 1)",
+                rusqlite::params![id, key, format!("fp-{id}"), serde_json::to_string(&row(id, "a", 1).spec).expect("spec")],
+            )
+            .expect("insert");
+        }
+        c.execute("DELETE FROM runs WHERE run_id = 'run-3'", []).expect("swept");
+    }
+    let s = SqliteStore::open(&path).await.expect("migrates");
+    assert_eq!(s.schema().await.expect("schema"), Some(super::SchemaVersion { applied: 3, known: 3 }));
+    let kept: Vec<(String, i64)> = s.unfinished().await.expect("runs").into_iter().map(|r| (r.run_id, r.seq)).collect();
+    assert_eq!(kept, [("run-1".to_owned(), 1), ("run-2".to_owned(), 2)]);
+    let mut same = row("run-again", "a", 2);
+    same.idempotency_key = Some("key-1".into());
+    same.fingerprint = "fp-run-1".into();
+    assert_eq!(s.apply(&[Write::Insert(Box::new(same))]).await.expect("insert"), [Applied::Existing { run_id: "run-1".into() }]);
+    let mut other = row("run-b", "b", 2);
+    other.idempotency_key = Some("key-1".into());
+    assert_eq!(insert(&s, other).await, 4, "a new run after the swept run-3, on another account's equal key");
 }

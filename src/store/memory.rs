@@ -11,7 +11,7 @@ struct Inner {
     next_seq: i64,
     runs: HashMap<String, RunRow>,
     by_seq: BTreeMap<i64, String>,
-    idempotency: HashMap<String, String>,
+    idempotency: HashMap<(String, String), String>,
     events: HashMap<String, Vec<StoredEvent>>,
     keys: BTreeMap<String, KeyRecord>,
     limits: BTreeMap<String, Limits>,
@@ -40,7 +40,7 @@ impl MemoryStore {
 impl Inner {
     fn insert(&mut self, row: &RunRow) -> Applied {
         if let Some(key) = &row.idempotency_key {
-            if let Some(id) = self.idempotency.get(key) {
+            if let Some(id) = self.idempotency.get(&(row.billing_account_id.clone(), key.clone())) {
                 let Some(existing) = self.runs.get(id) else { return Applied::IdempotencyMismatch };
                 return if existing.fingerprint == row.fingerprint {
                     Applied::Existing { run_id: id.clone() }
@@ -60,7 +60,7 @@ impl Inner {
         let mut row = row.clone();
         row.seq = self.next_seq;
         if let Some(key) = &row.idempotency_key {
-            self.idempotency.insert(key.clone(), row.run_id.clone());
+            self.idempotency.insert((row.billing_account_id.clone(), key.clone()), row.run_id.clone());
         }
         self.by_seq.insert(row.seq, row.run_id.clone());
         let seq = row.seq;
@@ -85,8 +85,8 @@ impl Inner {
     fn delete(&mut self, run_id: &str) {
         if let Some(row) = self.runs.remove(run_id) {
             self.by_seq.remove(&row.seq);
-            if let Some(key) = &row.idempotency_key {
-                self.idempotency.remove(key);
+            if let Some(key) = row.idempotency_key {
+                self.idempotency.remove(&(row.billing_account_id, key));
             }
         }
         self.events.remove(run_id);

@@ -5,7 +5,8 @@
 //! - this module: the rows and writes ([`RunRow`], [`Write`], [`RunPatch`]) and the one trait every
 //!   backend implements ([`Store`]), selected by `CLAWMUX_STORE_URL` ([`StoreUrl`]).
 //! - [`sqlite`]: the default backend (WAL, one writer connection, migrations in
-//!   `migrations/sqlite/`); [`memory`]: `memory:` (nothing survives a restart).
+//!   `migrations/sqlite/`); [`memory`]: `memory:` (nothing survives a restart); [`postgres`]:
+//!   `postgres://…`, shared by replicas (migrations in `migrations/postgres/`).
 //! - [`writer`]: the group commit: every write goes through one task that applies what has queued
 //!   up in one transaction, then tells each writer it is stored.
 //! - [`notes`]: the ends of runs the store could not record (a full disk), noted outside it so
@@ -23,6 +24,7 @@
 pub mod live;
 pub mod memory;
 pub mod notes;
+pub mod postgres;
 pub mod query;
 pub mod runs;
 pub mod sqlite;
@@ -35,6 +37,7 @@ pub use live::{RunDoc, RunLog};
 pub use runs::{Insert, RunStore, RunView};
 
 use crate::attribution::Usage;
+use crate::config::Secret;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -374,6 +377,12 @@ pub trait Store: Send + Sync + 'static {
     /// Applies a batch in one transaction; one result per write, in order. An error means nothing
     /// of the batch is stored.
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError>;
+    /// True when the last `apply` failed because the store itself was out of reach (a database
+    /// server down), not because of its writes: the writer then fails the whole batch at once
+    /// instead of retrying each write alone.
+    fn unreachable(&self) -> bool {
+        false
+    }
     /// One run.
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError>;
     /// A run's events after `after`, in order.
@@ -384,6 +393,43 @@ pub trait Store: Send + Sync + 'static {
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError>;
     /// Deletes finished runs past the retention; returns their run ids.
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError>;
+    /// The schema version the store has and the newest this build knows (`None`: no schema, as
+    /// `memory:`). Reading it proves the store answers (`doctor`).
+    async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
+        Ok(None)
+    }
+    /// Records that this process is alive (stores shared by several processes; a no-op for the
+    /// others).
+    async fn heartbeat(&self, _replica: &Replica) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The processes that have used the store, most recent heartbeat first (`None`: the store
+    /// does not track them).
+    async fn replicas(&self) -> Result<Option<Vec<Replica>>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// A clawmux process sharing the store, as its heartbeat row says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replica {
+    /// `CLAWMUX_REPLICA_ID`.
+    pub id: String,
+    /// When it started (ms).
+    pub started_at_ms: i64,
+    /// Its last heartbeat (ms).
+    pub heartbeat_at_ms: i64,
+    /// The clawmux version it runs.
+    pub version: String,
+}
+
+/// A durable store's schema version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaVersion {
+    /// Migrations applied to the store.
+    pub applied: i64,
+    /// Migrations this build has.
+    pub known: i64,
 }
 
 /// `CLAWMUX_STORE_URL`.
@@ -393,6 +439,14 @@ pub enum StoreUrl {
     Sqlite(PathBuf),
     /// `memory:`.
     Memory,
+    /// `postgres://…` or `postgresql://…`: the URL as given (it may hold a password, hence the
+    /// [`Secret`]), and the same without the password for messages.
+    Postgres {
+        /// The URL as given.
+        url: Secret,
+        /// `postgres://user@host:port/db`.
+        display: String,
+    },
 }
 
 impl StoreUrl {
@@ -412,7 +466,15 @@ impl StoreUrl {
             return Ok(StoreUrl::Sqlite(path));
         }
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            return Err("postgres:// is not supported by this build yet; use sqlite://PATH or memory:".to_owned());
+            // The message never echoes the URL: it may hold a password.
+            let parsed = reqwest::Url::parse(url).map_err(|e| format!("a postgres:// URL that cannot be parsed ({e})"))?;
+            if parsed.host_str().is_none_or(str::is_empty) {
+                return Err("a postgres:// URL needs a host, e.g. postgres://clawmux@db.internal:5432/clawmux".to_owned());
+            }
+            let user = if parsed.username().is_empty() { String::new() } else { format!("{}@", parsed.username()) };
+            let port = parsed.port().map(|p| format!(":{p}")).unwrap_or_default();
+            let display = format!("postgres://{user}{}{port}{}", parsed.host_str().unwrap_or_default(), parsed.path());
+            return Ok(StoreUrl::Postgres { url: Secret::new(url), display });
         }
         // Only the scheme is echoed: the rest may hold credentials.
         let scheme = url.split_once("://").map_or("", |(s, _)| s);
@@ -424,6 +486,7 @@ impl StoreUrl {
         match self {
             StoreUrl::Sqlite(p) => format!("sqlite://{}", p.display()),
             StoreUrl::Memory => "memory:".to_owned(),
+            StoreUrl::Postgres { display, .. } => display.clone(),
         }
     }
 }
@@ -445,7 +508,11 @@ mod tests {
         assert!(StoreUrl::parse("sqlite://").is_err());
         let e = StoreUrl::parse("mysql://user:secret@db/x").expect_err("unknown scheme");
         assert!(!e.contains("secret"), "{e}");
-        assert!(StoreUrl::parse("postgres://u:p@h/db").is_err_and(|e| !e.contains(":p@")));
+        let pg = StoreUrl::parse("postgres://u:secret-pw@db.internal:5433/runs?sslmode=require").expect("postgres");
+        assert_eq!(pg.display(), "postgres://u@db.internal:5433/runs");
+        assert!(!format!("{pg:?}").contains("secret-pw"), "{pg:?}");
+        assert!(StoreUrl::parse("postgresql://h/db").is_ok());
+        assert!(StoreUrl::parse("postgres:///db").is_err_and(|e| e.contains("host")));
     }
 
     #[test]

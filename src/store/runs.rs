@@ -5,6 +5,7 @@
 use super::live::RunLog;
 use super::memory::MemoryStore;
 use super::notes::EndNotes;
+use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
@@ -105,9 +106,15 @@ impl RunStore {
                 let s = Arc::new(SqliteStore::open(path).await?);
                 (s.clone(), s)
             }
+            StoreUrl::Postgres { url, display } => {
+                let s = Arc::new(PgStore::open(url.expose(), display).await?);
+                (s.clone(), s)
+            }
         };
+        // Notes are a file next to an SQLite store; a PostgreSQL store is shared by replicas that
+        // share no file.
         let notes = match url {
-            StoreUrl::Memory => None,
+            StoreUrl::Memory | StoreUrl::Postgres { .. } => None,
             StoreUrl::Sqlite(path) => Some(Arc::new(EndNotes::open(path).map_err(StoreError)?)),
         };
         Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes))
@@ -156,6 +163,21 @@ impl RunStore {
     /// The backend's kind.
     pub fn kind(&self) -> &'static str {
         self.backend.kind()
+    }
+
+    /// Records that this process (`replica`) is alive; see [`Store::heartbeat`].
+    pub async fn heartbeat(&self, replica: &super::Replica) -> Result<(), StoreError> {
+        self.backend.heartbeat(replica).await
+    }
+
+    /// The processes sharing the store; see [`Store::replicas`].
+    pub async fn replicas(&self) -> Result<Option<Vec<super::Replica>>, StoreError> {
+        self.backend.replicas().await
+    }
+
+    /// The backend's schema version (`None`: `memory:`); an error when it does not answer.
+    pub async fn schema(&self) -> Result<Option<super::SchemaVersion>, StoreError> {
+        self.backend.schema().await
     }
 
     /// Stores a new run unless its run id or idempotency key is taken.

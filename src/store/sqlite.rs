@@ -10,7 +10,7 @@
 //! Reads are short (by primary key, or a page of at most 500 rows) and run on the caller's thread.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SpecRecord, Store, StoreError, StoredEvent, Write};
+use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
 use std::collections::HashMap;
@@ -19,7 +19,11 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 2] = [include_str!("../../migrations/sqlite/0001_runs.sql"), include_str!("../../migrations/sqlite/0002_tenants.sql")];
+const MIGRATIONS: [&str; 3] = [
+    include_str!("../../migrations/sqlite/0001_runs.sql"),
+    include_str!("../../migrations/sqlite/0002_tenants.sql"),
+    include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
+];
 
 /// How often the WAL is checkpointed into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
@@ -218,8 +222,8 @@ impl SqliteStore {
 fn insert(tx: &Transaction<'_>, row: &RunRow) -> rusqlite::Result<Applied> {
     if let Some(key) = &row.idempotency_key {
         let existing: Option<(String, String)> = tx
-            .prepare_cached("SELECT run_id, fingerprint FROM runs WHERE idempotency_key = ?")?
-            .query_row([key], |r| Ok((r.get(0)?, r.get(1)?)))
+            .prepare_cached("SELECT run_id, fingerprint FROM runs WHERE billing_account_id = ? AND idempotency_key = ?")?
+            .query_row([&row.billing_account_id, key], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
         if let Some((id, fp)) = existing {
             return Ok(if fp == row.fingerprint { Applied::Existing { run_id: id } } else { Applied::IdempotencyMismatch });
@@ -458,6 +462,11 @@ impl Store for SqliteStore {
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
         self.query_rows(UNFINISHED, Vec::new())
+    }
+
+    async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
+        let applied = self.read(|c| c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)))?;
+        Ok(Some(SchemaVersion { applied, known: MIGRATIONS.len() as i64 }))
     }
 
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {

@@ -134,6 +134,11 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
                     metrics.commits.with_label_values(&["ok"]).inc();
                     r.into_iter().map(Ok).collect()
                 }
+                Err(e) if writes.len() > 1 && store.unreachable() => {
+                    // Every write would wait for the store and fail alike: their runs end now.
+                    metrics.commits.with_label_values(&["failed"]).inc();
+                    vec![Err(e); writes.len()]
+                }
                 first if writes.len() == 1 => {
                     metrics.commits.with_label_values(&["failed"]).inc();
                     vec![first.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned())))]
@@ -182,6 +187,8 @@ mod tests {
         hold: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
         holding: AtomicBool,
         fails: Box<dyn Fn(&[Write]) -> bool + Send + Sync>,
+        /// Failures are the store's own (a database out of reach), not the writes'.
+        down: AtomicBool,
     }
 
     fn run_of(w: &Write) -> String {
@@ -208,6 +215,9 @@ mod tests {
                 return Err(StoreError("disk full".to_owned()));
             }
             Ok(batch.iter().map(|_| Applied::Done).collect())
+        }
+        fn unreachable(&self) -> bool {
+            self.down.load(Ordering::SeqCst)
         }
         async fn run(&self, _: &str) -> Result<Option<RunRow>, StoreError> {
             Ok(None)
@@ -236,8 +246,22 @@ mod tests {
         runs: &[String],
         fails: impl Fn(&[Write]) -> bool + Send + Sync + 'static,
     ) -> (Vec<(String, Result<Applied, StoreError>)>, Arc<Probe>) {
+        queue_behind(runs, fails, false).await
+    }
+
+    async fn queue_behind(
+        runs: &[String],
+        fails: impl Fn(&[Write]) -> bool + Send + Sync + 'static,
+        down: bool,
+    ) -> (Vec<(String, Result<Applied, StoreError>)>, Arc<Probe>) {
         let (release, hold) = std::sync::mpsc::channel();
-        let probe = Arc::new(Probe { batches: Mutex::default(), hold: Mutex::new(Some(hold)), holding: AtomicBool::new(false), fails: Box::new(fails) });
+        let probe = Arc::new(Probe {
+            batches: Mutex::default(),
+            hold: Mutex::new(Some(hold)),
+            holding: AtomicBool::new(false),
+            fails: Box::new(fails),
+            down: AtomicBool::new(down),
+        });
         let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
         let first = {
             let writer = writer.clone();
@@ -291,6 +315,16 @@ mod tests {
             assert_eq!(r.as_ref().err().map(|e| e.0.as_str()), Some("disk full"), "{run}");
         }
         assert_eq!(probe.batches.lock().expect("batches").len(), 2 + runs.len());
+    }
+
+    #[actix_rt::test]
+    async fn a_store_out_of_reach_fails_the_whole_batch_at_once() {
+        let runs: Vec<String> = (0..50).map(|i| format!("run-{i}")).collect();
+        // Retried one by one, each write would wait for the database again (seconds each).
+        let (results, probe) = queue_behind(&runs, |b| b.iter().any(|w| run_of(w) != "first"), true).await;
+        assert_eq!(results.len(), runs.len());
+        assert!(results.iter().all(|(_, r)| r.is_err()));
+        assert_eq!(probe.batches.lock().expect("batches").len(), 2, "the batch was retried write by write");
     }
 
     #[actix_rt::test]

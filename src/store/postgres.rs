@@ -1,0 +1,733 @@
+//! `postgres://…`: the run store on PostgreSQL, shared by every replica of clawmux. Same rows and
+//! semantics as the SQLite store; the schema is created and migrated at start by sqlx's migrator
+//! from `migrations/postgres/` (embedded in the binary; it takes a lock of its own, so replicas
+//! starting together migrate once).
+//!
+//! Admission is decided by the unique constraints on `run_id` and `idempotency_key`
+//! (`INSERT … ON CONFLICT DO NOTHING`, then the row that won is read): two replicas admitting the
+//! same request at once store it once. A batch of the group commit is one transaction; the events
+//! of a batch go in with one statement.
+
+use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
+use super::{Applied, CheckpointRecord, EventName, ListQuery, Replica, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{PgPool, Postgres, QueryBuilder, Row, Transaction};
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// The schema, embedded at build time.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+
+/// Connections per process: the group-commit writer holds one per batch, readers (HTTP, history,
+/// the webhook outbox) share the rest.
+const POOL_SIZE: u32 = 16;
+
+/// The writer's connections: it applies one batch at a time (a second one for a batch that
+/// starts while a broken connection is being replaced).
+const WRITE_POOL_SIZE: u32 = 2;
+
+/// How long a caller waits for a connection before the store counts as unavailable (admission
+/// answers `503` rather than hanging while the database is down).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long the first connection at start may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The PostgreSQL store.
+pub struct PgStore {
+    /// Connections of the readers (HTTP handlers, history, the webhook outbox, heartbeats).
+    pool: PgPool,
+    /// The group-commit writer's own connections, opened lazily by the writer itself: a socket
+    /// is driven by the runtime that opened it, and the writer runs on a thread of its own. On a
+    /// connection opened by a busy HTTP thread, each round trip of a commit would also wait for
+    /// that thread's event loop to turn.
+    write_pool: PgPool,
+    /// `postgres://user@host:port/db` (no password), for messages.
+    display: String,
+    /// The last `apply` failed because the database was out of reach (see [`Store::unreachable`]).
+    unreachable: AtomicBool,
+}
+
+impl PgStore {
+    /// Connects to `url` and migrates the schema. Every error names the store (without its
+    /// password).
+    pub async fn open(url: &str, display: &str) -> Result<Self, StoreError> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| StoreError(format!("the run store {display} {what}: {e}"));
+        let options = PgConnectOptions::from_str(url).map_err(|e| fail("has an invalid URL", &redact(&e.to_string(), url)))?;
+        // One connection first, for its own error: the pool would only say it timed out.
+        let first: Result<sqlx::PgConnection, sqlx::Error> =
+            match tokio::time::timeout(CONNECT_TIMEOUT, sqlx::Connection::connect_with(&options)).await {
+                Ok(r) => r,
+                Err(_) => return Err(fail("cannot be reached", &format!("no answer within {CONNECT_TIMEOUT:?}"))),
+            };
+        sqlx::Connection::close(first.map_err(|e| fail("cannot be reached", &e))?).await.map_err(|e| fail("cannot be reached", &e))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL_SIZE)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            // A connection that broke while the database restarted is found out before use.
+            .test_before_acquire(true)
+            .connect_with(options.clone())
+            .await
+            .map_err(|e| fail("cannot be reached", &e))?;
+        MIGRATOR.run(&pool).await.map_err(|e| fail("cannot be set up", &e))?;
+        let write_pool = PgPoolOptions::new()
+            .max_connections(WRITE_POOL_SIZE)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .test_before_acquire(true)
+            .connect_lazy_with(options);
+        Ok(Self { pool, write_pool, display: display.to_owned(), unreachable: AtomicBool::new(false) })
+    }
+
+    /// The connection pool (replica coordination shares it).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> StoreError {
+        StoreError(format!("the run store {}: {e}", self.display))
+    }
+
+    /// A failed `apply`: remembers whether the database itself was out of reach (then every write
+    /// fails alike, and retrying them one by one would only wait [`ACQUIRE_TIMEOUT`] each).
+    fn apply_err(&self, e: sqlx::Error) -> StoreError {
+        self.unreachable.store(is_unreachable(&e), Ordering::Relaxed);
+        self.err(e)
+    }
+}
+
+/// True for errors that say nothing about the writes: no connection, a broken one, the server
+/// shutting down.
+fn is_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => true,
+        // Class 08: connection exception; 57P01..57P03: admin shutdown, crash shutdown, cannot
+        // connect now (starting up or shutting down).
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03")),
+        _ => false,
+    }
+}
+
+/// Creates a database of its own on the server `url` names and returns its URL (the `pg_` tests:
+/// one database per test, so they run side by side on one server).
+#[doc(hidden)]
+pub async fn create_test_database(url: &str, prefix: &str) -> Result<String, StoreError> {
+    let name = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
+    let options = PgConnectOptions::from_str(url).map_err(|e| StoreError(format!("a postgres URL that cannot be used: {}", redact(&e.to_string(), url))))?;
+    let mut conn: sqlx::PgConnection = sqlx::Connection::connect_with(&options).await.map_err(|e| StoreError(format!("cannot reach the test server: {e}")))?;
+    sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut conn).await.map_err(|e| StoreError(format!("cannot create a test database: {e}")))?;
+    let mut u = reqwest::Url::parse(url).map_err(|e| StoreError(format!("a postgres URL that cannot be parsed: {e}")))?;
+    u.set_path(&format!("/{name}"));
+    Ok(u.to_string())
+}
+
+/// `e` without the URL's password, should a driver message echo it.
+fn redact(e: &str, url: &str) -> String {
+    match reqwest::Url::parse(url).ok().and_then(|u| u.password().map(str::to_owned)) {
+        Some(p) if !p.is_empty() => e.replace(&p, "<redacted>"),
+        _ => e.to_owned(),
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
+}
+
+fn i64_of(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn col<'r, T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>>(r: &'r PgRow, c: &str) -> Result<T, String> {
+    r.try_get(c).map_err(|e| format!("column {c}: {e}"))
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(r: &PgRow, c: &str) -> Result<Option<T>, String> {
+    col::<Option<String>>(r, c)?.map(|s| serde_json::from_str(&s).map_err(|e| format!("column {c}: {e}"))).transpose()
+}
+
+/// A stored row (its contents are input too: a bad one is an error, never another run).
+pub(crate) fn decode_row(r: &PgRow) -> Result<RunRow, String> {
+    let spec: SpecRecord = parse_json(r, "spec")?.ok_or("column spec: empty")?;
+    let error = match (col::<Option<String>>(r, "error_code")?, col::<Option<String>>(r, "error_message")?) {
+        (Some(c), m) => Some((c, m.unwrap_or_default())),
+        _ => None,
+    };
+    Ok(RunRow {
+        seq: col(r, "seq")?,
+        run_id: col(r, "run_id")?,
+        idempotency_key: col(r, "idempotency_key")?,
+        fingerprint: col(r, "fingerprint")?,
+        billing_account_id: col(r, "billing_account_id")?,
+        state_key: col(r, "state_key")?,
+        session_key: col(r, "session_key")?,
+        spec,
+        status: col(r, "status")?,
+        checkpoint: parse_json::<CheckpointRecord>(r, "checkpoint")?,
+        gateway_run_id: col(r, "gateway_run_id")?,
+        content: col(r, "content")?,
+        error,
+        gateway_usage: parse_json(r, "gateway_usage")?,
+        usage: parse_json(r, "usage")?,
+        relay: parse_json(r, "relay")?,
+        created_at_ms: col(r, "created_at")?,
+        finished_at_ms: col(r, "finished_at")?,
+        last_event_id: u64::try_from(col::<i64>(r, "last_event_id")?).unwrap_or(0),
+        key_id: col(r, "key_id")?,
+        webhook_url: col(r, "webhook_url")?,
+    })
+}
+
+impl PgStore {
+    /// Rows for listings: one unreadable row is reported and skipped, never taken for another
+    /// run and never hiding the others.
+    fn decode_rows(&self, rows: Vec<PgRow>) -> Vec<RunRow> {
+        rows.iter()
+            .filter_map(|r| match decode_row(r) {
+                Ok(row) => Some(row),
+                Err(e) => {
+                    let id: String = r.try_get("run_id").unwrap_or_default();
+                    tracing::error!(store = %self.display, run_id = %id, error = %e, "unreadable run in the store; skipped");
+                    None
+                }
+            })
+            .collect()
+    }
+}
+
+type Tx<'a> = Transaction<'a, Postgres>;
+
+async fn insert(tx: &mut Tx<'_>, row: &RunRow) -> Result<Applied, sqlx::Error> {
+    let seq: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
+         checkpoint, content, created_at, key_id, webhook_url, usage) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+         ON CONFLICT DO NOTHING RETURNING seq",
+    )
+    .bind(&row.run_id)
+    .bind(&row.idempotency_key)
+    .bind(&row.fingerprint)
+    .bind(&row.billing_account_id)
+    .bind(&row.state_key)
+    .bind(&row.session_key)
+    .bind(json(&row.spec))
+    .bind(&row.status)
+    .bind(row.checkpoint.as_ref().map(json))
+    .bind(&row.content)
+    .bind(row.created_at_ms)
+    .bind(&row.key_id)
+    .bind(&row.webhook_url)
+    .bind(row.usage.as_ref().map(json))
+    .fetch_optional(&mut **tx)
+    .await?;
+    if let Some(seq) = seq {
+        return Ok(Applied::Inserted { seq });
+    }
+    // A constraint said no: which row won, and is it the same request?
+    if let Some(key) = &row.idempotency_key {
+        let existing: Option<(String, String)> =
+            sqlx::query_as("SELECT run_id, fingerprint FROM runs WHERE billing_account_id = $1 AND idempotency_key = $2")
+                .bind(&row.billing_account_id)
+                .bind(key)
+                .fetch_optional(&mut **tx)
+                .await?;
+        if let Some((id, fp)) = existing {
+            return Ok(if fp == row.fingerprint { Applied::Existing { run_id: id } } else { Applied::IdempotencyMismatch });
+        }
+    }
+    let existing: Option<String> = sqlx::query_scalar("SELECT fingerprint FROM runs WHERE run_id = $1").bind(&row.run_id).fetch_optional(&mut **tx).await?;
+    Ok(match existing {
+        Some(fp) if fp == row.fingerprint => Applied::Existing { run_id: row.run_id.clone() },
+        Some(_) => Applied::Conflict,
+        // The winner was deleted between the two statements (its admission failed): the caller
+        // retries.
+        None => return Err(sqlx::Error::Protocol("a conflicting run vanished during admission; retry".to_owned())),
+    })
+}
+
+/// Events queued by a batch, inserted with one statement.
+#[derive(Default)]
+struct Events {
+    /// Column `run_id`, one entry per event (UNNEST takes columns, not rows).
+    run_ids: Vec<String>,
+    /// Column `id`.
+    ids: Vec<i64>,
+    /// Column `name`.
+    names: Vec<&'static str>,
+    /// Column `data`.
+    data: Vec<String>,
+}
+
+impl Events {
+    fn push(&mut self, run_id: &str, e: &StoredEvent) {
+        self.run_ids.push(run_id.to_owned());
+        self.ids.push(i64_of(e.id));
+        self.names.push(e.name.as_str());
+        self.data.push(e.data.clone());
+    }
+
+    async fn flush(&mut self, tx: &mut Tx<'_>) -> Result<(), sqlx::Error> {
+        if self.ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query("INSERT INTO events (run_id, id, name, data) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[])")
+            .bind(&self.run_ids)
+            .bind(&self.ids)
+            .bind(&self.names)
+            .bind(&self.data)
+            .execute(&mut **tx)
+            .await?;
+        *self = Events::default();
+        Ok(())
+    }
+}
+
+async fn queue_webhook(tx: &mut Tx<'_>, run_id: &str, w: &super::NewDelivery) -> Result<(), sqlx::Error> {
+    let now = super::now_ms();
+    sqlx::query("INSERT INTO webhook_outbox (run_id, url, key_id, body, next_at, created_at) VALUES ($1, $2, $3, $4, $5, $6)")
+        .bind(run_id)
+        .bind(&w.url)
+        .bind(&w.key_id)
+        .bind(&w.body)
+        .bind(now)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// One run's row changes of a batch: merged changes, the highest event id, the exact last event
+/// id a `Fail` sets.
+#[derive(Default)]
+struct Pending {
+    /// The batch's changes to the row, later ones winning.
+    patch: RunPatch,
+    /// The highest event id of the batch's changes (the column only moves forward).
+    last_id: u64,
+    /// The last event id a `Fail` sets exactly (events after it were dropped).
+    exact: Option<u64>,
+}
+
+async fn update(tx: &mut Tx<'_>, run_id: &str, p: &Pending) -> Result<(), sqlx::Error> {
+    let mut q: QueryBuilder<'_, Postgres> = QueryBuilder::new("UPDATE runs SET last_event_id = ");
+    match p.exact {
+        Some(id) => {
+            q.push_bind(i64_of(id));
+        }
+        None => {
+            q.push("GREATEST(last_event_id, ").push_bind(i64_of(p.last_id)).push(")");
+        }
+    }
+    let patch = &p.patch;
+    let mut set = |col: &str, v: Option<String>| {
+        q.push(format!(", {col} = ")).push_bind(v);
+    };
+    if let Some(v) = &patch.status {
+        set("status", Some(v.clone()));
+    }
+    if let Some(v) = &patch.checkpoint {
+        set("checkpoint", Some(json(v)));
+    }
+    if let Some(v) = &patch.gateway_run_id {
+        set("gateway_run_id", Some(v.clone()));
+    }
+    if let Some(v) = &patch.content {
+        set("content", Some(v.clone()));
+    }
+    if let Some((code, message)) = &patch.error {
+        set("error_code", Some(code.clone()));
+        set("error_message", Some(message.clone()));
+    }
+    if let Some(v) = &patch.gateway_usage {
+        set("gateway_usage", Some(json(v)));
+    }
+    if let Some(v) = &patch.usage {
+        set("usage", Some(json(v)));
+    }
+    if let Some(v) = &patch.relay {
+        set("relay", Some(json(v)));
+    }
+    if let Some(v) = patch.finished_at_ms {
+        q.push(", finished_at = ").push_bind(v);
+    }
+    q.push(" WHERE run_id = ").push_bind(run_id.to_owned());
+    q.build().execute(&mut **tx).await?;
+    Ok(())
+}
+
+impl PgStore {
+    async fn apply_tx(&self, batch: &[Write]) -> Result<Vec<Applied>, sqlx::Error> {
+        let mut tx = self.write_pool.begin().await?;
+        let mut out = Vec::with_capacity(batch.len());
+        // Row changes of the whole batch, coalesced: one update per run (later changes win).
+        let mut order: Vec<&str> = Vec::new();
+        let mut pending: HashMap<&str, Pending> = HashMap::new();
+        let mut events = Events::default();
+        // Tokens per account and window, added once at the end (in a fixed order: two replicas'
+        // batches never wait on each other's spend rows in opposite orders).
+        let mut spend: std::collections::BTreeMap<(&str, i64), u64> = Default::default();
+        for w in batch {
+            out.push(match w {
+                Write::Insert(row) => {
+                    events.flush(&mut tx).await?;
+                    insert(&mut tx, row).await?
+                }
+                Write::Append { run_id, event, patch, webhook } => {
+                    if let Some(w) = webhook {
+                        queue_webhook(&mut tx, run_id, w).await?;
+                    }
+                    if let Some(e) = event {
+                        events.push(run_id, e);
+                    }
+                    // A delta changes no column of its run: its row is left alone.
+                    if !patch.is_empty() {
+                        let p = pending.entry(run_id.as_str()).or_insert_with(|| {
+                            order.push(run_id.as_str());
+                            Pending::default()
+                        });
+                        p.patch.merge(patch.clone());
+                        if let Some(e) = event {
+                            p.last_id = p.last_id.max(e.id);
+                        }
+                    }
+                    Applied::Done
+                }
+                Write::Fail { run_id, event, patch, webhook } => {
+                    events.flush(&mut tx).await?;
+                    sqlx::query("DELETE FROM events WHERE run_id = $1 AND id >= $2").bind(run_id).bind(i64_of(event.id)).execute(&mut *tx).await?;
+                    events.push(run_id, event);
+                    if let Some(w) = webhook {
+                        queue_webhook(&mut tx, run_id, w).await?;
+                    }
+                    let p = pending.entry(run_id.as_str()).or_insert_with(|| {
+                        order.push(run_id.as_str());
+                        Pending::default()
+                    });
+                    p.patch.merge(patch.clone());
+                    p.exact = Some(event.id);
+                    Applied::Done
+                }
+                Write::Spend { account, window_start_ms, tokens } => {
+                    let t = spend.entry((account.as_str(), *window_start_ms)).or_default();
+                    *t = t.saturating_add(*tokens);
+                    Applied::Done
+                }
+                Write::Delete { run_id } => {
+                    events.flush(&mut tx).await?;
+                    sqlx::query("DELETE FROM events WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
+                    sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
+                    pending.remove(run_id.as_str());
+                    Applied::Done
+                }
+            });
+        }
+        events.flush(&mut tx).await?;
+        for run_id in order {
+            if let Some(p) = pending.get(run_id) {
+                update(&mut tx, run_id, p).await?;
+            }
+        }
+        for ((account, window), tokens) in spend {
+            sqlx::query(
+                "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES ($1, $2, $3) \
+                 ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = spend.tokens + excluded.tokens",
+            )
+            .bind(account)
+            .bind(window)
+            .bind(i64_of(tokens))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for PgStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
+        let out = self.apply_tx(batch).await.map_err(|e| self.apply_err(e))?;
+        self.unreachable.store(false, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    fn unreachable(&self) -> bool {
+        self.unreachable.load(Ordering::Relaxed)
+    }
+
+    async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
+        let row = sqlx::query("SELECT * FROM runs WHERE run_id = $1").bind(run_id).fetch_optional(&self.pool).await.map_err(|e| self.err(e))?;
+        Ok(row.map(|r| self.decode_rows(vec![r])).and_then(|mut v| v.pop()))
+    }
+
+    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
+        let rows: Vec<(i64, String, String)> = sqlx::query_as("SELECT id, name, data FROM events WHERE run_id = $1 AND id > $2 ORDER BY id")
+            .bind(run_id)
+            .bind(i64_of(after))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        rows.into_iter()
+            .map(|(id, name, data)| {
+                let name = EventName::parse(&name).ok_or_else(|| self.err(format!("holds an event of unknown kind {name:?}")))?;
+                Ok(StoredEvent { id: u64::try_from(id).unwrap_or(0), name, data })
+            })
+            .collect()
+    }
+
+    async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
+        let mut b: QueryBuilder<'_, Postgres> = QueryBuilder::new("SELECT * FROM runs WHERE seq < ");
+        b.push_bind(q.before_seq.unwrap_or(i64::MAX));
+        if !q.statuses.is_empty() {
+            b.push(" AND status = ANY(").push_bind(q.statuses.clone()).push(")");
+        }
+        if let Some(accounts) = &q.accounts {
+            if accounts.is_empty() {
+                return Ok(Vec::new());
+            }
+            b.push(" AND billing_account_id = ANY(").push_bind(accounts.clone()).push(")");
+        }
+        if let Some(a) = &q.billing_account_id {
+            b.push(" AND billing_account_id = ").push_bind(a.clone());
+        }
+        if let Some(s) = &q.state_key {
+            b.push(" AND state_key = ").push_bind(s.clone());
+        }
+        if let Some(t) = q.since_ms {
+            b.push(" AND created_at >= ").push_bind(t);
+        }
+        b.push(" ORDER BY seq DESC LIMIT ").push_bind(i64::try_from(q.limit).unwrap_or(i64::MAX));
+        let rows = b.build().fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        Ok(self.decode_rows(rows))
+    }
+
+    async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
+        let applied = sqlx::query_scalar::<_, Option<i64>>("SELECT max(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+            .unwrap_or_default();
+        Ok(Some(SchemaVersion { applied, known: MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0) }))
+    }
+
+    async fn heartbeat(&self, r: &Replica) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO replicas (id, started_at, heartbeat_at, version) VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO UPDATE \
+             SET started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, version = excluded.version",
+        )
+        .bind(&r.id)
+        .bind(r.started_at_ms)
+        .bind(r.heartbeat_at_ms)
+        .bind(&r.version)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn replicas(&self) -> Result<Option<Vec<Replica>>, StoreError> {
+        let rows: Vec<(String, i64, i64, String)> =
+            sqlx::query_as("SELECT id, started_at, heartbeat_at, version FROM replicas ORDER BY heartbeat_at DESC, id LIMIT 100")
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?;
+        Ok(Some(rows.into_iter().map(|(id, started_at_ms, heartbeat_at_ms, version)| Replica { id, started_at_ms, heartbeat_at_ms, version }).collect()))
+    }
+
+    async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM runs WHERE finished_at IS NULL ORDER BY seq").fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        Ok(self.decode_rows(rows))
+    }
+
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
+        let cutoff = now_ms.saturating_sub(retention.max_age_ms);
+        let max = i64::try_from(retention.max_count).unwrap_or(i64::MAX);
+        // Past the age, and beyond the newest `max_count` finished runs; events first, in the same
+        // statement.
+        sqlx::query_scalar(
+            "WITH doomed AS (SELECT run_id FROM runs WHERE finished_at IS NOT NULL AND (finished_at <= $1 OR run_id IN \
+               (SELECT run_id FROM runs WHERE finished_at IS NOT NULL ORDER BY finished_at DESC, seq DESC OFFSET $2))), \
+             gone_events AS (DELETE FROM events WHERE run_id IN (SELECT run_id FROM doomed)) \
+             DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id",
+        )
+        .bind(cutoff)
+        .bind(max)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| self.err(e))
+    }
+}
+
+fn decode_key(r: &PgRow) -> Result<KeyRecord, String> {
+    let list = |c: &str| -> Result<Vec<String>, String> { parse_json(r, c).map(Option::unwrap_or_default) };
+    Ok(KeyRecord {
+        id: col(r, "id")?,
+        name: col(r, "name")?,
+        secret_sha256: col(r, "secret_sha256")?,
+        accounts: list("accounts")?,
+        actions: list("actions")?,
+        webhook_secret: col(r, "webhook_secret")?,
+        webhook_url: col(r, "webhook_url")?,
+        created_at_ms: col(r, "created_at")?,
+        revoked_at_ms: col(r, "revoked_at")?,
+    })
+}
+
+fn decode_limits(r: &PgRow) -> Result<Limits, String> {
+    let n = |c: &str| -> Result<Option<u64>, String> { Ok(col::<Option<i64>>(r, c)?.map(|v| u64::try_from(v).unwrap_or(0))) };
+    Ok(Limits { max_tokens: n("max_tokens")?, period_sec: n("period_sec")?, max_concurrent: n("max_concurrent")?, max_runs_per_minute: n("max_runs_per_minute")? })
+}
+
+fn opt_i64(v: Option<u64>) -> Option<i64> {
+    v.map(i64_of)
+}
+
+impl PgStore {
+    async fn keys_where(&self, sql: &str, arg: Option<&str>) -> Result<Vec<KeyRecord>, StoreError> {
+        let mut q = sqlx::query(sql);
+        if let Some(a) = arg {
+            q = q.bind(a.to_owned());
+        }
+        let rows = q.fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        rows.iter().map(|r| decode_key(r).map_err(|e| self.err(format!("holds an unreadable key: {e}")))).collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl TenantStore for PgStore {
+    async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO api_keys (id, name, secret_sha256, accounts, actions, webhook_secret, webhook_url, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&key.id)
+        .bind(&key.name)
+        .bind(&key.secret_sha256)
+        .bind(json(&key.accounts))
+        .bind(json(&key.actions))
+        .bind(&key.webhook_secret)
+        .bind(&key.webhook_url)
+        .bind(key.created_at_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(self.keys_where("SELECT * FROM api_keys WHERE id = $1", Some(id)).await?.pop())
+    }
+
+    async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
+        self.keys_where("SELECT * FROM api_keys ORDER BY created_at, id", None).await
+    }
+
+    async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
+        let r = sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2")
+            .bind(at_ms)
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(r.rows_affected() > 0)
+    }
+
+    async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {
+        let row = sqlx::query("SELECT * FROM account_limits WHERE billing_account_id = $1")
+            .bind(account)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        row.map(|r| decode_limits(&r).map_err(|e| self.err(e))).transpose()
+    }
+
+    async fn all_limits(&self) -> Result<Vec<(String, Limits)>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM account_limits ORDER BY billing_account_id").fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| Ok((col::<String>(r, "billing_account_id").map_err(|e| self.err(e))?, decode_limits(r).map_err(|e| self.err(e))?)))
+            .collect()
+    }
+
+    async fn set_limits(&self, account: &str, l: &Limits, at_ms: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO account_limits (billing_account_id, max_tokens, period_sec, max_concurrent, max_runs_per_minute, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (billing_account_id) DO UPDATE SET max_tokens = excluded.max_tokens, \
+             period_sec = excluded.period_sec, max_concurrent = excluded.max_concurrent, \
+             max_runs_per_minute = excluded.max_runs_per_minute, updated_at = excluded.updated_at",
+        )
+        .bind(account)
+        .bind(opt_i64(l.max_tokens))
+        .bind(opt_i64(l.period_sec))
+        .bind(opt_i64(l.max_concurrent))
+        .bind(opt_i64(l.max_runs_per_minute))
+        .bind(at_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError> {
+        let v: Option<i64> = sqlx::query_scalar("SELECT tokens FROM spend WHERE billing_account_id = $1 AND window_start = $2")
+            .bind(account)
+            .bind(window_start_ms)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(v.map_or(0, |v| u64::try_from(v).unwrap_or(0)))
+    }
+
+    async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
+        // A plain read, as on SQLite: one process per database. (Taking an item for a while
+        // before the attempt would let replicas share the outbox, but a process killed during the
+        // attempt would then hold it back for that while.)
+        let rows: Vec<(i64, String, String, Option<String>, String, i64, i64)> = sqlx::query_as(
+            "SELECT id, run_id, url, key_id, body, attempts, created_at FROM webhook_outbox \
+             WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1 ORDER BY id LIMIT $2",
+        )
+        .bind(now_ms)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, run_id, url, key_id, body, attempts, created_at_ms)| OutboxItem {
+                id,
+                run_id,
+                url,
+                key_id,
+                body,
+                attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+                created_at_ms,
+            })
+            .collect())
+    }
+
+    async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError> {
+        let q = match outcome {
+            DeliveryOutcome::Delivered => sqlx::query("UPDATE webhook_outbox SET attempts = attempts + 1, delivered_at = $1 WHERE id = $2").bind(at_ms).bind(id),
+            DeliveryOutcome::Retry { next_at_ms, error } => {
+                sqlx::query("UPDATE webhook_outbox SET attempts = attempts + 1, next_at = $1, last_error = $2 WHERE id = $3").bind(*next_at_ms).bind(error.clone()).bind(id)
+            }
+            DeliveryOutcome::GaveUp { error } => {
+                sqlx::query("UPDATE webhook_outbox SET attempts = attempts + 1, gave_up_at = $1, last_error = $2 WHERE id = $3").bind(at_ms).bind(error.clone()).bind(id)
+            }
+        };
+        q.execute(&self.pool).await.map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError> {
+        let rows: Vec<(i64, Option<i64>, Option<i64>, Option<String>)> =
+            sqlx::query_as("SELECT attempts, delivered_at, gave_up_at, last_error FROM webhook_outbox WHERE run_id = $1 ORDER BY id")
+                .bind(run_id)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?;
+        Ok(rows.into_iter().map(|(a, d, g, e)| (u32::try_from(a).unwrap_or(u32::MAX), d.is_some(), g.is_some(), e)).collect())
+    }
+}
