@@ -38,6 +38,7 @@ pub mod api;
 pub mod attribution;
 pub mod audit;
 pub mod cli;
+pub mod ephemeral;
 
 pub mod config;
 pub mod exit;

@@ -80,6 +80,8 @@ pub struct StartOptions {
     /// The workspace of branch runs, instead of the git relay `CLAWMUX_RELAY_CONTAINER` configures
     /// (tests use a fake one: no Docker, and steps that end when the test says).
     pub workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>>,
+    /// The agent variants, instead of `CLAWMUX_AGENTS_FILE` / the built-in default.
+    pub agents: Option<AgentRegistry>,
 }
 
 /// Starts everything inside the current actix System and continues the store's unfinished runs.
@@ -89,10 +91,13 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
 }
 
 /// [`start`] with some parts given by the caller.
-pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOptions) -> std::io::Result<Running> {
+pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOptions) -> std::io::Result<Running> {
     let registry = prometheus::Registry::new();
-    let agents = AgentRegistry::builtin();
-    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?.with_agents(agents.agents.iter().map(|a| a.agent_id.clone()));
+    let agents = match options.agents.take() {
+        Some(a) => a,
+        None => AgentRegistry::from_env(&|k| std::env::var(k).ok()).map_err(std::io::Error::other)?,
+    };
+    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?.with_agents(agents.agent_ids());
     let store_metrics = StoreMetrics::new(&registry).map_err(std::io::Error::other)?;
     let retention = Retention {
         max_age_ms: i64::try_from(cfg.run_retention_sec.saturating_mul(1000)).unwrap_or(i64::MAX),

@@ -135,7 +135,7 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
         default_timeout_sec: state.cfg.run_timeout_sec,
         max_timeout_sec: state.cfg.max_run_timeout_sec,
     };
-    let run = request::decode(&body)
+    let mut run = request::decode(&body)
         .and_then(|r| request::validate(r, limits, || uuid::Uuid::new_v4().to_string()))
         .map_err(|e| match e {
             RequestError::Invalid(m) => ApiError::invalid(m),
@@ -153,6 +153,15 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
     }
     if state.agents.get(&run.agent_id).is_none() {
         return Err(ApiError::invalid(format!("field `agentId`: unknown agent {:?} (see GET /v1/agents)", run.agent_id)));
+    }
+    if run.request.graph_id.is_none() {
+        run.graph_id = state.agents.default_graph_id.clone();
+    }
+    let Some(variant) = state.agents.variant(&run.graph_id) else {
+        return Err(ApiError::invalid(format!("field `graphId`: unknown agent variant {:?} (see GET /v1/agents)", run.graph_id)));
+    };
+    if variant.mode == crate::agents::Mode::Ephemeral && run.branch_key.is_some() {
+        return Err(ApiError::invalid("field `branch`: ephemeral variants have no network and no git relay; use a gateway variant for branch runs"));
     }
     if !principal.sees(&run.request.billing_account_id) {
         return Err(ApiError::new(
