@@ -10,7 +10,8 @@ use crate::agents::EphemeralSpec;
 use bollard::models::{ContainerCreateBody, HostConfig};
 use std::collections::HashMap;
 
-/// Label on every ephemeral container: what a restarted clawmux reaps.
+/// Label on every ephemeral container, valued with its owner ([`owner_of`]): what a restarted
+/// clawmux with the same directory reaps (another clawmux on the engine keeps its own).
 pub const LABEL_OWNER: &str = "io.clawmux.ephemeral";
 /// Label with the run id (for operators and the reaper's log).
 pub const LABEL_RUN: &str = "io.clawmux.run-id";
@@ -40,6 +41,8 @@ pub struct Plan<'a> {
     pub socket_dir_host: &'a str,
     /// `uid:gid` the agent runs as (never root).
     pub user: &'a str,
+    /// The owner label's value ([`owner_of`]).
+    pub owner: &'a str,
     /// OpenClaw's own timeout (seconds): below the hard limit so it can exit cleanly.
     pub agent_timeout_sec: u64,
 }
@@ -76,8 +79,15 @@ pub fn agent_timeout_sec(hard_limit_sec: u64) -> u64 {
 }
 
 /// The labels of a run's container.
-pub fn labels(run_id: &str) -> HashMap<String, String> {
-    HashMap::from([(LABEL_OWNER.to_owned(), "1".to_owned()), (LABEL_RUN.to_owned(), run_id.to_owned())])
+pub fn labels(run_id: &str, owner: &str) -> HashMap<String, String> {
+    HashMap::from([(LABEL_OWNER.to_owned(), owner.to_owned()), (LABEL_RUN.to_owned(), run_id.to_owned())])
+}
+
+/// The owner label's value: the runs' directory, hashed (one clawmux per directory).
+pub fn owner_of(root: &std::path::Path) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(root.as_os_str().as_encoded_bytes());
+    hex::encode(&digest[..8])
 }
 
 /// A container name for the run: unique, recognisable, valid for Docker (`[a-zA-Z0-9_.-]`).
@@ -98,7 +108,7 @@ pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
         env: Some(env()),
         user: Some(p.user.to_owned()),
         working_dir: Some(WORKSPACE.to_owned()),
-        labels: Some(labels(p.run_id)),
+        labels: Some(labels(p.run_id, p.owner)),
         network_disabled: Some(true),
         attach_stdin: Some(false),
         attach_stdout: Some(true),
@@ -147,7 +157,7 @@ mod tests {
     #[test]
     fn the_container_is_hardened() {
         let spec = spec();
-        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, workspace_host: "/var/eph/r1/ws", socket_dir_host: "/var/eph/r1/sock", user: "1000:1000", agent_timeout_sec: 540 };
+        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, workspace_host: "/var/eph/r1/ws", socket_dir_host: "/var/eph/r1/sock", user: "1000:1000", owner: "o1", agent_timeout_sec: 540 };
         let b = body(&p);
         let h = b.host_config.clone().expect("host config");
         assert_eq!(h.network_mode.as_deref(), Some("none"));
@@ -170,7 +180,7 @@ mod tests {
         let names: Vec<&str> = env.iter().filter_map(|e| e.split('=').next()).collect();
         assert_eq!(names, ["HOME", "OPENCLAW_CONFIG_PATH", "OPENCLAW_STATE_DIR", "OPENCLAW_LOAD_SHELL_ENV"]);
         assert!(env.contains(&"OPENCLAW_LOAD_SHELL_ENV=0".to_owned()));
-        assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_OWNER)).map(String::as_str), Some("1"));
+        assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_OWNER)).map(String::as_str), Some("o1"));
         assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_RUN)).map(String::as_str), Some("r1"));
     }
 
@@ -191,6 +201,8 @@ mod tests {
         assert_eq!(agent_timeout_sec(6000), 5940);
         assert_eq!(name("a:b/c", "x1"), "clawmux-eph-a_b_c-x1");
         assert_eq!(user_for(0, 0), (1000, 1000));
+        assert_ne!(owner_of(std::path::Path::new("/a")), owner_of(std::path::Path::new("/b")));
+        assert_eq!(owner_of(std::path::Path::new("/a")).len(), 16);
         assert_eq!(user_for(1234, 99), (1234, 99));
     }
 }

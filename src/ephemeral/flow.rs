@@ -38,6 +38,26 @@ pub struct EphemeralConfig {
     pub default_model: String,
 }
 
+impl EphemeralConfig {
+    /// `CLAWMUX_EPHEMERAL_MAX` (default 4), `CLAWMUX_EPHEMERAL_DIR` (default
+    /// `$TMPDIR/clawmux-ephemeral`), `CLAWMUX_EPHEMERAL_MODEL` (default `default`).
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let max_concurrent = match env("CLAWMUX_EPHEMERAL_MAX").filter(|s| !s.is_empty()) {
+            None => 4,
+            Some(v) => match v.parse::<usize>() {
+                Ok(n) if (1..=1024).contains(&n) => n,
+                _ => return Err(format!("CLAWMUX_EPHEMERAL_MAX: {v:?} is not a number from 1 to 1024")),
+            },
+        };
+        let root = env("CLAWMUX_EPHEMERAL_DIR").filter(|s| !s.is_empty()).map_or_else(|| std::env::temp_dir().join("clawmux-ephemeral"), PathBuf::from);
+        if !root.is_absolute() {
+            return Err(format!("CLAWMUX_EPHEMERAL_DIR: {} must be absolute (the Docker engine mounts it)", root.display()));
+        }
+        let default_model = env("CLAWMUX_EPHEMERAL_MODEL").filter(|s| !s.is_empty()).unwrap_or_else(|| "default".to_owned());
+        Ok(Self { root, max_concurrent, default_model })
+    }
+}
+
 /// A run handed to the ephemeral runner.
 pub struct Job {
     /// The run (id, message, model, admission time, timeout).
@@ -79,7 +99,7 @@ impl Ephemeral {
 
     /// Removes what a previous process left: labelled containers and workspaces.
     pub async fn reap(&self) {
-        match self.runner.reap().await {
+        match self.runner.reap(&container::owner_of(&self.cfg.root)).await {
             Ok(names) if !names.is_empty() => tracing::warn!(containers = ?names, "removed ephemeral containers a previous clawmux left behind"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "cannot look for orphaned ephemeral containers"),
@@ -184,6 +204,7 @@ impl Ephemeral {
         let ws = layout.workspace.to_string_lossy().into_owned();
         let sock = layout.socket_dir.to_string_lossy().into_owned();
         let user = format!("{}:{}", layout.user.0, layout.user.1);
+        let owner = container::owner_of(&self.cfg.root);
         let hard = deadline.saturating_duration_since(Instant::now()).as_secs().max(1);
         let plan = Plan {
             run_id: &job.spec.run_id,
@@ -192,6 +213,7 @@ impl Ephemeral {
             workspace_host: &ws,
             socket_dir_host: &sock,
             user: &user,
+            owner: &owner,
             agent_timeout_sec: container::agent_timeout_sec(hard),
         };
         let result = self.run_container(job, live, name, container::body(&plan), deadline).await;

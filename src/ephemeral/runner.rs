@@ -46,9 +46,9 @@ pub trait Runner: Send + Sync + 'static {
     async fn wait(&self, id: &str, stdout_limit: usize) -> Result<Exit, RunnerError>;
     /// Kills and removes it (idempotent).
     async fn remove(&self, id: &str);
-    /// Removes every container labelled as clawmux's (a previous process's orphans); returns
+    /// Removes every container labelled as this owner's (a previous process's orphans); returns
     /// their names.
-    async fn reap(&self) -> Result<Vec<String>, RunnerError>;
+    async fn reap(&self, owner: &str) -> Result<Vec<String>, RunnerError>;
     /// The engine answers and has `image`.
     async fn check_image(&self, image: &str) -> Result<(), RunnerError>;
 }
@@ -138,8 +138,8 @@ impl Runner for DockerRunner {
         }
     }
 
-    async fn reap(&self) -> Result<Vec<String>, RunnerError> {
-        let filters = HashMap::from([("label".to_owned(), vec![LABEL_OWNER.to_owned()])]);
+    async fn reap(&self, owner: &str) -> Result<Vec<String>, RunnerError> {
+        let filters = HashMap::from([("label".to_owned(), vec![format!("{LABEL_OWNER}={owner}")])]);
         let opts = bollard::query_parameters::ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
         let found = self.docker.list_containers(Some(opts)).await.map_err(engine)?;
         let mut names = Vec::new();

@@ -29,6 +29,7 @@ struct Seen {
     /// Prompt and config as the container would find them at start.
     files: Vec<(String, serde_json::Value)>,
     bodies: Vec<bollard::models::ContainerCreateBody>,
+    reaped_owner: Option<String>,
 }
 
 struct FakeRunner {
@@ -102,7 +103,8 @@ impl Runner for FakeRunner {
         self.removed.notify_waiters();
     }
 
-    async fn reap(&self) -> Result<Vec<String>, RunnerError> {
+    async fn reap(&self, owner: &str) -> Result<Vec<String>, RunnerError> {
+        self.seen.lock().expect("lock").reaped_owner = Some(owner.to_owned());
         Ok(self.orphans.clone())
     }
 
@@ -209,6 +211,8 @@ async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     assert!(matches!(&events[0], RunEvent::Accepted { gateway_run_id } if gateway_run_id.starts_with("clawmux-eph-r-ok-")), "{events:?}");
     assert_eq!(events[1], RunEvent::TextDelta("the answer".into()));
     assert_eq!(*sink.checkpoints.lock().expect("lock"), [Checkpoint::Running]);
+    let labels = e.runner.seen(|s| s.bodies[0].labels.clone()).expect("labels");
+    assert_eq!(labels.get(crate::ephemeral::container::LABEL_OWNER), Some(&crate::ephemeral::container::owner_of(&e.root.path().join("runs"))));
     let (started, removed, files) = e.runner.seen(|s| (s.started.clone(), s.removed.clone(), s.files.clone()));
     assert_eq!(removed, started, "the container is removed after the run");
     // The message reached the container as a file, byte for byte, never through a shell.
@@ -322,4 +326,24 @@ async fn start_up_reaps_orphans_and_leftover_workspaces() {
     std::fs::create_dir_all(e.root.path().join("runs/clawmux-eph-old-1/ws")).expect("dir");
     e.eph.reap().await;
     assert_eq!(e.leftover_dirs(), 0);
+    assert_eq!(e.runner.seen(|s| s.reaped_owner.clone()), Some(crate::ephemeral::container::owner_of(&e.root.path().join("runs"))));
+}
+
+#[test]
+fn the_environment_configures_slots_dir_and_model() {
+    let c = EphemeralConfig::from_env(&|_| None).expect("defaults");
+    assert_eq!(c.max_concurrent, 4);
+    assert!(c.root.ends_with("clawmux-ephemeral"));
+    let env = |k: &str| match k {
+        "CLAWMUX_EPHEMERAL_MAX" => Some("2".to_owned()),
+        "CLAWMUX_EPHEMERAL_DIR" => Some("/srv/eph".to_owned()),
+        "CLAWMUX_EPHEMERAL_MODEL" => Some("fake-model".to_owned()),
+        _ => None,
+    };
+    let c = EphemeralConfig::from_env(&env).expect("set");
+    assert_eq!((c.max_concurrent, c.root.as_path(), c.default_model.as_str()), (2, Path::new("/srv/eph"), "fake-model"));
+    for (k, v) in [("CLAWMUX_EPHEMERAL_MAX", "0"), ("CLAWMUX_EPHEMERAL_MAX", "x"), ("CLAWMUX_EPHEMERAL_DIR", "rel/dir")] {
+        let err = EphemeralConfig::from_env(&|key| (key == k).then(|| v.to_owned())).expect_err(v);
+        assert!(err.contains(k), "{err}");
+    }
 }
