@@ -53,10 +53,17 @@ impl EphemeralConfig {
         if !root.is_absolute() {
             return Err(format!("CLAWMUX_EPHEMERAL_DIR: {} must be absolute (the Docker engine mounts it)", root.display()));
         }
+        if root.as_os_str().len() > MAX_ROOT_LEN {
+            return Err(format!("CLAWMUX_EPHEMERAL_DIR: {} is longer than {MAX_ROOT_LEN} bytes: the runs' sockets in it could not be bound", root.display()));
+        }
         let default_model = env("CLAWMUX_EPHEMERAL_MODEL").filter(|s| !s.is_empty()).unwrap_or_else(|| "default".to_owned());
         Ok(Self { root, max_concurrent, default_model })
     }
 }
+
+/// Longest runs directory: `<root>/<16 hex>/sock/llm.sock` must fit a unix socket address (108
+/// bytes with its NUL).
+pub const MAX_ROOT_LEN: usize = 107 - "/0123456789abcdef/sock/llm.sock".len();
 
 /// A run handed to the ephemeral runner.
 pub struct Job {
@@ -171,7 +178,8 @@ impl Ephemeral {
         job.sink.checkpoint(Checkpoint::Running);
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let name = container::name(&job.spec.run_id, &nonce[..12]);
-        let dir = self.cfg.root.join(&name);
+        // Short: the socket's path must fit a unix socket address (108 bytes).
+        let dir = self.cfg.root.join(&nonce[..16]);
         let result = self.contained(job, live, &name, &dir, deadline).await;
         let result = match result {
             Contained::Ended(exit) => outcome::of(exit, job.variant.output_bytes, job.variant.memory_bytes / (1024 * 1024)),

@@ -323,7 +323,7 @@ async fn a_run_aborted_while_waiting_for_a_slot_never_starts() {
 #[actix_rt::test]
 async fn start_up_reaps_orphans_and_leftover_workspaces() {
     let e = env(1);
-    std::fs::create_dir_all(e.root.path().join("runs/clawmux-eph-old-1/ws")).expect("dir");
+    std::fs::create_dir_all(e.root.path().join("runs/0123456789abcdef/ws")).expect("dir");
     e.eph.reap().await;
     assert_eq!(e.leftover_dirs(), 0);
     assert_eq!(e.runner.seen(|s| s.reaped_owner.clone()), Some(crate::ephemeral::container::owner_of(&e.root.path().join("runs"))));
@@ -342,7 +342,7 @@ fn the_environment_configures_slots_dir_and_model() {
     };
     let c = EphemeralConfig::from_env(&env).expect("set");
     assert_eq!((c.max_concurrent, c.root.as_path(), c.default_model.as_str()), (2, Path::new("/srv/eph"), "fake-model"));
-    for (k, v) in [("CLAWMUX_EPHEMERAL_MAX", "0"), ("CLAWMUX_EPHEMERAL_MAX", "x"), ("CLAWMUX_EPHEMERAL_DIR", "rel/dir")] {
+    for (k, v) in [("CLAWMUX_EPHEMERAL_MAX", "0"), ("CLAWMUX_EPHEMERAL_MAX", "x"), ("CLAWMUX_EPHEMERAL_DIR", "rel/dir"), ("CLAWMUX_EPHEMERAL_DIR", &format!("/{}", "d".repeat(80)))] {
         let err = EphemeralConfig::from_env(&|key| (key == k).then(|| v.to_owned())).expect_err(v);
         assert!(err.contains(k), "{err}");
     }
