@@ -27,6 +27,7 @@
 #   OPENCLAW_IMAGE        default clawmux/openclaw:2026.9.6
 #   LITELLM_IMAGE         default clawmux/litellm:1.106.2
 #   EPHEMERAL_IMAGE       default clawmux/openclaw-ephemeral:2026.9.6
+#   EPHEMERAL_LABEL       an extra label of the ephemeral image (tests: the hash of its inputs)
 #   CLAWMUX_BINARY        the clawmux binary to ship (default target/release/clawmux)
 #   DOCKER_BUILD_NETWORK  --network of the build containers (the tests: none, proving that no
 #                         build step reaches the network); default: Docker's default
@@ -124,7 +125,8 @@ build_ephemeral() {
   openclaw_context "$ctx"
   cp "$HERE/ephemeral/bridge.mjs" "$HERE/ephemeral/entrypoint.sh" "$ctx/"
   build ephemeral "$EPHEMERAL_IMAGE" "$ctx" "$HERE/ephemeral/Dockerfile" \
-    --build-arg "OPENCLAW_VERSION=$OPENCLAW_VERSION" --build-arg "NODE_VERSION=$NODE_VERSION"
+    --build-arg "OPENCLAW_VERSION=$OPENCLAW_VERSION" --build-arg "NODE_VERSION=$NODE_VERSION" \
+    ${EPHEMERAL_LABEL:+--label "$EPHEMERAL_LABEL"}
 }
 
 build_openclaw() {
