@@ -25,6 +25,16 @@ pub enum Mode {
     Ephemeral,
 }
 
+impl Mode {
+    /// The API's and the file's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Gateway => "gateway",
+            Mode::Ephemeral => "ephemeral",
+        }
+    }
+}
+
 /// What an ephemeral variant's container gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EphemeralSpec {

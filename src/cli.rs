@@ -581,7 +581,7 @@ async fn doctor_agents() -> bool {
             return false;
         }
     };
-    let names: Vec<String> = agents.agents.iter().map(|a| format!("{} ({:?})", a.graph_id, a.mode)).collect();
+    let names: Vec<String> = agents.agents.iter().map(|a| format!("{} ({})", a.graph_id, a.mode.as_str())).collect();
     println!("agents: OK, {} (default {})", names.join(", "), agents.default_graph_id);
     if !agents.has_ephemeral() {
         println!();

@@ -4,6 +4,8 @@
 //! ephemeral phase.
 
 mod common;
+#[path = "common/child.rs"]
+mod child;
 
 use clawmux::agents::AgentRegistry;
 use clawmux::ephemeral::EphemeralConfig;
@@ -280,4 +282,50 @@ async fn docker_ephemeral_concurrent_runs_of_three_accounts_and_orphans_reaped_a
     }
     env.containers_gone_within(Duration::from_secs(5)).await;
     env.stop().await;
+}
+
+#[actix_rt::test]
+async fn docker_ephemeral_kill_9_mid_run_leaves_no_container_after_the_restart() {
+    let root = temp_dir("eph-root");
+    let owner = clawmux::ephemeral::container::owner_of(&root);
+    let dir = temp_dir("docker-eph-kill");
+    let llm = FakeLlm::start(&dir.join("llm"));
+    let gw = ReplayGateway::start(SocketAddr::from(([127, 0, 0, 1], 0)), ReplayConfig::new(Cassette::bundled().expect("cassette")).speed(0.0)).expect("replay gateway");
+    let docker_host = std::env::var("DOCKER_HOST").unwrap_or_default();
+    let (upstream, root_s, audit) = (llm.url(), root.display().to_string(), dir.join("audit").display().to_string());
+    let image = image();
+    let mut env = vec![
+        ("CLAWMUX_LLM_UPSTREAM_URL", upstream.as_str()),
+        ("CLAWMUX_LLM_UPSTREAM_KEY", "sk-kill-test"),
+        ("CLAWMUX_PROXY_LISTEN", "127.0.0.1:0"),
+        ("CLAWMUX_AUDIT_DIR", audit.as_str()),
+        ("CLAWMUX_EPHEMERAL_IMAGE", image.as_str()),
+        ("CLAWMUX_EPHEMERAL_DIR", root_s.as_str()),
+        ("CLAWMUX_EPHEMERAL_MODEL", "fake-model"),
+    ];
+    if !docker_host.is_empty() {
+        env.push(("DOCKER_HOST", docker_host.as_str()));
+    }
+    let mut cm = child::Clawmux::new(&gw.url(), "t", &env);
+    let http = reqwest::Client::new();
+    cm.start(&http).await;
+    let body = json!({"message": "SLOW EPHKILL", "billingAccountId": "acct-k", "runId": "dk-kill", "graphId": "sandbox:openclaw-ephemeral"});
+    let r = http.post(format!("{}/v1/runs?wait=false", cm.base)).json(&body).send().await.expect("post");
+    assert_eq!(r.status(), 202);
+    let deadline = Instant::now() + WAIT;
+    while !llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("EPHKILL"))) {
+        assert!(Instant::now() < deadline, "no LLM call; log: {}", cm.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cm.kill_9();
+    assert_eq!(containers(&owner).len(), 1, "the killed clawmux left its container running");
+    cm.start(&http).await;
+    assert!(containers(&owner).is_empty(), "the restart reaped the orphan; log: {}", cm.log());
+    assert_eq!(std::fs::read_dir(&root).map(|d| d.count()).unwrap_or(0), 0, "workspaces left");
+    let doc: Value = http.get(format!("{}/v1/runs/dk-kill", cm.base)).send().await.expect("get").json().await.expect("doc");
+    assert_eq!(doc["status"], "error", "{doc}");
+    assert_eq!(doc["error"]["code"], "internal", "{doc}");
+    assert!(doc["error"]["message"].as_str().is_some_and(|m| m.contains("ephemeral")), "{doc}");
+    cm.kill_9();
+    gw.stop().await;
 }
