@@ -242,8 +242,10 @@ impl Admission {
             log.on_failure(Box::new(move || {
                 r.cancel(&cancel_id, CancelReason::Api);
             }));
+            // Queued while every container slot is taken (its document says `queued` until then).
+            let admitted = if runner.has_free_slot() { Admitted::Started } else { Admitted::Queued };
             runner.start(crate::ephemeral::Job { spec, agent_id: agent.agent_id.clone(), variant, sink, billing });
-            return Ok(Admitted::Started);
+            return Ok(admitted);
         }
         let registry = self.registry.clone();
         let cancel_id = run_id.clone();

@@ -154,6 +154,11 @@ impl Ephemeral {
         }
     }
 
+    /// Whether a run started now would get a container slot at once.
+    pub fn has_free_slot(&self) -> bool {
+        self.slots.available_permits() > 0
+    }
+
     /// Live runs (waiting or running).
     pub fn live_runs(&self) -> usize {
         self.live.len()

@@ -289,6 +289,7 @@ async fn runs_wait_for_a_slot_in_fifo_order_and_the_wait_counts_toward_the_timeo
         assert!(std::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    assert!(!e.eph.has_free_slot(), "the one slot is taken");
     let s2 = e.run("r-2", LONG);
     // r-4 waits behind r-1 longer than its timeout: it never gets a container.
     let s4 = e.run("r-4", Duration::from_secs(1));
