@@ -156,6 +156,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
                 None => Arc::new(crate::ephemeral::runner::DockerRunner::connect().map_err(|e| std::io::Error::other(e.to_string()))?),
             };
             let eph = crate::ephemeral::Ephemeral::new(runner, Some(proxy_state), eph_cfg);
+            eph.set_metrics(metrics.clone());
             eph.reap().await;
             Some(eph)
         }

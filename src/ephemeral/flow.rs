@@ -95,13 +95,20 @@ pub struct Ephemeral {
     /// FIFO: tokio's semaphore hands permits out in request order.
     slots: Arc<tokio::sync::Semaphore>,
     live: DashMap<String, Arc<Live>>,
+    /// Finished runs by agent and status, as for gateway runs (`sandbox_runs_total`, durations).
+    metrics: std::sync::OnceLock<clawmux_actors::metrics::Metrics>,
 }
 
 impl Ephemeral {
+    /// Counts the runs' ends in these metrics (once).
+    pub fn set_metrics(&self, metrics: clawmux_actors::metrics::Metrics) {
+        let _ = self.metrics.set(metrics);
+    }
+
     /// The runner of ephemeral runs.
     pub fn new(runner: Arc<dyn Runner>, proxy: Option<web::Data<ProxyState>>, cfg: EphemeralConfig) -> Arc<Self> {
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent.max(1)));
-        Arc::new(Self { runner, proxy, cfg, slots, live: DashMap::new() })
+        Arc::new(Self { runner, proxy, cfg, slots, live: DashMap::new(), metrics: std::sync::OnceLock::new() })
     }
 
     /// Removes what a previous process left: labelled containers and workspaces.
@@ -128,6 +135,10 @@ impl Ephemeral {
             let sink = job.sink.clone();
             let (outcome, delta) = me.execute(&job, &live).await;
             me.live.remove(&run_id);
+            if let Some(m) = me.metrics.get() {
+                let seconds = job.spec.admitted_at.elapsed().map_or(0.0, |d| d.as_secs_f64());
+                m.run_finished(&job.agent_id, outcome.status, seconds);
+            }
             if let Some(text) = delta {
                 sink.emit(RunEvent::TextDelta(text));
             }

@@ -203,6 +203,8 @@ const LONG: Duration = Duration::from_secs(600);
 #[actix_rt::test]
 async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     let e = env(4);
+    let registry = prometheus::Registry::new();
+    e.eph.set_metrics(clawmux_actors::metrics::Metrics::new(&registry).expect("metrics").with_agents(["main".to_owned()]));
     e.runner.script("r-ok", Script::Exit(ok_exit("the answer")));
     let sink = e.run("r-ok", LONG);
     let o = sink.outcome().await;
@@ -221,6 +223,8 @@ async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     assert_eq!(files[0].1["agents"]["defaults"]["model"]["primary"], "cogni/fake-model");
     assert_eq!(e.leftover_dirs(), 0, "the workspace is removed");
     assert_eq!(e.eph.live_runs(), 0);
+    let text = String::from_utf8(prometheus::TextEncoder::new().encode_to_string(&registry.gather()).expect("encode").into_bytes()).expect("utf8");
+    assert!(text.contains(r#"sandbox_runs_total{agent="main",status="ok"} 1"#), "{text}");
 }
 
 #[actix_rt::test]
