@@ -56,10 +56,8 @@ async fn call_over_socket(sock: &std::path::Path, prompt: &str, on_chunk: impl F
         if r.read_line(&mut line).await.map_err(|e| e.to_string())? == 0 {
             break;
         }
+        // Read to the end of the response (as an HTTP client does), not just to `[DONE]`.
         let Some(data) = line.trim().strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
         if let Ok(v) = serde_json::from_str::<Value>(data) {
             if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
                 text.push_str(c);
@@ -83,7 +81,11 @@ impl Runner for SocketAgent {
         let (ws, sock) = self.mounts.lock().unwrap().get(id).cloned().expect("started");
         let prompt = std::fs::read_to_string(ws.join(".clawmux/prompt.txt")).expect("prompt in the workspace");
         let id2 = id.to_owned();
-        let text = call_over_socket(&sock.join("llm.sock"), &prompt, || *self.chunks.lock().unwrap().entry(id2.clone()).or_default() += 1).await;
+        let count = || *self.chunks.lock().unwrap().entry(id2.clone()).or_default() += 1;
+        let mut text = call_over_socket(&sock.join("llm.sock"), &prompt, count).await;
+        if prompt.contains("TWICE") && text.is_ok() {
+            text = call_over_socket(&sock.join("llm.sock"), &prompt, count).await;
+        }
         match text {
             Ok(t) => Ok(Exit { code: 0, stdout: json!({"payloads": [{"text": t}], "meta": {}}).to_string().into_bytes(), ..Exit::default() }),
             Err(e) => Ok(Exit { code: 1, stderr_tail: e, ..Exit::default() }),
@@ -276,5 +278,20 @@ async fn aborting_an_ephemeral_run_cuts_its_llm_stream_and_its_socket() {
     let doc = env.finished("run-eph-gone").await;
     assert_eq!(doc["status"], "aborted", "{doc}");
     assert!(doc["error"]["message"].as_str().is_some_and(|m| m.contains("disconnected")), "{doc}");
+    env.stop().await;
+}
+
+#[actix_rt::test]
+async fn an_ephemeral_run_over_its_accounts_budget_is_stopped() {
+    let env = env(4).await;
+    let r = env.http.put(format!("{}/v1/admin/accounts/acct-capped/limits", env.base)).json(&json!({"maxTokens": 10, "periodSec": 3600})).send().await.expect("limits");
+    assert!(r.status().is_success(), "{:?}", r.text().await);
+    // Its first call spends the budget; the second is refused and the run ends.
+    let body = json!({"message": "TWICE please", "billingAccountId": "acct-capped", "runId": "run-eph-capped", "graphId": "sandbox:openclaw-ephemeral"});
+    let r = env.http.post(format!("{}/v1/runs?wait=false", env.base)).json(&body).send().await.expect("post");
+    assert_eq!(r.status(), 202);
+    let doc = env.finished("run-eph-capped").await;
+    assert_eq!(doc["error"]["code"], "budget_exceeded", "{doc}");
+    assert_eq!(env.llm.entries().iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains("TWICE"))).count(), 1, "the refused call never reached the upstream");
     env.stop().await;
 }

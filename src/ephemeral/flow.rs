@@ -259,11 +259,18 @@ impl Ephemeral {
             _ = tokio::time::sleep_until(deadline) => return Contained::TimedOut,
         };
         job.sink.emit(RunEvent::Accepted { gateway_run_id: name.to_owned() });
-        tokio::select! {
-            exit = self.runner.wait(&id, job.variant.output_bytes) => Contained::Ended(exit),
-            _ = live.cancel.cancelled() => Contained::Cancelled,
-            _ = tokio::time::sleep_until(deadline) => Contained::TimedOut,
+        let ended = tokio::select! {
+            biased;
+            _ = live.cancel.cancelled() => return Contained::Cancelled,
+            _ = tokio::time::sleep_until(deadline) => return Contained::TimedOut,
+            exit = self.runner.wait(&id, job.variant.output_bytes) => exit,
+        };
+        // A cancel that came first is why the agent ended (e.g. its LLM call refused for the
+        // budget): the run ends with the cancel's reason, not with what the agent made of it.
+        if live.cancel.is_cancelled() {
+            return Contained::Cancelled;
         }
+        Contained::Ended(ended)
     }
 }
 
