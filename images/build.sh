@@ -2,7 +2,7 @@
 # Builds the images of the compose stack (images/compose.yaml) from local installs: nothing is
 # downloaded inside a build when BASE already has what the Dockerfiles need.
 #
-#   images/build.sh [clawmux] [openclaw] [litellm]      (none: all three)
+#   images/build.sh [clawmux] [openclaw] [litellm] [ephemeral]   (none: the first three)
 #
 #   clawmux   images/clawmux/Dockerfile, FROM scratch: the clawmux binary (CLAWMUX_BINARY, default
 #             target/release/clawmux, built with `cargo build --release --locked` when missing;
@@ -10,6 +10,8 @@
 #   openclaw  images/openclaw/Dockerfile: Node 24 + openclaw@2026.9.6 as npm installed them
 #             (tests/support/install-openclaw.sh: the npm registry the machine is configured
 #             with, cached in ~/.cache/clawmux), git, the config that keeps the invariants.
+#   ephemeral images/ephemeral/Dockerfile: the one-shot agent image of ephemeral runs (Node 24 +
+#             openclaw@2026.9.6 as for the gateway image, git, the LLM socket bridge).
 #   litellm   images/litellm/Dockerfile: LiteLLM 1.106.2 as pip installed it
 #             (tests/support/install-litellm.sh: PyPI through pip's configuration, pinned by
 #             tests/support/litellm/constraints.txt), on the base's Python (must be 3.11, the
@@ -24,6 +26,8 @@
 #   CLAWMUX_IMAGE         default clawmux/clawmux:local
 #   OPENCLAW_IMAGE        default clawmux/openclaw:2026.9.6
 #   LITELLM_IMAGE         default clawmux/litellm:1.106.2
+#   EPHEMERAL_IMAGE       default clawmux/openclaw-ephemeral:2026.9.6
+#   EPHEMERAL_LABEL       an extra label of the ephemeral image (tests: the hash of its inputs)
 #   CLAWMUX_BINARY        the clawmux binary to ship (default target/release/clawmux)
 #   DOCKER_BUILD_NETWORK  --network of the build containers (the tests: none, proving that no
 #                         build step reaches the network); default: Docker's default
@@ -42,6 +46,7 @@ ASYNC_TIMEOUT_VERSION=5.0.1
 CACHE="${CLAWMUX_CACHE:-$HOME/.cache/clawmux}"
 OPENCLAW_IMAGE="${OPENCLAW_IMAGE:-clawmux/openclaw:$OPENCLAW_VERSION}"
 LITELLM_IMAGE="${LITELLM_IMAGE:-clawmux/litellm:$LITELLM_VERSION}"
+EPHEMERAL_IMAGE="${EPHEMERAL_IMAGE:-clawmux/openclaw-ephemeral:$OPENCLAW_VERSION}"
 
 say() { printf 'build.sh: %s\n' "$*" >&2; }
 die() { say "$*"; exit 1; }
@@ -100,19 +105,36 @@ build_clawmux() {
     --label "org.opencontainers.image.version=$("$ctx/clawmux" --version | awk '{ print $2 }')"
 }
 
-build_openclaw() {
+# openclaw_context DIR: node and the openclaw npm prefix into the staged context DIR
+openclaw_context() {
   local out node_bin mjs prefix ctx
   out="$(OPENCLAW_VERSION="$OPENCLAW_VERSION" NODE_VERSION="$NODE_VERSION" "$REPO/tests/support/install-openclaw.sh" v4)"
   node_bin="$(printf '%s\n' "$out" | sed -n 's/^CLAWMUX_NODE_BIN=//p')"
   mjs="$(printf '%s\n' "$out" | sed -n 's/^CLAWMUX_OPENCLAW_MJS=//p')"
   prefix="${mjs%%/node_modules/*}"
   [ -x "$node_bin" ] && [ -d "$prefix/node_modules/openclaw" ] || die "node ($node_bin) or openclaw ($prefix) missing"
-  new_stage ctx
+  ctx="$1"
   cp "$node_bin" "$ctx/node"
   mkdir "$ctx/openclaw"
   cp "$prefix/package.json" "$ctx/openclaw/"
   if [ -f "$prefix/package-lock.json" ]; then cp "$prefix/package-lock.json" "$ctx/openclaw/"; fi
   link_or_copy "$prefix/node_modules" "$ctx/openclaw/node_modules"
+}
+
+build_ephemeral() {
+  local ctx
+  new_stage ctx
+  openclaw_context "$ctx"
+  cp "$HERE/ephemeral/bridge.mjs" "$HERE/ephemeral/entrypoint.sh" "$ctx/"
+  build ephemeral "$EPHEMERAL_IMAGE" "$ctx" "$HERE/ephemeral/Dockerfile" \
+    --build-arg "OPENCLAW_VERSION=$OPENCLAW_VERSION" --build-arg "NODE_VERSION=$NODE_VERSION" \
+    ${EPHEMERAL_LABEL:+--label "$EPHEMERAL_LABEL"}
+}
+
+build_openclaw() {
+  local ctx
+  new_stage ctx
+  openclaw_context "$ctx"
   cp "$HERE/openclaw/openclaw.image.json" "$HERE/openclaw/healthcheck.mjs" "$HERE/openclaw/token-init.sh" "$ctx/"
   build openclaw "$OPENCLAW_IMAGE" "$ctx" "$HERE/openclaw/Dockerfile" \
     --build-arg "OPENCLAW_VERSION=$OPENCLAW_VERSION" --build-arg "NODE_VERSION=$NODE_VERSION"
@@ -149,6 +171,7 @@ for what in "$@"; do
     clawmux) build_clawmux ;;
     openclaw) build_openclaw ;;
     litellm) build_litellm ;;
-    *) die "unknown image '$what' (clawmux, openclaw, litellm)" ;;
+    ephemeral) build_ephemeral ;;
+    *) die "unknown image '$what' (clawmux, openclaw, litellm, ephemeral)" ;;
   esac
 done

@@ -120,6 +120,9 @@ pub struct Admission {
     budgets: Arc<Budgets>,
     /// The git relay, which checks a branch run's base ref and key before it is admitted.
     workspace: Option<Arc<dyn Workspace>>,
+    /// The agent variants and the runner of the ephemeral ones: a run of an ephemeral variant
+    /// goes there instead of to the registry.
+    ephemeral: Option<(crate::agents::AgentRegistry, Arc<crate::ephemeral::Ephemeral>)>,
 }
 
 impl Admission {
@@ -131,7 +134,20 @@ impl Admission {
         budgets: Arc<Budgets>,
         workspace: Option<Arc<dyn Workspace>>,
     ) -> Self {
-        Self { store, registry, attributions, budgets, workspace }
+        Self { store, registry, attributions, budgets, workspace, ephemeral: None }
+    }
+
+    /// Sends the runs of `agents`' ephemeral variants to `runner`.
+    pub fn with_ephemeral(mut self, agents: crate::agents::AgentRegistry, runner: Arc<crate::ephemeral::Ephemeral>) -> Self {
+        self.ephemeral = Some((agents, runner));
+        self
+    }
+
+    /// The ephemeral variant a run names, with its runner.
+    fn ephemeral_of(&self, graph_id: &str) -> Option<(&crate::agents::Agent, crate::agents::EphemeralSpec, &Arc<crate::ephemeral::Ephemeral>)> {
+        let (agents, runner) = self.ephemeral.as_ref()?;
+        let agent = agents.variant(graph_id)?;
+        Some((agent, agent.ephemeral.clone()?, runner))
     }
 
     /// Stores a new run, checks its account's limits and hands it to the registry; a refusal
@@ -181,6 +197,11 @@ impl Admission {
     /// Continues a stored, unfinished run after a restart, where its checkpoint says.
     pub async fn resume(&self, log: &Arc<RunLog>, row: &RunRow) -> Result<Admitted, Refused> {
         let spec = spec_of(row).map_err(Refused::Invalid)?;
+        if self.ephemeral_of(&spec.graph_id).is_some() {
+            // Its container was removed with the crash (orphans are reaped at start): the agent's
+            // work is gone, and running it again could repeat what it already did.
+            return Err(Refused::Invalid("an ephemeral run's container does not survive a restart of clawmux; it was removed".to_owned()));
+        }
         let resume = resume_of(row, log);
         // A continued run counts as live for its account's limits, without the checks.
         self.budgets.resume(&spec.billing_account_id, &spec.run_id);
@@ -194,6 +215,7 @@ impl Admission {
             let (budgets, account, run_id) = (self.budgets.clone(), spec.billing_account_id.clone(), spec.run_id.clone());
             log.on_end(Box::new(move || budgets.release(&account, &run_id)));
         }
+        let mut run_billing = None;
         if let Some(attributions) = &self.attributions {
             // Attributable before admission: the gateway may call the LLM as soon as `agent` is sent.
             let mut billing = RunBilling::new(&spec.run_id, &spec.billing_account_id, &spec.graph_id, spec.session_key.as_str(), &trace_id);
@@ -208,9 +230,23 @@ impl Admission {
                 return Err(Refused::TraceInUse { owner });
             }
             let (b, a) = (self.budgets.clone(), spec.billing_account_id.clone());
-            log.set_billing(billing, attributions.clone(), Some(Box::new(move |tokens| b.record(&a, tokens))));
+            log.set_billing(billing.clone(), attributions.clone(), Some(Box::new(move |tokens| b.record(&a, tokens))));
+            run_billing = Some(billing);
         }
         let run_id = spec.run_id.clone();
+        if let Some((agent, variant, runner)) = self.ephemeral_of(&spec.graph_id) {
+            let billing = run_billing;
+            let sink: Arc<dyn RunSink> = log.clone();
+            let r = runner.clone();
+            let cancel_id = run_id.clone();
+            log.on_failure(Box::new(move || {
+                r.cancel(&cancel_id, CancelReason::Api);
+            }));
+            // Queued while every container slot is taken (its document says `queued` until then).
+            let admitted = if runner.has_free_slot() { Admitted::Started } else { Admitted::Queued };
+            runner.start(crate::ephemeral::Job { spec, agent_id: agent.agent_id.clone(), variant, sink, billing });
+            return Ok(admitted);
+        }
         let registry = self.registry.clone();
         let cancel_id = run_id.clone();
         log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));

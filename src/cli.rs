@@ -535,6 +535,7 @@ async fn doctor(cfg: Config) -> i32 {
     println!();
     let store_ok = doctor_store(&cfg).await;
     let upstream_ok = doctor_upstream(&cfg).await;
+    let agents_ok = doctor_agents().await;
     let Some(url) = cfg.gateway_url.clone() else {
         println!("gateway: NOT CONFIGURED. Fix: set CLAWMUX_GATEWAY_URL to the gateway's ws:// URL.");
         return exit::CONFIG;
@@ -564,10 +565,31 @@ async fn doctor(cfg: Config) -> i32 {
     };
     supervisor.do_send(clawmux_actors::supervisor::Disconnect);
     print!("{}", doctor_report(&url, &cfg, &snapshot, device.as_ref()));
-    match (snapshot.ready(), store_ok, upstream_ok) {
-        (Ok(()), true, true) => exit::OK,
+    match (snapshot.ready(), store_ok, upstream_ok, agents_ok) {
+        (Ok(()), true, true, true) => exit::OK,
         _ => exit::FAILURE,
     }
+}
+
+/// Checks the agent variant registry as `serve` loads it and, when a variant is ephemeral, that
+/// the Docker engine answers and has each ephemeral image; false when a run could not start.
+async fn doctor_agents() -> bool {
+    let agents = match crate::agents::AgentRegistry::from_env(&|k| std::env::var(k).ok()) {
+        Ok(a) => a,
+        Err(e) => {
+            println!("agents: FAILED: {e}\n  Fix: correct CLAWMUX_AGENTS_FILE (README: \"Execution modes\")\n");
+            return false;
+        }
+    };
+    let names: Vec<String> = agents.agents.iter().map(|a| format!("{} ({})", a.graph_id, a.mode.as_str())).collect();
+    println!("agents: OK, {} (default {})", names.join(", "), agents.default_graph_id);
+    if !agents.has_ephemeral() {
+        println!();
+        return true;
+    }
+    let ok = crate::ephemeral::doctor::check(&agents).await;
+    println!();
+    ok
 }
 
 /// Asks the LLM upstream for its model list with the proxy's key, when the proxy is configured;

@@ -15,7 +15,9 @@
 //!   - [`api`]: the HTTP + SSE API (actix-web): validate → submit (to [`admission`]) → respond;
 //!     its OpenAPI 3.1 document is generated from the handlers and types (`/openapi.json`).
 //!   - [`ui`]: the runs page (`/ui/`), static files embedded in the binary that read `/v1/*`.
-//!   - [`agents`]: the agent registry.
+//!   - [`agents`]: the agent variant registry (`CLAWMUX_AGENTS_FILE`): which `graphId` runs how.
+//!   - [`ephemeral`]: ephemeral runs: one hardened, network-less container per run, its LLM calls
+//!     through a per-run unix socket served by the [`proxy`].
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
 //!   - [`server`]: wiring, the restart path (continuing stored runs) and shutdown (hand off or
@@ -38,6 +40,7 @@ pub mod api;
 pub mod attribution;
 pub mod audit;
 pub mod cli;
+pub mod ephemeral;
 
 pub mod config;
 pub mod exit;

@@ -359,6 +359,10 @@ impl Stream for MeteredStream {
     }
 }
 
+/// On a per-run listener (an ephemeral run's unix socket): every call on it is this run's, with no
+/// trace id or token needed; a call after the run ended is refused like any unattributable call.
+pub struct RunScope(pub Arc<RunBilling>);
+
 /// Every `/v1/*` call.
 pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<ProxyState>) -> HttpResponse {
     let path_and_query = req.uri().path_and_query().map_or_else(|| req.path().to_owned(), |p| p.as_str().to_owned());
@@ -374,16 +378,22 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
     };
     // Protocol 4: the trace id of the `agent` frame. Protocol 3 sends none; there the run's token
     // rides in the system prompt. Exactly one live run must match, or the call is refused.
-    let billing = match trace_id_of(traceparent) {
-        Some(trace) => match state.attributions.lookup(&trace) {
+    let scope = req.app_data::<web::Data<RunScope>>().map(|s| s.0.clone());
+    let billing = match (scope, trace_id_of(traceparent)) {
+        (Some(_), _) if is_model_list => None,
+        (Some(run), _) if run.revoked.is_cancelled() => {
+            return refuse(&state, "unknown_trace", format!("run {} has ended; its LLM socket forwards no more calls", run.run_id))
+        }
+        (Some(run), _) => Some(run),
+        (None, Some(trace)) => match state.attributions.lookup(&trace) {
             Some(b) => Some(b),
             None if is_model_list => None,
             None => {
                 return refuse(&state, "unknown_trace", format!("trace id {trace} belongs to no live clawmux run; LLM calls are only forwarded for live runs"))
             }
         },
-        None if is_model_list => None,
-        None => {
+        (None, None) if is_model_list => None,
+        (None, None) => {
             let tokens = crate::attribution::tokens_in(&body);
             let owners: Vec<Arc<RunBilling>> = tokens.iter().filter_map(|t| state.attributions.lookup_token(t)).collect();
             match (tokens.len(), owners.len()) {

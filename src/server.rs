@@ -80,6 +80,12 @@ pub struct StartOptions {
     /// The workspace of branch runs, instead of the git relay `CLAWMUX_RELAY_CONTAINER` configures
     /// (tests use a fake one: no Docker, and steps that end when the test says).
     pub workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>>,
+    /// The agent variants, instead of `CLAWMUX_AGENTS_FILE` / the built-in default.
+    pub agents: Option<AgentRegistry>,
+    /// The runner of ephemeral containers, instead of the Docker engine (tests: a fake).
+    pub ephemeral_runner: Option<Arc<dyn crate::ephemeral::runner::Runner>>,
+    /// The ephemeral runs' settings, instead of `CLAWMUX_EPHEMERAL_*` (tests: their own directory).
+    pub ephemeral_config: Option<crate::ephemeral::EphemeralConfig>,
 }
 
 /// Starts everything inside the current actix System and continues the store's unfinished runs.
@@ -89,10 +95,13 @@ pub async fn start(cfg: Config, sup: SupervisorConfig) -> std::io::Result<Runnin
 }
 
 /// [`start`] with some parts given by the caller.
-pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOptions) -> std::io::Result<Running> {
+pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOptions) -> std::io::Result<Running> {
     let registry = prometheus::Registry::new();
-    let agents = AgentRegistry::builtin();
-    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?.with_agents(agents.agents.iter().map(|a| a.agent_id.clone()));
+    let agents = match options.agents.take() {
+        Some(a) => a,
+        None => AgentRegistry::from_env(&|k| std::env::var(k).ok()).map_err(std::io::Error::other)?,
+    };
+    let metrics = Metrics::new(&registry).map_err(std::io::Error::other)?.with_agents(agents.agent_ids());
     let store_metrics = StoreMetrics::new(&registry).map_err(std::io::Error::other)?;
     let retention = Retention {
         max_age_ms: i64::try_from(cfg.run_retention_sec.saturating_mul(1000)).unwrap_or(i64::MAX),
@@ -123,14 +132,35 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");
     }
     let listen = cfg.listen;
-    let (proxy, attributions) = match &cfg.llm_upstream_url {
+    let (proxy, attributions, proxy_state) = match &cfg.llm_upstream_url {
         Some(upstream) => {
             let attributions = Arc::new(crate::attribution::Attributions::new());
-            let (addr, handle) = start_proxy(&cfg, upstream, attributions.clone(), budgets.clone(), &registry)?;
+            let (addr, handle, proxy_state) = start_proxy(&cfg, upstream, attributions.clone(), budgets.clone(), &registry)?;
             tracing::info!(%addr, upstream = %upstream, "LLM attribution proxy listening");
-            (Some((addr, handle)), Some(attributions))
+            (Some((addr, handle)), Some(attributions), Some(proxy_state))
         }
-        None => (None, None),
+        None => (None, None, None),
+    };
+    let ephemeral = match agents.has_ephemeral() {
+        false => None,
+        true => {
+            // Its LLM socket is the proxy: without one, an ephemeral agent could call no model.
+            let Some(proxy_state) = proxy_state else {
+                return Err(std::io::Error::other("an ephemeral agent variant needs the LLM proxy: set CLAWMUX_LLM_UPSTREAM_URL"));
+            };
+            let eph_cfg = match options.ephemeral_config.take() {
+                Some(c) => c,
+                None => crate::ephemeral::EphemeralConfig::from_env(&|k| std::env::var(k).ok()).map_err(std::io::Error::other)?,
+            };
+            let runner = match options.ephemeral_runner.take() {
+                Some(r) => r,
+                None => Arc::new(crate::ephemeral::runner::DockerRunner::connect().map_err(|e| std::io::Error::other(e.to_string()))?),
+            };
+            let eph = crate::ephemeral::Ephemeral::new(runner, Some(proxy_state), eph_cfg);
+            eph.set_metrics(metrics.clone());
+            eph.reap().await;
+            Some(eph)
+        }
     };
     let workspace: Option<Arc<dyn clawmux_actors::branch::Workspace>> = match options.workspace {
         Some(w) => Some(w),
@@ -151,7 +181,11 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
         // The registry queues the cancel for the run's session while handling this message.
         let r = run_registry.clone();
+        let eph = ephemeral.clone();
         budgets.on_exceeded(Box::new(move |run_id| {
+            if eph.as_ref().is_some_and(|e| e.cancel(run_id, clawmux_actors::CancelReason::BudgetExceeded)) {
+                return Box::pin(async {});
+            }
             let cancel = clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded };
             let sent = r.send(cancel).timeout(Duration::from_secs(5));
             Box::pin(async move {
@@ -169,7 +203,10 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         },
     ));
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
-    let admission = crate::admission::Admission::new(store.clone(), run_registry.clone(), attributions.clone(), budgets.clone(), workspace.clone());
+    let mut admission = crate::admission::Admission::new(store.clone(), run_registry.clone(), attributions.clone(), budgets.clone(), workspace.clone());
+    if let Some(eph) = &ephemeral {
+        admission = admission.with_ephemeral(agents.clone(), eph.clone());
+    }
     let state = web::Data::new(AppState {
         cfg,
         store,
@@ -183,6 +220,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, options: StartOption
         workspace,
         tenants,
         stopping,
+        ephemeral,
     });
     let resumed = resume(&state).await;
     let sweeper = state.clone();
@@ -252,7 +290,7 @@ fn start_proxy(
     attributions: Arc<crate::attribution::Attributions>,
     budgets: Arc<crate::tenants::budget::Budgets>,
     registry: &prometheus::Registry,
-) -> std::io::Result<(SocketAddr, actix_web::dev::ServerHandle)> {
+) -> std::io::Result<(SocketAddr, actix_web::dev::ServerHandle, web::Data<crate::proxy::ProxyState>)> {
     let audit = crate::audit::AuditLog::open(&cfg.audit_dir, cfg.audit_max_bytes)
         .map_err(|e| std::io::Error::other(format!("cannot open the audit log in {}: {e}", cfg.audit_dir.display())))?;
     tracing::info!(path = %audit.path().display(), "LLM call audit log");
@@ -271,6 +309,7 @@ fn start_proxy(
         metrics,
         budgets: Some(budgets),
     });
+    let shared = state.clone();
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))
         .on_connect(no_delay)
         .disable_signals()
@@ -284,7 +323,7 @@ fn start_proxy(
     let server = server.run();
     let handle = server.handle();
     actix::spawn(server);
-    Ok((addr, handle))
+    Ok((addr, handle, shared))
 }
 
 /// How long a stopping clawmux lets in-flight LLM streams through its proxy finish.
@@ -314,6 +353,15 @@ pub async fn shutdown(running: &Running) {
     }
     let live = state.registry.send(Drain(mode)).await.unwrap_or(0);
     tracing::info!(live, mode = ?mode, "shutting down");
+    if let Some(eph) = &state.ephemeral {
+        // A container cannot be handed to the next process: its runs end now, their containers
+        // removed, in either mode.
+        eph.cancel_all(clawmux_actors::CancelReason::Shutdown);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
+        while eph.live_runs() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     if mode == ShutdownMode::Cancel {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
         while tokio::time::Instant::now() < deadline {

@@ -1005,6 +1005,7 @@ async fn every_bad_request_gets_its_status_and_code_and_a_streaming_run_is_undis
     }
     cases.push((json!({"message": "hi", "billingAccountId": "a", "branch": {"workItemId": "../x"}}).to_string(), "branch.workItemId"));
     cases.push((json!({"message": "hi", "billingAccountId": "a", "agentId": "ghost"}).to_string(), "agentId"));
+    cases.push((json!({"message": "hi", "billingAccountId": "a", "graphId": "sandbox:ghost"}).to_string(), "sandbox:ghost"));
 
     for (i, (raw, field)) in cases.iter().enumerate() {
         // Half of them ask for SSE: the answer is the same JSON error.
@@ -1545,7 +1546,8 @@ async fn agents_healthz_readyz_and_metrics() {
         }
     }
     assert!(list.iter().any(|a| a["agentId"] == agents["defaultAgentId"]), "{agents}");
-    assert!(list.iter().any(|a| a["agentId"] == "main" && a["graphId"] == "sandbox:openclaw"), "{agents}");
+    assert!(list.iter().any(|a| a["agentId"] == "main" && a["graphId"] == "sandbox:openclaw" && a["mode"] == "gateway"), "{agents}");
+    assert_eq!(agents["defaultGraphId"], "sandbox:openclaw");
 
     assert_eq!(env.http.get(env.url("/healthz")).send().await.unwrap().status(), 200);
     let (status, ready) = env.readyz().await;

@@ -169,7 +169,7 @@ fn gateway() -> ReplayHandle {
 /// clawmux in front of `gw` with `workspace` as its git relay, on the SQLite store `store`.
 async fn clawmux(gw: &ReplayHandle, workspace: &FakeWorkspace, store: &std::path::Path) -> (Running, String, reqwest::Client) {
     let store = store.to_owned();
-    let options = StartOptions { workspace: Some(Arc::new(workspace.clone())) };
+    let options = StartOptions { workspace: Some(Arc::new(workspace.clone())), ..Default::default() };
     let app = start_clawmux_opts(&gw.url(), Some(GW_TOKEN), move |c| c.store_url = clawmux::store::StoreUrl::Sqlite(store), |_| {}, options).await;
     let base = base(&app);
     let http = reqwest::Client::new();

@@ -512,7 +512,7 @@ impl clawmux_actors::branch::Workspace for PrWorkspace {
 async fn browser_a_branch_runs_relay_result_links_its_pull_request_and_only_an_http_one() {
     let Some((_driver, b)) = browser().await else { return };
     let gw = replay(0.0, None);
-    let options = clawmux::server::StartOptions { workspace: Some(std::sync::Arc::new(PrWorkspace)) };
+    let options = clawmux::server::StartOptions { workspace: Some(std::sync::Arc::new(PrWorkspace)), ..Default::default() };
     let running = start_clawmux_opts(&gw.url(), None, |_| {}, |_| {}, options).await;
     let base = base(&running);
     let c = reqwest::Client::new();

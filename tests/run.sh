@@ -189,6 +189,11 @@ CLAWMUX_REQUIRE_DOCKER=1 CLAWMUX_REQUIRE_GATEWAY_CONTAINER=1 CLAWMUX_RELAY_GATEW
   cargo test --locked --test relay -- docker_
 tests/support/gateway-container.sh stop "$GWC_DIR"
 
+say "ephemeral runs: one network-less, hardened container per run, the real OpenClaw CLI inside"
+# The same dockerd and base image; the agent image is built offline once per content (cached).
+EPH_IMAGE="$(tests/support/ephemeral-image.sh | sed -n 's/^IMAGE=//p')"
+CLAWMUX_EPHEMERAL_IMAGE="$EPH_IMAGE" cargo test --locked --test docker_ephemeral -- --test-threads=1 docker_ephemeral_
+
 say "the compose stack: clawmux, the gateway and LiteLLM in images built offline (images/)"
 # The same dockerd. Installs Debian's docker-compose when missing; builds the three images with
 # images/build.sh on the offline base, build containers on --network none, clawmux from the

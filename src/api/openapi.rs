@@ -154,6 +154,10 @@ mod tests {
         for f in ["runId", "sessionKey", "billingAccountId", "agentId", "model", "status", "usage", "relay", "createdAt", "finishedAt"] {
             assert!(props.contains_key(f), "RunDoc.{f}");
         }
+        // Every agent says how it runs; the image and limits stay on the host.
+        let agent = s["Agent"]["properties"].as_object().expect("Agent properties");
+        assert!(agent.contains_key("mode") && !agent.contains_key("ephemeral"), "{agent:?}");
+        assert!(s["Mode"].is_object(), "the mode's schema is in the document: {}", s["Agent"]);
         // Requests are closed like the decoder (deny_unknown_fields).
         assert_eq!(s["RunRequest"]["additionalProperties"], Value::Bool(false));
         assert_eq!(s["RunRequest"]["required"], serde_json::json!(["message", "billingAccountId"]));

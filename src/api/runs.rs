@@ -135,7 +135,7 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
         default_timeout_sec: state.cfg.run_timeout_sec,
         max_timeout_sec: state.cfg.max_run_timeout_sec,
     };
-    let run = request::decode(&body)
+    let mut run = request::decode(&body)
         .and_then(|r| request::validate(r, limits, || uuid::Uuid::new_v4().to_string()))
         .map_err(|e| match e {
             RequestError::Invalid(m) => ApiError::invalid(m),
@@ -153,6 +153,15 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
     }
     if state.agents.get(&run.agent_id).is_none() {
         return Err(ApiError::invalid(format!("field `agentId`: unknown agent {:?} (see GET /v1/agents)", run.agent_id)));
+    }
+    if run.request.graph_id.is_none() {
+        run.graph_id = state.agents.default_graph_id.clone();
+    }
+    let Some(variant) = state.agents.variant(&run.graph_id) else {
+        return Err(ApiError::invalid(format!("field `graphId`: unknown agent variant {:?} (see GET /v1/agents)", run.graph_id)));
+    };
+    if variant.mode == crate::agents::Mode::Ephemeral && run.branch_key.is_some() {
+        return Err(ApiError::invalid("field `branch`: ephemeral variants have no network and no git relay; use a gateway variant for branch runs"));
     }
     if !principal.sees(&run.request.billing_account_id) {
         return Err(ApiError::new(
@@ -218,7 +227,7 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
 
 /// Answers a POST for a run: SSE, 202 at once, or the document at the end.
 async fn respond(req: &HttpRequest, state: &web::Data<AppState>, view: RunView, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
-    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: arm };
+    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), ephemeral: state.ephemeral.clone(), armed: arm };
     if wants_sse(req) {
         return sse_response(req, state, view, 0, guard).await;
     }
@@ -336,7 +345,7 @@ pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state:
         return Err(ApiError::unavailable("clawmux is shutting down; re-attach to the next instance"));
     }
     // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
-    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: false };
+    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), ephemeral: state.ephemeral.clone(), armed: false };
     sse_response(&req, &state, view, after, guard).await
 }
 
@@ -357,6 +366,9 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
     let run_id = view.run_id().to_owned();
     if view.is_finished() {
         return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: false }));
+    }
+    if state.ephemeral.as_ref().is_some_and(|e| e.cancel(&run_id, CancelReason::Api)) {
+        return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: true }));
     }
     let found = state
         .registry

@@ -1,0 +1,208 @@
+//! The container of one ephemeral run (pure): the Docker create body, its command and labels.
+//!
+//! Hardening, every item on purpose: no network at all (`NetworkMode: none`: the only way out is
+//! the run's LLM socket), every capability dropped, `no-new-privileges`, a read-only root
+//! filesystem with tmpfs `/tmp` and `/run`, the run's own workspace as the one writable bind,
+//! memory (no swap) and process limits, a non-root user, no Docker socket, and an environment of
+//! exactly the four variables OpenClaw needs: no key, no token, nothing of clawmux's own.
+
+use crate::agents::EphemeralSpec;
+use bollard::models::{ContainerCreateBody, HostConfig};
+use std::collections::HashMap;
+
+/// Label on every ephemeral container, valued with its owner ([`owner_of`]): what a restarted
+/// clawmux with the same directory reaps (another clawmux on the engine keeps its own).
+pub const LABEL_OWNER: &str = "io.clawmux.ephemeral";
+/// Label with the run id (for operators and the reaper's log).
+pub const LABEL_RUN: &str = "io.clawmux.run-id";
+/// Where the run's workspace is mounted (also `HOME`).
+pub const WORKSPACE: &str = "/workspace";
+/// Where the run's LLM socket directory is mounted (the image's bridge connects to `llm.sock`).
+pub const SOCKET_DIR: &str = "/llm-sock";
+/// The prompt file, inside the workspace (the message never goes through argv or a shell).
+pub const PROMPT_FILE: &str = "/workspace/.clawmux/prompt.txt";
+/// The generated config, inside the workspace.
+pub const CONFIG_FILE: &str = "/workspace/.openclaw/openclaw.json";
+/// OpenClaw's state (sessions): in the workspace, since the root filesystem is read-only.
+pub const STATE_DIR: &str = "/workspace/.openclaw-state";
+
+/// What differs between runs.
+#[derive(Debug, Clone)]
+pub struct Plan<'a> {
+    /// The API run id (`--session-id`: one run, one session).
+    pub run_id: &'a str,
+    /// OpenClaw agent id (`--agent`).
+    pub agent_id: &'a str,
+    /// The variant's image and limits.
+    pub spec: &'a EphemeralSpec,
+    /// The run's workspace on the host.
+    pub workspace_host: &'a str,
+    /// The directory of the run's LLM socket on the host.
+    pub socket_dir_host: &'a str,
+    /// `uid:gid` the agent runs as (never root).
+    pub user: &'a str,
+    /// The owner label's value ([`owner_of`]).
+    pub owner: &'a str,
+    /// OpenClaw's own timeout (seconds): below the hard limit so it can exit cleanly.
+    pub agent_timeout_sec: u64,
+}
+
+/// The environment: exactly these four variables (the image's own `ENV` holds no secret).
+pub fn env() -> Vec<String> {
+    vec![
+        format!("HOME={WORKSPACE}"),
+        format!("OPENCLAW_CONFIG_PATH={CONFIG_FILE}"),
+        format!("OPENCLAW_STATE_DIR={STATE_DIR}"),
+        "OPENCLAW_LOAD_SHELL_ENV=0".to_owned(),
+    ]
+}
+
+/// The command (run by the image's entrypoint after it starts the socket bridge). Ids are passed
+/// as `--flag=value`, so an id starting with `-` cannot become an option; the message is a file.
+pub fn command(agent_id: &str, run_id: &str, agent_timeout_sec: u64) -> Vec<String> {
+    vec![
+        "openclaw".to_owned(),
+        "agent".to_owned(),
+        "--local".to_owned(),
+        format!("--agent={agent_id}"),
+        format!("--session-id={run_id}"),
+        format!("--message-file={PROMPT_FILE}"),
+        "--json".to_owned(),
+        format!("--timeout={agent_timeout_sec}"),
+    ]
+}
+
+/// OpenClaw's own timeout: the hard limit minus a grace for a clean exit (at least 1 s).
+pub fn agent_timeout_sec(hard_limit_sec: u64) -> u64 {
+    let grace = (hard_limit_sec / 10).clamp(5, 60);
+    hard_limit_sec.saturating_sub(grace).max(1)
+}
+
+/// The labels of a run's container.
+pub fn labels(run_id: &str, owner: &str) -> HashMap<String, String> {
+    HashMap::from([(LABEL_OWNER.to_owned(), owner.to_owned()), (LABEL_RUN.to_owned(), run_id.to_owned())])
+}
+
+/// The owner label's value: the runs' directory, hashed (one clawmux per directory).
+pub fn owner_of(root: &std::path::Path) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(root.as_os_str().as_encoded_bytes());
+    hex::encode(&digest[..8])
+}
+
+/// A container name for the run: unique, recognisable, valid for Docker (`[a-zA-Z0-9_.-]`).
+pub fn name(run_id: &str, nonce: &str) -> String {
+    let id: String = run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c } else { '_' }).take(64).collect();
+    format!("clawmux-eph-{id}-{nonce}")
+}
+
+/// The create body.
+pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
+    let tmpfs = HashMap::from([
+        ("/tmp".to_owned(), "rw,nosuid,nodev,size=256m".to_owned()),
+        ("/run".to_owned(), "rw,nosuid,nodev,noexec,size=16m".to_owned()),
+    ]);
+    ContainerCreateBody {
+        image: Some(p.spec.image.clone()),
+        cmd: Some(command(p.agent_id, p.run_id, p.agent_timeout_sec)),
+        env: Some(env()),
+        user: Some(p.user.to_owned()),
+        working_dir: Some(WORKSPACE.to_owned()),
+        labels: Some(labels(p.run_id, p.owner)),
+        network_disabled: Some(true),
+        attach_stdin: Some(false),
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        tty: Some(false),
+        open_stdin: Some(false),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".to_owned()),
+            cap_drop: Some(vec!["ALL".to_owned()]),
+            security_opt: Some(vec!["no-new-privileges:true".to_owned()]),
+            readonly_rootfs: Some(true),
+            privileged: Some(false),
+            tmpfs: Some(tmpfs),
+            binds: Some(vec![format!("{}:{WORKSPACE}:rw", p.workspace_host), format!("{}:{SOCKET_DIR}:rw", p.socket_dir_host)]),
+            memory: Some(p.spec.memory_bytes),
+            memory_swap: Some(p.spec.memory_bytes),
+            pids_limit: Some(p.spec.pids),
+            // A PID 1 that reaps the agent's zombies and passes signals on.
+            init: Some(true),
+            auto_remove: Some(false),
+            ipc_mode: Some("private".to_owned()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The user the agent runs as: never root. clawmux running as root uses the image's `1000:1000`
+/// (and gives it the workspace); otherwise its own ids, which own the workspace already.
+pub fn user_for(uid: u32, gid: u32) -> (u32, u32) {
+    if uid == 0 {
+        (1000, 1000)
+    } else {
+        (uid, gid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> EphemeralSpec {
+        EphemeralSpec::defaults("clawmux-ephemeral:test")
+    }
+
+    #[test]
+    fn the_container_is_hardened() {
+        let spec = spec();
+        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, workspace_host: "/var/eph/r1/ws", socket_dir_host: "/var/eph/r1/sock", user: "1000:1000", owner: "o1", agent_timeout_sec: 540 };
+        let b = body(&p);
+        let h = b.host_config.clone().expect("host config");
+        assert_eq!(h.network_mode.as_deref(), Some("none"));
+        assert_eq!(b.network_disabled, Some(true));
+        assert_eq!(h.cap_drop, Some(vec!["ALL".to_owned()]));
+        assert!(h.cap_add.is_none());
+        assert_eq!(h.security_opt, Some(vec!["no-new-privileges:true".to_owned()]));
+        assert_eq!(h.readonly_rootfs, Some(true));
+        assert_eq!(h.privileged, Some(false));
+        let tmpfs = h.tmpfs.expect("tmpfs");
+        assert!(tmpfs.contains_key("/tmp") && tmpfs.contains_key("/run"));
+        assert_eq!(h.binds, Some(vec!["/var/eph/r1/ws:/workspace:rw".to_owned(), "/var/eph/r1/sock:/llm-sock:rw".to_owned()]));
+        assert!(!format!("{b:?}").contains("docker.sock"));
+        assert_eq!(h.memory, Some(1024 * 1024 * 1024));
+        assert_eq!(h.memory_swap, h.memory, "no swap beyond the limit");
+        assert_eq!(h.pids_limit, Some(256));
+        assert_eq!(b.user.as_deref(), Some("1000:1000"));
+        assert!(h.port_bindings.is_none() && h.mounts.is_none() && h.devices.is_none());
+        let env = b.env.clone().expect("env");
+        let names: Vec<&str> = env.iter().filter_map(|e| e.split('=').next()).collect();
+        assert_eq!(names, ["HOME", "OPENCLAW_CONFIG_PATH", "OPENCLAW_STATE_DIR", "OPENCLAW_LOAD_SHELL_ENV"]);
+        assert!(env.contains(&"OPENCLAW_LOAD_SHELL_ENV=0".to_owned()));
+        assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_OWNER)).map(String::as_str), Some("o1"));
+        assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_RUN)).map(String::as_str), Some("r1"));
+    }
+
+    #[test]
+    fn the_command_takes_the_message_from_a_file_and_ids_as_values() {
+        let c = command("main", "-rf", 540);
+        assert_eq!(
+            c,
+            ["openclaw", "agent", "--local", "--agent=main", "--session-id=-rf", "--message-file=/workspace/.clawmux/prompt.txt", "--json", "--timeout=540"]
+        );
+    }
+
+    #[test]
+    fn limits_and_names() {
+        assert_eq!(agent_timeout_sec(600), 540);
+        assert_eq!(agent_timeout_sec(10), 5);
+        assert_eq!(agent_timeout_sec(3), 1);
+        assert_eq!(agent_timeout_sec(6000), 5940);
+        assert_eq!(name("a:b/c", "x1"), "clawmux-eph-a_b_c-x1");
+        assert_eq!(user_for(0, 0), (1000, 1000));
+        assert_ne!(owner_of(std::path::Path::new("/a")), owner_of(std::path::Path::new("/b")));
+        assert_eq!(owner_of(std::path::Path::new("/a")).len(), 16);
+        assert_eq!(user_for(1234, 99), (1234, 99));
+    }
+}

@@ -1,0 +1,336 @@
+//! One ephemeral run's life, and the registry of the live ones.
+//!
+//! ```text
+//! admitted ─(FIFO slot: CLAWMUX_EPHEMERAL_MAX)─▶ workspace + LLM socket ─▶ container ─▶ exit
+//!          ─▶ envelope ─▶ text_delta + final | error ─▶ container, socket, workspace removed
+//! ```
+//! The deadline is admission + the run's timeout (capped by the variant's): the wait for a slot
+//! counts. Abort, timeout, client disconnect and shutdown remove the container at once (with it
+//! the agent and its LLM stream; the run's end also cuts its calls in the proxy). Nothing of a run
+//! outlives it: its container is removed whatever happened, and a restart reaps the containers
+//! (by label) and workspaces a crash left behind.
+
+use super::container::{self, Plan};
+use super::runner::Runner;
+use super::socket::RunSocket;
+use super::{openclaw_config, outcome};
+use crate::agents::EphemeralSpec;
+use crate::attribution::RunBilling;
+use crate::proxy::ProxyState;
+use actix_web::web;
+use clawmux_actors::{CancelReason, Checkpoint, ErrorCode, RunEvent, RunOutcome, RunSink, RunSpec};
+use dashmap::DashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// What the configuration decides.
+#[derive(Debug, Clone)]
+pub struct EphemeralConfig {
+    /// Where the runs' workspaces and sockets live (bind-mounted into their containers, so on the
+    /// engine's host). Owned by clawmux: leftovers of a crash are removed at start.
+    pub root: PathBuf,
+    /// Containers at once (`CLAWMUX_EPHEMERAL_MAX`); more wait in FIFO order.
+    pub max_concurrent: usize,
+    /// The model of a run that names none.
+    pub default_model: String,
+}
+
+impl EphemeralConfig {
+    /// `CLAWMUX_EPHEMERAL_MAX` (default 4), `CLAWMUX_EPHEMERAL_DIR` (default
+    /// `$TMPDIR/clawmux-ephemeral`), `CLAWMUX_EPHEMERAL_MODEL` (default `default`).
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let max_concurrent = match env("CLAWMUX_EPHEMERAL_MAX").filter(|s| !s.is_empty()) {
+            None => 4,
+            Some(v) => match v.parse::<usize>() {
+                Ok(n) if (1..=1024).contains(&n) => n,
+                _ => return Err(format!("CLAWMUX_EPHEMERAL_MAX: {v:?} is not a number from 1 to 1024")),
+            },
+        };
+        let root = env("CLAWMUX_EPHEMERAL_DIR").filter(|s| !s.is_empty()).map_or_else(|| std::env::temp_dir().join("clawmux-ephemeral"), PathBuf::from);
+        if !root.is_absolute() {
+            return Err(format!("CLAWMUX_EPHEMERAL_DIR: {} must be absolute (the Docker engine mounts it)", root.display()));
+        }
+        if root.as_os_str().len() > MAX_ROOT_LEN {
+            return Err(format!("CLAWMUX_EPHEMERAL_DIR: {} is longer than {MAX_ROOT_LEN} bytes: the runs' sockets in it could not be bound", root.display()));
+        }
+        let default_model = env("CLAWMUX_EPHEMERAL_MODEL").filter(|s| !s.is_empty()).unwrap_or_else(|| "default".to_owned());
+        Ok(Self { root, max_concurrent, default_model })
+    }
+}
+
+/// Longest runs directory: `<root>/<16 hex>/sock/llm.sock` must fit a unix socket address (108
+/// bytes with its NUL).
+pub const MAX_ROOT_LEN: usize = 107 - "/0123456789abcdef/sock/llm.sock".len();
+
+/// A run handed to the ephemeral runner.
+pub struct Job {
+    /// The run (id, message, model, admission time, timeout).
+    pub spec: RunSpec,
+    /// OpenClaw agent id of the variant.
+    pub agent_id: String,
+    /// The variant's image and limits.
+    pub variant: EphemeralSpec,
+    /// Where the run's events go (the run store).
+    pub sink: Arc<dyn RunSink>,
+    /// The run's billing identity: its LLM socket bills every call to it.
+    pub billing: Option<Arc<RunBilling>>,
+}
+
+/// A live run's cancel switch.
+struct Live {
+    cancel: CancellationToken,
+    reason: Mutex<Option<CancelReason>>,
+}
+
+/// The live ephemeral runs.
+pub struct Ephemeral {
+    runner: Arc<dyn Runner>,
+    /// The attribution proxy's state, shared by every run's socket (`None`: runs get no socket;
+    /// only tests of the flow run without one).
+    proxy: Option<web::Data<ProxyState>>,
+    cfg: EphemeralConfig,
+    /// FIFO: tokio's semaphore hands permits out in request order.
+    slots: Arc<tokio::sync::Semaphore>,
+    live: DashMap<String, Arc<Live>>,
+    /// Finished runs by agent and status, as for gateway runs (`sandbox_runs_total`, durations).
+    metrics: std::sync::OnceLock<clawmux_actors::metrics::Metrics>,
+}
+
+impl Ephemeral {
+    /// Counts the runs' ends in these metrics (once).
+    pub fn set_metrics(&self, metrics: clawmux_actors::metrics::Metrics) {
+        let _ = self.metrics.set(metrics);
+    }
+
+    /// The runner of ephemeral runs.
+    pub fn new(runner: Arc<dyn Runner>, proxy: Option<web::Data<ProxyState>>, cfg: EphemeralConfig) -> Arc<Self> {
+        let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent.max(1)));
+        Arc::new(Self { runner, proxy, cfg, slots, live: DashMap::new(), metrics: std::sync::OnceLock::new() })
+    }
+
+    /// Removes what a previous process left: labelled containers and workspaces.
+    pub async fn reap(&self) {
+        match self.runner.reap(&container::owner_of(&self.cfg.root)).await {
+            Ok(names) if !names.is_empty() => tracing::warn!(containers = ?names, "removed ephemeral containers a previous clawmux left behind"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot look for orphaned ephemeral containers"),
+        }
+        if let Ok(entries) = std::fs::read_dir(&self.cfg.root) {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+
+    /// Starts a run (it waits for a slot if all are taken).
+    pub fn start(self: &Arc<Self>, job: Job) {
+        let live = Arc::new(Live { cancel: CancellationToken::new(), reason: Mutex::new(None) });
+        self.live.insert(job.spec.run_id.clone(), live.clone());
+        let me = self.clone();
+        actix_web::rt::spawn(async move {
+            let run_id = job.spec.run_id.clone();
+            let sink = job.sink.clone();
+            let (outcome, delta) = me.execute(&job, &live).await;
+            me.live.remove(&run_id);
+            if let Some(m) = me.metrics.get() {
+                let seconds = job.spec.admitted_at.elapsed().map_or(0.0, |d| d.as_secs_f64());
+                m.run_finished(&job.agent_id, outcome.status, seconds);
+            }
+            if let Some(text) = delta {
+                sink.emit(RunEvent::TextDelta(text));
+            }
+            tracing::info!(run_id = %run_id, status = outcome.status.as_str(), error = ?outcome.error.as_ref().map(|e| &e.message), "ephemeral run ended");
+            sink.emit(RunEvent::Finished(outcome));
+        });
+    }
+
+    /// Cancels a live run; false when it is not one of ours (or already ended).
+    pub fn cancel(&self, run_id: &str, reason: CancelReason) -> bool {
+        let Some(live) = self.live.get(run_id).map(|l| l.clone()) else { return false };
+        if let Ok(mut r) = live.reason.lock() {
+            r.get_or_insert(reason);
+        }
+        live.cancel.cancel();
+        true
+    }
+
+    /// Cancels every live run (shutdown).
+    pub fn cancel_all(&self, reason: CancelReason) {
+        let ids: Vec<String> = self.live.iter().map(|e| e.key().clone()).collect();
+        for id in ids {
+            self.cancel(&id, reason);
+        }
+    }
+
+    /// Whether a run started now would get a container slot at once.
+    pub fn has_free_slot(&self) -> bool {
+        self.slots.available_permits() > 0
+    }
+
+    /// Live runs (waiting or running).
+    pub fn live_runs(&self) -> usize {
+        self.live.len()
+    }
+
+    async fn execute(&self, job: &Job, live: &Live) -> (RunOutcome, Option<String>) {
+        let timeout = job.spec.timeout.min(job.variant.timeout);
+        let deadline = Instant::from_std(deadline_of(&job.spec, timeout));
+        let cancelled = |live: &Live| {
+            let reason = live.reason.lock().ok().and_then(|r| *r).unwrap_or(CancelReason::Api);
+            (reason.outcome(String::new()), None)
+        };
+        let timed_out = || (CancelReason::Timeout.outcome(String::new()), None);
+        let permit = tokio::select! {
+            p = self.slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return (RunOutcome::failed(ErrorCode::Internal, "the ephemeral runner is shut down", String::new()), None),
+            },
+            _ = live.cancel.cancelled() => return cancelled(live),
+            _ = tokio::time::sleep_until(deadline) => return timed_out(),
+        };
+        job.sink.checkpoint(Checkpoint::Running);
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let name = container::name(&job.spec.run_id, &nonce[..12]);
+        // Short: the socket's path must fit a unix socket address (108 bytes).
+        let dir = self.cfg.root.join(&nonce[..16]);
+        let result = self.contained(job, live, &name, &dir, deadline).await;
+        let result = match result {
+            Contained::Ended(exit) => outcome::of(exit, job.variant.output_bytes, job.variant.memory_bytes / (1024 * 1024)),
+            Contained::Cancelled => cancelled(live),
+            Contained::TimedOut => timed_out(),
+            Contained::Failed(m) => (RunOutcome::failed(ErrorCode::Internal, m, String::new()), None),
+        };
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(run_id = %job.spec.run_id, error = %e, dir = %dir.display(), "cannot remove an ephemeral run's workspace; the next start does");
+            }
+        }
+        drop(permit);
+        result
+    }
+
+    /// Workspace, socket, container; everything removed again before it returns.
+    async fn contained(&self, job: &Job, live: &Live, name: &str, dir: &Path, deadline: Instant) -> Contained {
+        let layout = match prepare(dir, job, &self.cfg.default_model) {
+            Ok(l) => l,
+            Err(e) => return Contained::Failed(format!("cannot prepare the run's workspace in {}: {e}", dir.display())),
+        };
+        let socket = match (&self.proxy, &job.billing) {
+            (Some(proxy), Some(billing)) => match RunSocket::start(&layout.socket_dir.join("llm.sock"), proxy.clone(), billing.clone()) {
+                Ok(s) => Some(s),
+                Err(e) => return Contained::Failed(format!("cannot open the run's LLM socket: {e}")),
+            },
+            _ => None,
+        };
+        let ws = layout.workspace.to_string_lossy().into_owned();
+        let sock = layout.socket_dir.to_string_lossy().into_owned();
+        let user = format!("{}:{}", layout.user.0, layout.user.1);
+        let owner = container::owner_of(&self.cfg.root);
+        let hard = deadline.saturating_duration_since(Instant::now()).as_secs().max(1);
+        let plan = Plan {
+            run_id: &job.spec.run_id,
+            agent_id: &job.agent_id,
+            spec: &job.variant,
+            workspace_host: &ws,
+            socket_dir_host: &sock,
+            user: &user,
+            owner: &owner,
+            agent_timeout_sec: container::agent_timeout_sec(hard),
+        };
+        let result = self.run_container(job, live, name, container::body(&plan), deadline).await;
+        // Removed by name: also a container whose create was under way when the run ended.
+        self.runner.remove(name).await;
+        if let Some(s) = socket {
+            s.stop().await;
+        }
+        result
+    }
+
+    async fn run_container(&self, job: &Job, live: &Live, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> Contained {
+        let id = tokio::select! {
+            r = self.runner.start(name, body) => match r {
+                Ok(id) => id,
+                Err(e) => return Contained::Ended(Err(e)),
+            },
+            _ = live.cancel.cancelled() => return Contained::Cancelled,
+            _ = tokio::time::sleep_until(deadline) => return Contained::TimedOut,
+        };
+        job.sink.emit(RunEvent::Accepted { gateway_run_id: name.to_owned() });
+        let ended = tokio::select! {
+            biased;
+            _ = live.cancel.cancelled() => return Contained::Cancelled,
+            _ = tokio::time::sleep_until(deadline) => return Contained::TimedOut,
+            exit = self.runner.wait(&id, job.variant.output_bytes) => exit,
+        };
+        // A cancel that came first is why the agent ended (e.g. its LLM call refused for the
+        // budget): the run ends with the cancel's reason, not with what the agent made of it.
+        if live.cancel.is_cancelled() {
+            return Contained::Cancelled;
+        }
+        Contained::Ended(ended)
+    }
+}
+
+/// How the container part ended.
+enum Contained {
+    Ended(Result<super::runner::Exit, super::runner::RunnerError>),
+    Cancelled,
+    TimedOut,
+    Failed(String),
+}
+
+/// A run's deadline: its admission (wall clock: time queued counts) plus its timeout.
+fn deadline_of(spec: &RunSpec, timeout: Duration) -> std::time::Instant {
+    let end = spec.admitted_at + timeout;
+    let left = end.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO);
+    std::time::Instant::now() + left
+}
+
+/// A prepared run directory.
+struct Layout {
+    workspace: PathBuf,
+    socket_dir: PathBuf,
+    user: (u32, u32),
+}
+
+/// Creates `dir/ws` (config + prompt) and `dir/sock`, owned so the container's user can use them.
+fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let ws = dir.join("ws");
+    let sock = dir.join("sock");
+    std::fs::create_dir_all(dir.parent().unwrap_or(dir))?;
+    std::fs::create_dir(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    let meta = std::fs::metadata(dir)?;
+    let user = container::user_for(meta.uid(), meta.gid());
+    for d in [ws.join(".openclaw"), ws.join(".clawmux"), ws.join(".openclaw-state"), sock.clone()] {
+        std::fs::create_dir_all(d)?;
+    }
+    let model = openclaw_config::model_id(job.spec.model.as_deref(), default_model);
+    let hard = job.spec.timeout.min(job.variant.timeout).as_secs();
+    let config = openclaw_config::generate(&job.agent_id, &model, container::agent_timeout_sec(hard));
+    std::fs::write(ws.join(".openclaw/openclaw.json"), serde_json::to_vec_pretty(&config).map_err(std::io::Error::other)?)?;
+    std::fs::write(ws.join(".clawmux/prompt.txt"), job.spec.message.as_bytes())?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o755))?;
+    if (meta.uid(), meta.gid()) != user {
+        chown_tree(&ws, user)?;
+    }
+    std::fs::set_permissions(&ws, std::fs::Permissions::from_mode(0o700))?;
+    Ok(Layout { workspace: ws, socket_dir: sock, user })
+}
+
+fn chown_tree(path: &Path, (uid, gid): (u32, u32)) -> std::io::Result<()> {
+    std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
+    if path.is_dir() {
+        for e in std::fs::read_dir(path)? {
+            chown_tree(&e?.path(), (uid, gid))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

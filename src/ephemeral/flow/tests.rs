@@ -1,0 +1,354 @@
+//! The flow with a fake runner: every way a run ends, the FIFO slots, clean-up.
+
+use super::*;
+use crate::ephemeral::runner::{Exit, RunnerError};
+use async_trait::async_trait;
+use clawmux_actors::RunStatus;
+use clawmux_protocol::{SessionKey, TraceParent};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::SystemTime;
+use tokio::sync::Notify;
+
+/// What a fake container does.
+#[derive(Clone)]
+enum Script {
+    /// Exits at once with this.
+    Exit(Exit),
+    /// Runs until removed.
+    Hang,
+    /// Runs until the test releases it, then exits with this.
+    Gate(Arc<Notify>, Exit),
+    /// Its image is missing.
+    Missing,
+}
+
+#[derive(Default)]
+struct Seen {
+    started: Vec<String>,
+    removed: Vec<String>,
+    /// Prompt and config as the container would find them at start.
+    files: Vec<(String, serde_json::Value)>,
+    bodies: Vec<bollard::models::ContainerCreateBody>,
+    reaped_owner: Option<String>,
+}
+
+struct FakeRunner {
+    scripts: Mutex<std::collections::HashMap<String, Script>>,
+    seen: Mutex<Seen>,
+    running: AtomicUsize,
+    max_running: AtomicUsize,
+    removed: Notify,
+    orphans: Vec<String>,
+}
+
+impl FakeRunner {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            scripts: Mutex::new(Default::default()),
+            seen: Mutex::new(Seen::default()),
+            running: AtomicUsize::new(0),
+            max_running: AtomicUsize::new(0),
+            removed: Notify::new(),
+            orphans: vec!["/old-1".into()],
+        })
+    }
+    fn script(&self, run_id: &str, s: Script) {
+        self.scripts.lock().expect("lock").insert(run_id.to_owned(), s);
+    }
+    fn seen<T>(&self, f: impl FnOnce(&Seen) -> T) -> T {
+        f(&self.seen.lock().expect("lock"))
+    }
+    fn script_of(&self, name: &str) -> Script {
+        let scripts = self.scripts.lock().expect("lock");
+        scripts.iter().find(|(id, _)| name.starts_with(&format!("clawmux-eph-{id}-"))).map(|(_, s)| s.clone()).unwrap_or(Script::Hang)
+    }
+}
+
+#[async_trait]
+impl Runner for FakeRunner {
+    async fn start(&self, name: &str, body: bollard::models::ContainerCreateBody) -> Result<String, RunnerError> {
+        if let Script::Missing = self.script_of(name) {
+            return Err(RunnerError::MissingImage(body.image.clone().unwrap_or_default()));
+        }
+        let binds = body.host_config.as_ref().and_then(|h| h.binds.clone()).unwrap_or_default();
+        let ws = binds[0].split(':').next().unwrap_or_default().to_owned();
+        let prompt = std::fs::read_to_string(format!("{ws}/.clawmux/prompt.txt")).unwrap_or_default();
+        let config: serde_json::Value = std::fs::read(format!("{ws}/.openclaw/openclaw.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let n = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_running.fetch_max(n, Ordering::SeqCst);
+        let mut seen = self.seen.lock().expect("lock");
+        seen.started.push(name.to_owned());
+        seen.files.push((prompt, config));
+        seen.bodies.push(body);
+        Ok(name.to_owned())
+    }
+
+    async fn wait(&self, id: &str, _limit: usize) -> Result<Exit, RunnerError> {
+        match self.script_of(id) {
+            Script::Exit(e) => Ok(e),
+            Script::Gate(n, e) => {
+                n.notified().await;
+                Ok(e)
+            }
+            Script::Hang | Script::Missing => std::future::pending().await,
+        }
+    }
+
+    async fn remove(&self, id: &str) {
+        let mut seen = self.seen.lock().expect("lock");
+        if seen.started.iter().any(|s| s == id) && !seen.removed.iter().any(|s| s == id) {
+            self.running.fetch_sub(1, Ordering::SeqCst);
+        }
+        seen.removed.push(id.to_owned());
+        self.removed.notify_waiters();
+    }
+
+    async fn reap(&self, owner: &str) -> Result<Vec<String>, RunnerError> {
+        self.seen.lock().expect("lock").reaped_owner = Some(owner.to_owned());
+        Ok(self.orphans.clone())
+    }
+
+    async fn check_image(&self, _image: &str) -> Result<(), RunnerError> {
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct Sink {
+    events: Mutex<Vec<RunEvent>>,
+    checkpoints: Mutex<Vec<Checkpoint>>,
+    done: Notify,
+}
+
+impl RunSink for Sink {
+    fn emit(&self, event: RunEvent) {
+        let end = matches!(event, RunEvent::Finished(_));
+        self.events.lock().expect("lock").push(event);
+        if end {
+            self.done.notify_one();
+        }
+    }
+    fn checkpoint(&self, checkpoint: Checkpoint) {
+        self.checkpoints.lock().expect("lock").push(checkpoint);
+    }
+}
+
+impl Sink {
+    async fn outcome(&self) -> RunOutcome {
+        let wait = async {
+            loop {
+                if let Some(RunEvent::Finished(o)) = self.events.lock().expect("lock").last().cloned() {
+                    return o;
+                }
+                self.done.notified().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), wait).await.expect("the run ended")
+    }
+    fn events(&self) -> Vec<RunEvent> {
+        self.events.lock().expect("lock").clone()
+    }
+}
+
+fn spec(run_id: &str, timeout: Duration) -> RunSpec {
+    RunSpec {
+        run_id: run_id.to_owned(),
+        gateway_run_id: "g".into(),
+        session_key: SessionKey::canonicalize(&format!("agent:main:acct:{run_id}")),
+        agent_id: "main".into(),
+        message: format!("the prompt of {run_id}; $(rm -rf /) \"quoted\""),
+        model: Some("cogni/fake-model".into()),
+        billing_account_id: "acct".into(),
+        graph_id: "sandbox:openclaw-ephemeral".into(),
+        admitted_at: SystemTime::now(),
+        timeout,
+        traceparent: TraceParent::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").expect("tp"),
+        attribution_token: None,
+        branch: None,
+    }
+}
+
+struct Env {
+    eph: Arc<Ephemeral>,
+    runner: Arc<FakeRunner>,
+    root: tempfile::TempDir,
+}
+
+fn env(max: usize) -> Env {
+    let root = tempfile::tempdir().expect("tmp");
+    let runner = FakeRunner::new();
+    let cfg = EphemeralConfig { root: root.path().join("runs"), max_concurrent: max, default_model: "m".into() };
+    Env { eph: Ephemeral::new(runner.clone(), None, cfg), runner, root }
+}
+
+impl Env {
+    fn run(&self, run_id: &str, timeout: Duration) -> Arc<Sink> {
+        let sink = Arc::new(Sink::default());
+        let mut variant = EphemeralSpec::defaults("img:test");
+        variant.output_bytes = 1000;
+        self.eph.start(Job { spec: spec(run_id, timeout), agent_id: "main".into(), variant, sink: sink.clone(), billing: None });
+        sink
+    }
+    fn leftover_dirs(&self) -> usize {
+        std::fs::read_dir(self.root.path().join("runs")).map(|d| d.count()).unwrap_or(0)
+    }
+}
+
+fn ok_exit(text: &str) -> Exit {
+    Exit { code: 0, stdout: serde_json::json!({"payloads":[{"text": text}],"meta":{"agentMeta":{"usage":{"input":5,"output":2}}}}).to_string().into_bytes(), ..Exit::default() }
+}
+
+const LONG: Duration = Duration::from_secs(600);
+
+#[actix_rt::test]
+async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
+    let e = env(4);
+    let registry = prometheus::Registry::new();
+    e.eph.set_metrics(clawmux_actors::metrics::Metrics::new(&registry).expect("metrics").with_agents(["main".to_owned()]));
+    e.runner.script("r-ok", Script::Exit(ok_exit("the answer")));
+    let sink = e.run("r-ok", LONG);
+    let o = sink.outcome().await;
+    assert_eq!(o, RunOutcome::ok("the answer".into(), Some((5, 2))));
+    let events = sink.events();
+    assert!(matches!(&events[0], RunEvent::Accepted { gateway_run_id } if gateway_run_id.starts_with("clawmux-eph-r-ok-")), "{events:?}");
+    assert_eq!(events[1], RunEvent::TextDelta("the answer".into()));
+    assert_eq!(*sink.checkpoints.lock().expect("lock"), [Checkpoint::Running]);
+    let labels = e.runner.seen(|s| s.bodies[0].labels.clone()).expect("labels");
+    assert_eq!(labels.get(crate::ephemeral::container::LABEL_OWNER), Some(&crate::ephemeral::container::owner_of(&e.root.path().join("runs"))));
+    let (started, removed, files) = e.runner.seen(|s| (s.started.clone(), s.removed.clone(), s.files.clone()));
+    assert_eq!(removed, started, "the container is removed after the run");
+    // The message reached the container as a file, byte for byte, never through a shell.
+    assert_eq!(files[0].0, "the prompt of r-ok; $(rm -rf /) \"quoted\"");
+    assert_eq!(files[0].1["models"]["mode"], "replace");
+    assert_eq!(files[0].1["agents"]["defaults"]["model"]["primary"], "cogni/fake-model");
+    assert_eq!(e.leftover_dirs(), 0, "the workspace is removed");
+    assert_eq!(e.eph.live_runs(), 0);
+    let text = String::from_utf8(prometheus::TextEncoder::new().encode_to_string(&registry.gather()).expect("encode").into_bytes()).expect("utf8");
+    assert!(text.contains(r#"sandbox_runs_total{agent="main",status="ok"} 1"#), "{text}");
+}
+
+#[actix_rt::test]
+async fn abort_and_client_disconnect_remove_the_container_at_once() {
+    let e = env(4);
+    for (run, reason, want) in [("r-abort", CancelReason::Api, "aborted by request"), ("r-gone", CancelReason::ClientGone, "client disconnected")] {
+        let sink = e.run(run, LONG);
+        // Cancelled once its container runs.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !e.runner.seen(|s| s.started.iter().any(|n| n.contains(run))) {
+            assert!(std::time::Instant::now() < deadline, "the container started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(e.eph.cancel(run, reason));
+        let o = sink.outcome().await;
+        assert_eq!(o.status, RunStatus::Aborted);
+        assert!(o.error.as_ref().is_some_and(|er| er.message.contains(want)), "{o:?}");
+        assert!(e.runner.seen(|s| s.removed.iter().any(|n| n.contains(run))), "the container is removed");
+    }
+    assert!(!e.eph.cancel("r-abort", CancelReason::Api), "an ended run is not ours any more");
+    assert_eq!(e.leftover_dirs(), 0);
+}
+
+#[actix_rt::test]
+async fn a_run_over_its_timeout_is_killed() {
+    let e = env(4);
+    let sink = e.run("r-slow", Duration::from_secs(1));
+    let o = sink.outcome().await;
+    assert_eq!(o.status, RunStatus::Timeout);
+    assert!(e.runner.seen(|s| s.removed.iter().any(|n| n.contains("r-slow"))));
+    // The agent's own timeout is below the hard limit, for a clean exit.
+    let cmd = e.runner.seen(|s| s.bodies[0].cmd.clone()).expect("cmd");
+    assert!(cmd.contains(&"--timeout=1".to_owned()), "{cmd:?}");
+}
+
+#[actix_rt::test]
+async fn bad_ends_are_agent_errors_and_the_container_is_removed() {
+    let e = env(4);
+    let cases = [
+        ("r-exit", Script::Exit(Exit { code: 3, stderr_tail: "boom".into(), ..Exit::default() }), ErrorCode::AgentError, "code 3: boom"),
+        ("r-big", Script::Exit(Exit { stdout_over_limit: true, ..Exit::default() }), ErrorCode::AgentError, "exceeded 1000 bytes"),
+        ("r-env", Script::Exit(Exit { code: 0, stdout: b"{\"oops\":1}".to_vec(), ..Exit::default() }), ErrorCode::AgentError, "malformed"),
+        ("r-img", Script::Missing, ErrorCode::Internal, "img:test"),
+    ];
+    for (run, script, code, want) in cases {
+        e.runner.script(run, script);
+        let o = e.run(run, LONG).outcome().await;
+        let err = o.error.expect("error");
+        assert_eq!(err.code, code, "{run}");
+        assert!(err.message.contains(want), "{run}: {}", err.message);
+        assert!(e.runner.seen(|s| s.removed.iter().any(|n| n.contains(run))), "{run}: removed");
+    }
+    assert_eq!(e.leftover_dirs(), 0);
+}
+
+#[actix_rt::test]
+async fn runs_wait_for_a_slot_in_fifo_order_and_the_wait_counts_toward_the_timeout() {
+    let e = env(1);
+    let gate = Arc::new(Notify::new());
+    e.runner.script("r-1", Script::Gate(gate.clone(), ok_exit("one")));
+    e.runner.script("r-2", Script::Exit(ok_exit("two")));
+    e.runner.script("r-3", Script::Exit(ok_exit("three")));
+    let s1 = e.run("r-1", LONG);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while e.runner.seen(|s| s.started.len()) < 1 {
+        assert!(std::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!e.eph.has_free_slot(), "the one slot is taken");
+    let s2 = e.run("r-2", LONG);
+    // r-4 waits behind r-1 longer than its timeout: it never gets a container.
+    let s4 = e.run("r-4", Duration::from_secs(1));
+    let s3 = e.run("r-3", LONG);
+    let o4 = s4.outcome().await;
+    assert_eq!(o4.status, RunStatus::Timeout);
+    assert!(s4.events().iter().all(|ev| !matches!(ev, RunEvent::Accepted { .. })));
+    assert_eq!(e.runner.seen(|s| s.started.len()), 1, "one slot: the others wait");
+    gate.notify_one();
+    for (s, text) in [(s1, "one"), (s2, "two"), (s3, "three")] {
+        assert_eq!(s.outcome().await.content, text);
+    }
+    let order: Vec<String> = e.runner.seen(|s| s.started.clone());
+    assert!(order[0].contains("r-1") && order[1].contains("r-2") && order[2].contains("r-3"), "FIFO: {order:?}");
+    assert_eq!(order.len(), 3);
+    assert_eq!(e.runner.max_running.load(Ordering::SeqCst), 1);
+}
+
+#[actix_rt::test]
+async fn a_run_aborted_while_waiting_for_a_slot_never_starts() {
+    let e = env(1);
+    let _s1 = e.run("r-hold", LONG);
+    let s2 = e.run("r-wait", LONG);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(e.eph.cancel("r-wait", CancelReason::Api));
+    assert_eq!(s2.outcome().await.status, RunStatus::Aborted);
+    assert!(e.runner.seen(|s| s.started.iter().all(|n| !n.contains("r-wait"))));
+    e.eph.cancel_all(CancelReason::Shutdown);
+    assert_eq!(_s1.outcome().await.status, RunStatus::Aborted);
+}
+
+#[actix_rt::test]
+async fn start_up_reaps_orphans_and_leftover_workspaces() {
+    let e = env(1);
+    std::fs::create_dir_all(e.root.path().join("runs/0123456789abcdef/ws")).expect("dir");
+    e.eph.reap().await;
+    assert_eq!(e.leftover_dirs(), 0);
+    assert_eq!(e.runner.seen(|s| s.reaped_owner.clone()), Some(crate::ephemeral::container::owner_of(&e.root.path().join("runs"))));
+}
+
+#[test]
+fn the_environment_configures_slots_dir_and_model() {
+    let c = EphemeralConfig::from_env(&|_| None).expect("defaults");
+    assert_eq!(c.max_concurrent, 4);
+    assert!(c.root.ends_with("clawmux-ephemeral"));
+    let env = |k: &str| match k {
+        "CLAWMUX_EPHEMERAL_MAX" => Some("2".to_owned()),
+        "CLAWMUX_EPHEMERAL_DIR" => Some("/srv/eph".to_owned()),
+        "CLAWMUX_EPHEMERAL_MODEL" => Some("fake-model".to_owned()),
+        _ => None,
+    };
+    let c = EphemeralConfig::from_env(&env).expect("set");
+    assert_eq!((c.max_concurrent, c.root.as_path(), c.default_model.as_str()), (2, Path::new("/srv/eph"), "fake-model"));
+    for (k, v) in [("CLAWMUX_EPHEMERAL_MAX", "0"), ("CLAWMUX_EPHEMERAL_MAX", "x"), ("CLAWMUX_EPHEMERAL_DIR", "rel/dir"), ("CLAWMUX_EPHEMERAL_DIR", &format!("/{}", "d".repeat(80)))] {
+        let err = EphemeralConfig::from_env(&|key| (key == k).then(|| v.to_owned())).expect_err(v);
+        assert!(err.contains(k), "{err}");
+    }
+}
