@@ -21,6 +21,7 @@
 //!
 //! [`RunSink`]: clawmux_actors::RunSink
 
+mod columns;
 pub mod live;
 pub mod memory;
 pub mod notes;

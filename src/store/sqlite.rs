@@ -10,7 +10,8 @@
 //! Reads are short (by primary key, or a page of at most 500 rows) and run on the caller's thread.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::{Applied, CheckpointRecord, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, SpecRecord, Store, StoreError, StoredEvent, Write};
+use super::columns::{decode_row, Columns};
+use super::{Applied, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
 use std::collections::HashMap;
@@ -163,35 +164,13 @@ fn parse_json<T: serde::de::DeserializeOwned>(r: &Row<'_>, c: &str) -> Result<Op
     col::<Option<String>>(r, c)?.map(|s| serde_json::from_str(&s).map_err(|e| format!("column {c}: {e}"))).transpose()
 }
 
-fn decode_row(r: &Row<'_>) -> Result<RunRow, String> {
-    let spec: SpecRecord = parse_json(r, "spec")?.ok_or("column spec: empty")?;
-    let error = match (col::<Option<String>>(r, "error_code")?, col::<Option<String>>(r, "error_message")?) {
-        (Some(c), m) => Some((c, m.unwrap_or_default())),
-        _ => None,
-    };
-    Ok(RunRow {
-        seq: col(r, "seq")?,
-        run_id: col(r, "run_id")?,
-        idempotency_key: col(r, "idempotency_key")?,
-        fingerprint: col(r, "fingerprint")?,
-        billing_account_id: col(r, "billing_account_id")?,
-        state_key: col(r, "state_key")?,
-        session_key: col(r, "session_key")?,
-        spec,
-        status: col(r, "status")?,
-        checkpoint: parse_json::<CheckpointRecord>(r, "checkpoint")?,
-        gateway_run_id: col(r, "gateway_run_id")?,
-        content: col(r, "content")?,
-        error,
-        gateway_usage: parse_json(r, "gateway_usage")?,
-        usage: parse_json(r, "usage")?,
-        relay: parse_json(r, "relay")?,
-        created_at_ms: col(r, "created_at")?,
-        finished_at_ms: col(r, "finished_at")?,
-        last_event_id: u64::try_from(col::<i64>(r, "last_event_id")?).unwrap_or(0),
-        key_id: col(r, "key_id")?,
-        webhook_url: col(r, "webhook_url")?,
-    })
+impl Columns for Row<'_> {
+    fn text(&self, c: &str) -> Result<Option<String>, String> {
+        col(self, c)
+    }
+    fn int(&self, c: &str) -> Result<Option<i64>, String> {
+        col(self, c)
+    }
 }
 
 impl SqliteStore {
@@ -654,6 +633,7 @@ impl TenantStore for SqliteStore {
 #[cfg(test)]
 mod probe {
     use super::*;
+    use crate::store::SpecRecord;
 
     /// Not a test: `cargo test --release -p clawmux --lib store::sqlite::probe -- --ignored --nocapture`
     /// prints what a batch of events costs the SQLite store on this machine.
