@@ -36,18 +36,8 @@ async fn fresh_store(kind: &str) -> String {
     }
 }
 
-/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
-fn pg_available(test: &str) -> bool {
-    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
-        return true;
-    }
-    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
-    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
-    false
-}
-
 /// Each case as `name` (on SQLite; and `memory:` where it says so) and `pg_name` (PostgreSQL).
-macro_rules! on_sqlite_and_postgres {
+macro_rules! on_every_store {
     ($($case:ident: $test:ident, $pg:ident, [$($kind:literal),*]);* $(;)?) => { $(
         #[actix_rt::test]
         async fn $test() {
@@ -63,7 +53,7 @@ macro_rules! on_sqlite_and_postgres {
     )* };
 }
 
-on_sqlite_and_postgres! {
+on_every_store! {
     filters_order_page_size_and_bad_parameters:
         history_filters_order_page_size_and_bad_parameters, pg_history_filters_order_page_size_and_bad_parameters, ["sqlite"];
     cursor_walk_is_stable_while_runs_keep_arriving:

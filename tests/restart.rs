@@ -13,6 +13,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+use common::on_sqlite_and_postgres;
 #[path = "common/child.rs"]
 mod child;
 
@@ -56,33 +57,6 @@ async fn clawmux(kind: &str, gw: &ReplayHandle, extra: &[(&str, &str)]) -> Clawm
     }
     env.extend_from_slice(extra);
     Clawmux::new(&gw.url(), GW_TOKEN, &env)
-}
-
-/// Each case as `name` (SQLite) and `pg_name` (PostgreSQL).
-macro_rules! on_sqlite_and_postgres {
-    ($($name:ident, $pg:ident: $case:ident);* $(;)?) => { $(
-        #[actix_rt::test]
-        async fn $name() {
-            $case("sqlite").await;
-        }
-
-        #[actix_rt::test]
-        async fn $pg() {
-            if pg_available(stringify!($pg)) {
-                $case("postgres").await;
-            }
-        }
-    )* };
-}
-
-/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
-fn pg_available(test: &str) -> bool {
-    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
-        return true;
-    }
-    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
-    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
-    false
 }
 
 fn body(i: usize, tag: &str) -> Value {

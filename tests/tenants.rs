@@ -28,7 +28,7 @@ mod child;
 
 use child::Clawmux;
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
-use common::{chat_body, new_traceparent, temp_dir, FakeLlm, SseReader};
+use common::{chat_body, new_traceparent, on_sqlite_and_postgres, temp_dir, FakeLlm, SseReader};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -212,33 +212,6 @@ fn cli(env: &Env, args: &[&str]) -> String {
         .unwrap();
     assert!(out.status.success(), "clawmux {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
-}
-
-/// Each case as `name` (SQLite) and `pg_name` (PostgreSQL).
-macro_rules! on_sqlite_and_postgres {
-    ($($name:ident, $pg:ident: $case:ident);* $(;)?) => { $(
-        #[actix_rt::test]
-        async fn $name() {
-            $case("sqlite").await;
-        }
-
-        #[actix_rt::test]
-        async fn $pg() {
-            if pg_available(stringify!($pg)) {
-                $case("postgres").await;
-            }
-        }
-    )* };
-}
-
-/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
-fn pg_available(test: &str) -> bool {
-    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
-        return true;
-    }
-    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
-    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
-    false
 }
 
 on_sqlite_and_postgres! {

@@ -273,3 +273,33 @@ pub async fn wait_accepted(c: &reqwest::Client, base: &str, run_id: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Whether a `pg_` test can run: a test server is named, or else it is skipped (unless required).
+pub fn pg_available(test: &str) -> bool {
+    if std::env::var("CLAWMUX_TEST_PG_URL").is_ok_and(|u| !u.is_empty()) {
+        return true;
+    }
+    assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+    eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+    false
+}
+
+/// Each case as `name` (SQLite) and `pg_name` (PostgreSQL).
+#[allow(unused_macros)]
+macro_rules! on_sqlite_and_postgres {
+    ($($name:ident, $pg:ident: $case:ident);* $(;)?) => { $(
+        #[actix_rt::test]
+        async fn $name() {
+            $case("sqlite").await;
+        }
+
+        #[actix_rt::test]
+        async fn $pg() {
+            if $crate::common::pg_available(stringify!($pg)) {
+                $case("postgres").await;
+            }
+        }
+    )* };
+}
+#[allow(unused_imports)]
+pub(crate) use on_sqlite_and_postgres;
