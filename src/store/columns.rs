@@ -3,7 +3,7 @@
 //! schema is read the same way on SQLite and PostgreSQL. Store contents are input too: a bad row
 //! is an error naming the column, never a panic and never another run.
 
-use super::{CheckpointRecord, RunRow, SpecRecord};
+use super::{CheckpointRecord, RunPatch, RunRow, SpecRecord};
 
 /// One column of the current row, by name; `None` is SQL `NULL`.
 pub(crate) trait Columns {
@@ -11,6 +11,42 @@ pub(crate) trait Columns {
     fn text(&self, column: &str) -> Result<Option<String>, String>;
     /// An integer column.
     fn int(&self, column: &str) -> Result<Option<i64>, String>;
+}
+
+/// A value as its JSON text column (`null` for what cannot be serialized, which no stored type is).
+pub(crate) fn json_text<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
+}
+
+/// What a patch writes: its text columns (JSON-valued ones serialized) and `finished_at`.
+pub(crate) fn patch_columns(p: &RunPatch) -> (Vec<(&'static str, String)>, Option<i64>) {
+    let mut set = Vec::new();
+    if let Some(v) = &p.status {
+        set.push(("status", v.clone()));
+    }
+    if let Some(v) = &p.checkpoint {
+        set.push(("checkpoint", json_text(v)));
+    }
+    if let Some(v) = &p.gateway_run_id {
+        set.push(("gateway_run_id", v.clone()));
+    }
+    if let Some(v) = &p.content {
+        set.push(("content", v.clone()));
+    }
+    if let Some((code, message)) = &p.error {
+        set.push(("error_code", code.clone()));
+        set.push(("error_message", message.clone()));
+    }
+    if let Some(v) = &p.gateway_usage {
+        set.push(("gateway_usage", json_text(v)));
+    }
+    if let Some(v) = &p.usage {
+        set.push(("usage", json_text(v)));
+    }
+    if let Some(v) = &p.relay {
+        set.push(("relay", json_text(v)));
+    }
+    (set, p.finished_at_ms)
 }
 
 fn required<T>(value: Option<T>, column: &str) -> Result<T, String> {

@@ -9,7 +9,7 @@
 //! of a batch go in with one statement.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::columns::{decode_row, Columns};
+use super::columns::{decode_row, json_text as json, patch_columns, Columns};
 use super::{Applied, EventName, ListQuery, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row, Transaction};
@@ -129,10 +129,6 @@ fn redact(e: &str, url: &str) -> String {
         Some(p) if !p.is_empty() => e.replace(&p, "<redacted>"),
         _ => e.to_owned(),
     }
-}
-
-fn json<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
 }
 
 fn i64_of(v: u64) -> i64 {
@@ -295,36 +291,11 @@ async fn update(tx: &mut Tx<'_>, run_id: &str, p: &Pending) -> Result<(), sqlx::
             q.push("GREATEST(last_event_id, ").push_bind(i64_of(p.last_id)).push(")");
         }
     }
-    let patch = &p.patch;
-    let mut set = |col: &str, v: Option<String>| {
+    let (columns, finished_at) = patch_columns(&p.patch);
+    for (col, v) in columns {
         q.push(format!(", {col} = ")).push_bind(v);
-    };
-    if let Some(v) = &patch.status {
-        set("status", Some(v.clone()));
     }
-    if let Some(v) = &patch.checkpoint {
-        set("checkpoint", Some(json(v)));
-    }
-    if let Some(v) = &patch.gateway_run_id {
-        set("gateway_run_id", Some(v.clone()));
-    }
-    if let Some(v) = &patch.content {
-        set("content", Some(v.clone()));
-    }
-    if let Some((code, message)) = &patch.error {
-        set("error_code", Some(code.clone()));
-        set("error_message", Some(message.clone()));
-    }
-    if let Some(v) = &patch.gateway_usage {
-        set("gateway_usage", Some(json(v)));
-    }
-    if let Some(v) = &patch.usage {
-        set("usage", Some(json(v)));
-    }
-    if let Some(v) = &patch.relay {
-        set("relay", Some(json(v)));
-    }
-    if let Some(v) = patch.finished_at_ms {
+    if let Some(v) = finished_at {
         q.push(", finished_at = ").push_bind(v);
     }
     q.push(" WHERE run_id = ").push_bind(run_id.to_owned());

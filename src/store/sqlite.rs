@@ -10,7 +10,7 @@
 //! Reads are short (by primary key, or a page of at most 500 rows) and run on the caller's thread.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::columns::{decode_row, Columns};
+use super::columns::{decode_row, json_text as json, patch_columns, Columns};
 use super::{Applied, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
@@ -152,10 +152,6 @@ fn probe_write(c: &mut Connection) -> rusqlite::Result<()> {
     tx.commit()
 }
 
-fn json<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned())
-}
-
 fn col<T: rusqlite::types::FromSql>(r: &Row<'_>, c: &str) -> Result<T, String> {
     r.get(c).map_err(|e| format!("column {c}: {e}"))
 }
@@ -263,38 +259,14 @@ fn queue_webhook(tx: &Transaction<'_>, run_id: &str, w: &super::NewDelivery) -> 
 fn update(tx: &Transaction<'_>, run_id: &str, p: &RunPatch, last_event_id: u64) -> rusqlite::Result<()> {
     let mut sql = String::from("UPDATE runs SET last_event_id = MAX(last_event_id, ?)");
     let mut args: Vec<SqlValue> = vec![SqlValue::Integer(i64::try_from(last_event_id).unwrap_or(i64::MAX))];
-    let mut set = |col: &str, v: SqlValue| {
+    let (columns, finished_at) = patch_columns(p);
+    for (col, v) in columns {
         sql.push_str(&format!(", {col} = ?"));
-        args.push(v);
-    };
-    let text = |s: String| SqlValue::Text(s);
-    if let Some(v) = &p.status {
-        set("status", text(v.clone()));
+        args.push(SqlValue::Text(v));
     }
-    if let Some(v) = &p.checkpoint {
-        set("checkpoint", text(json(v)));
-    }
-    if let Some(v) = &p.gateway_run_id {
-        set("gateway_run_id", text(v.clone()));
-    }
-    if let Some(v) = &p.content {
-        set("content", text(v.clone()));
-    }
-    if let Some((code, message)) = &p.error {
-        set("error_code", text(code.clone()));
-        set("error_message", text(message.clone()));
-    }
-    if let Some(v) = &p.gateway_usage {
-        set("gateway_usage", text(json(v)));
-    }
-    if let Some(v) = &p.usage {
-        set("usage", text(json(v)));
-    }
-    if let Some(v) = &p.relay {
-        set("relay", text(json(v)));
-    }
-    if let Some(v) = p.finished_at_ms {
-        set("finished_at", SqlValue::Integer(v));
+    if let Some(v) = finished_at {
+        sql.push_str(", finished_at = ?");
+        args.push(SqlValue::Integer(v));
     }
     sql.push_str(" WHERE run_id = ?");
     args.push(SqlValue::Text(run_id.to_owned()));
