@@ -105,6 +105,20 @@ impl Checker {
             .map(|d| (d["id"].as_str().expect("id").to_owned(), d["reason"].as_str().expect("reason").to_owned()))
             .collect()
     }
+
+    /// The listed departures the real gateway shows only now and then (`"occurs": "sometimes"`):
+    /// a run of the suite without them says nothing about their being gone.
+    pub fn intermittent_departures(&self) -> std::collections::BTreeSet<String> {
+        let path = self.repo.join("tests/support/schema-departures.json");
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("departures file")).expect("departures JSON");
+        doc["departures"]
+            .as_array()
+            .expect("departures list")
+            .iter()
+            .filter(|d| d["occurs"] == "sometimes")
+            .map(|d| d["id"].as_str().expect("id").to_owned())
+            .collect()
+    }
 }
 
 /// What a batch of outcomes says: how often each listed departure occurred, and every error that
