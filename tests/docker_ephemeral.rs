@@ -120,6 +120,16 @@ impl Env {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+    /// Waits (at most 10 s) until the fake LLM saw the stream of the request carrying `marker` cut:
+    /// it notices only when its next chunk cannot be written, a moment after the container died.
+    async fn wait_stream_cut(&self, marker: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.stream_cut(marker) {
+            assert!(Instant::now() < deadline, "{marker}: the fake LLM's stream was not cut");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     fn stream_cut(&self, marker: &str) -> bool {
         let entries = self.llm.entries();
         let ids: Vec<&Value> = entries.iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains(marker))).map(|e| &e["id"]).collect();
@@ -211,11 +221,7 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     env.containers_gone_within(Duration::from_secs(2)).await;
     println!("abort → container gone: {:.2} s", t.elapsed().as_secs_f64());
     assert_eq!(env.finished("dk-2").await["status"], "aborted");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !env.stream_cut("EPHTWO") {
-        assert!(Instant::now() < deadline, "the fake LLM's stream was not cut");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    env.wait_stream_cut("EPHTWO").await;
 
     // Timeout: the same.
     env.post(json!({"message": "SLOW EPHTIME", "billingAccountId": "acct-a", "runId": "dk-3", "graphId": "sandbox:openclaw-ephemeral", "timeoutSec": 20})).await;
@@ -223,7 +229,7 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     let doc = env.finished("dk-3").await;
     assert_eq!(doc["status"], "timeout", "{doc}");
     env.containers_gone_within(Duration::from_secs(2)).await;
-    assert!(env.stream_cut("EPHTIME"));
+    env.wait_stream_cut("EPHTIME").await;
 
     // Client disconnect (onDisconnect: abort).
     let body = json!({"message": "SLOW EPHGONE", "billingAccountId": "acct-a", "runId": "dk-4", "graphId": "sandbox:openclaw-ephemeral"});
@@ -232,6 +238,7 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     drop(sse);
     env.containers_gone_within(Duration::from_secs(2)).await;
     assert_eq!(env.finished("dk-4").await["status"], "aborted");
+    env.wait_stream_cut("EPHGONE").await;
 
     // Output over the limit, missing image: clear errors, nothing left.
     env.post(json!({"message": "EPHBIG", "billingAccountId": "acct-a", "runId": "dk-5", "graphId": "eph-small"})).await;
