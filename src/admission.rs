@@ -234,24 +234,23 @@ impl Admission {
             run_billing = Some(billing);
         }
         let run_id = spec.run_id.clone();
-        if let Some((agent, variant, runner)) = self.ephemeral_of(&spec.graph_id) {
-            let billing = run_billing;
-            let sink: Arc<dyn RunSink> = log.clone();
-            let r = runner.clone();
-            let cancel_id = run_id.clone();
-            log.on_failure(Box::new(move || {
-                r.cancel(&cancel_id, CancelReason::Api);
-            }));
-            // Queued while every container slot is taken (its document says `queued` until then).
-            let admitted = if runner.has_free_slot() { Admitted::Started } else { Admitted::Queued };
-            runner.start(crate::ephemeral::Job { spec, agent_id: agent.agent_id.clone(), variant, sink, billing });
-            return Ok(admitted);
-        }
         let registry = self.registry.clone();
         let cancel_id = run_id.clone();
         log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));
         let sink: Arc<dyn RunSink> = log.clone();
-        let admitted = self.registry.send(Submit { spec, sink, resume, if_busy }).timeout(REGISTRY_TIMEOUT).await;
+        // An ephemeral variant's run gets a container run's actor instead of a session actor; the
+        // registry owns it just the same.
+        let mut slots_taken = false;
+        let external = self.ephemeral_of(&spec.graph_id).map(|(agent, variant, runner)| {
+            slots_taken = !runner.has_free_slot();
+            let job = crate::ephemeral::Job { spec: spec.clone(), agent_id: agent.agent_id.clone(), variant, sink: sink.clone(), billing: run_billing };
+            let runner = runner.clone();
+            let start: clawmux_actors::messages::ExternalStart = Box::new(move |port| crate::ephemeral::ContainerRun::start(runner, job, port));
+            start
+        });
+        let admitted = self.registry.send(Submit { spec, sink, resume, if_busy, external }).timeout(REGISTRY_TIMEOUT).await;
+        // Queued while every container slot is taken (its document says `queued` until then).
+        let admitted = admitted.map(|a| a.map(|a| if slots_taken { Admitted::Queued } else { a }));
         let refused = match admitted {
             Ok(Ok(admitted)) => return Ok(admitted),
             Ok(Err(e)) => Refused::Registry(e),

@@ -157,7 +157,6 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
                 None => Arc::new(crate::ephemeral::runner::DockerRunner::connect().map_err(|e| std::io::Error::other(e.to_string()))?),
             };
             let eph = crate::ephemeral::Ephemeral::new(runner, Some(proxy_state), eph_cfg);
-            eph.set_metrics(metrics.clone());
             eph.reap().await;
             Some(eph)
         }
@@ -181,11 +180,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
         // The registry queues the cancel for the run's session while handling this message.
         let r = run_registry.clone();
-        let eph = ephemeral.clone();
         budgets.on_exceeded(Box::new(move |run_id| {
-            if eph.as_ref().is_some_and(|e| e.cancel(run_id, clawmux_actors::CancelReason::BudgetExceeded)) {
-                return Box::pin(async {});
-            }
             let cancel = clawmux_actors::messages::Cancel { run_id: run_id.to_owned(), reason: clawmux_actors::CancelReason::BudgetExceeded };
             let sent = r.send(cancel).timeout(Duration::from_secs(5));
             Box::pin(async move {
@@ -220,7 +215,6 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         workspace,
         tenants,
         stopping,
-        ephemeral,
     });
     let resumed = resume(&state).await;
     let sweeper = state.clone();
@@ -353,24 +347,17 @@ pub async fn shutdown(running: &Running) {
     }
     let live = state.registry.send(Drain(mode)).await.unwrap_or(0);
     tracing::info!(live, mode = ?mode, "shutting down");
-    if let Some(eph) = &state.ephemeral {
-        // A container cannot be handed to the next process: its runs end now, their containers
-        // removed, in either mode.
-        eph.cancel_all(clawmux_actors::CancelReason::Shutdown);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
-        while eph.live_runs() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    // Every run leaves the registry: suspended session actors at once, ephemeral runs (cancelled
+    // in either mode: a container cannot be handed to the next process) once their containers are
+    // removed, cancelled gateway runs with their terminal events. Branch runs may still publish
+    // after their gateway run ended.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < deadline {
+        let in_flight = state.registry.send(InFlight).await.unwrap_or(0);
+        if in_flight == 0 && (mode == ShutdownMode::Handoff || state.store.unfinished() == 0) {
+            break;
         }
-    }
-    if mode == ShutdownMode::Cancel {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
-        while tokio::time::Instant::now() < deadline {
-            // Branch runs may still publish after their gateway run ended.
-            if state.registry.send(InFlight).await.unwrap_or(0) == 0 && state.store.unfinished() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let _ = running.stopping.send(true);
     running.supervisor.do_send(Disconnect);

@@ -4,13 +4,16 @@
 //! ephemeral phase.
 
 mod common;
+#[path = "common/ephemeral_stack.rs"]
+mod ephemeral_stack;
 #[path = "common/child.rs"]
 mod child;
 
 use clawmux::agents::AgentRegistry;
 use clawmux::ephemeral::EphemeralConfig;
-use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway};
 use common::*;
+use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway};
+use ephemeral_stack::Stack;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,21 +37,21 @@ fn containers(owner: &str) -> Vec<String> {
     out.lines().map(str::to_owned).filter(|l| !l.is_empty()).collect()
 }
 
+/// The shared stack with the Docker engine as the ephemeral runner.
 struct Env {
-    running: clawmux::server::Running,
-    base: String,
-    llm: FakeLlm,
-    key: String,
+    stack: Stack,
+    /// This clawmux's container label (from its runs directory).
     owner: String,
-    gw: clawmux::replay::ReplayHandle,
-    http: reqwest::Client,
+}
+
+impl std::ops::Deref for Env {
+    type Target = Stack;
+    fn deref(&self) -> &Stack {
+        &self.stack
+    }
 }
 
 async fn env(root: PathBuf) -> Env {
-    let dir = temp_dir("docker-eph");
-    let llm = FakeLlm::start(&dir.join("llm"));
-    let gw = ReplayGateway::start(SocketAddr::from(([127, 0, 0, 1], 0)), ReplayConfig::new(Cassette::bundled().expect("cassette")).speed(0.0)).expect("replay gateway");
-    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
     let text = format!(
         "default = \"sandbox:openclaw\"\n[[agent]]\ngraph_id = \"sandbox:openclaw\"\nmode = \"gateway\"\n\
          [[agent]]\ngraph_id = \"sandbox:openclaw-ephemeral\"\nmode = \"ephemeral\"\nimage = \"{}\"\n\
@@ -57,46 +60,13 @@ async fn env(root: PathBuf) -> Env {
         image(),
         image()
     );
-    let options = clawmux::server::StartOptions {
-        agents: Some(AgentRegistry::parse(&text, None).expect("agents")),
-        ephemeral_config: Some(EphemeralConfig { root: root.clone(), max_concurrent: 4, default_model: "fake-model".into() }),
-        ..Default::default()
-    };
-    let (k, audit) = (key.clone(), dir.join("audit"));
-    let running = start_clawmux_opts(
-        &gw.url(),
-        None,
-        |cfg| {
-            cfg.llm_upstream_url = Some(llm.url());
-            cfg.llm_upstream_key = Some(clawmux::config::Secret::new(k));
-            cfg.proxy_listen = SocketAddr::from(([127, 0, 0, 1], 0));
-            cfg.audit_dir = audit;
-        },
-        |_| {},
-        options,
-    )
-    .await;
-    let base = base(&running);
-    let http = reqwest::Client::new();
-    wait_ready(&http, &base, Duration::from_secs(30)).await;
-    Env { running, base, llm, key, owner: clawmux::ephemeral::container::owner_of(&root), gw, http }
+    let agents = AgentRegistry::parse(&text, None).expect("agents");
+    let cfg = EphemeralConfig { root: root.clone(), max_concurrent: 4, default_model: "fake-model".into() };
+    let stack = ephemeral_stack::start("docker-eph", agents, None, cfg, WAIT).await;
+    Env { stack, owner: clawmux::ephemeral::container::owner_of(&root) }
 }
 
 impl Env {
-    async fn doc(&self, run_id: &str) -> Value {
-        self.http.get(format!("{}/v1/runs/{run_id}", self.base)).send().await.expect("get").json().await.expect("doc")
-    }
-    async fn finished(&self, run_id: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let d = self.doc(run_id).await;
-            if !["queued", "running"].contains(&d["status"].as_str().unwrap_or("")) {
-                return d;
-            }
-            assert!(Instant::now() < deadline, "run {run_id} did not end: {d}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
     async fn post(&self, body: Value) {
         let r = self.http.post(format!("{}/v1/runs?wait=false", self.base)).json(&body).send().await.expect("post");
         assert_eq!(r.status(), 202, "{:?}", r.text().await);
@@ -136,8 +106,7 @@ impl Env {
         entries.iter().any(|e| e["event"] == "stream_end" && ids.contains(&&e["id"]) && e["completed"] == false)
     }
     async fn stop(self) {
-        clawmux::server::shutdown(&self.running).await;
-        self.gw.stop().await;
+        self.stack.stop().await;
     }
 }
 

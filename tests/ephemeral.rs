@@ -4,16 +4,17 @@
 //! The real engine is in `tests/docker_ephemeral.rs`.
 
 mod common;
+#[path = "common/ephemeral_stack.rs"]
+mod ephemeral_stack;
 
 use async_trait::async_trait;
 use clawmux::agents::AgentRegistry;
 use clawmux::ephemeral::runner::{Exit, Runner, RunnerError};
 use clawmux::ephemeral::EphemeralConfig;
-use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway};
 use common::*;
+use ephemeral_stack::Stack;
 use serde_json::{json, Value};
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -105,68 +106,32 @@ impl Runner for SocketAgent {
     }
 }
 
+/// The shared stack with the socket agent as the ephemeral runner.
 struct Env {
-    running: clawmux::server::Running,
-    base: String,
-    llm: FakeLlm,
+    stack: Stack,
     agent: Arc<SocketAgent>,
-    key: String,
-    audit_dir: PathBuf,
-    gw: clawmux::replay::ReplayHandle,
-    http: reqwest::Client,
+    /// The runs' workspaces and sockets.
+    root: PathBuf,
+}
+
+impl std::ops::Deref for Env {
+    type Target = Stack;
+    fn deref(&self) -> &Stack {
+        &self.stack
+    }
 }
 
 async fn env(max: usize) -> Env {
-    let dir = temp_dir("ephemeral");
-    let llm = FakeLlm::start(&dir.join("llm"));
-    let gw = ReplayGateway::start(SocketAddr::from(([127, 0, 0, 1], 0)), ReplayConfig::new(Cassette::bundled().expect("cassette")).speed(0.0)).expect("replay gateway");
-    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
-    let audit_dir = dir.join("audit");
     let agent = Arc::new(SocketAgent::default());
-    let options = clawmux::server::StartOptions {
-        agents: Some(AgentRegistry::default_with(Some("clawmux-ephemeral:test")).expect("agents")),
-        ephemeral_runner: Some(agent.clone()),
-        ephemeral_config: Some(EphemeralConfig { root: dir.join("runs"), max_concurrent: max, default_model: "fake-model".into() }),
-        ..Default::default()
-    };
-    let (k, a) = (key.clone(), audit_dir.clone());
-    let running = start_clawmux_opts(
-        &gw.url(),
-        None,
-        |cfg| {
-            cfg.llm_upstream_url = Some(llm.url());
-            cfg.llm_upstream_key = Some(clawmux::config::Secret::new(k));
-            cfg.proxy_listen = SocketAddr::from(([127, 0, 0, 1], 0));
-            cfg.audit_dir = a;
-        },
-        |_| {},
-        options,
-    )
-    .await;
-    let base = base(&running);
-    let http = reqwest::Client::new();
-    wait_ready(&http, &base, WAIT).await;
-    Env { running, base, llm, agent, key, audit_dir, gw, http }
+    let root = temp_dir("ephemeral-runs");
+    let agents = AgentRegistry::default_with(Some("clawmux-ephemeral:test")).expect("agents");
+    let cfg = EphemeralConfig { root: root.clone(), max_concurrent: max, default_model: "fake-model".into() };
+    Env { stack: ephemeral_stack::start("ephemeral", agents, Some(agent.clone()), cfg, WAIT).await, agent, root }
 }
 
 impl Env {
-    async fn doc(&self, run_id: &str) -> Value {
-        self.http.get(format!("{}/v1/runs/{run_id}", self.base)).send().await.expect("get").json().await.expect("doc")
-    }
-    async fn finished(&self, run_id: &str) -> Value {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let d = self.doc(run_id).await;
-            if !["queued", "running"].contains(&d["status"].as_str().unwrap_or("")) {
-                return d;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "run {run_id} did not end: {d}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
     async fn stop(self) {
-        clawmux::server::shutdown(&self.running).await;
-        self.gw.stop().await;
+        self.stack.stop().await;
     }
 }
 
@@ -261,7 +226,7 @@ async fn aborting_an_ephemeral_run_cuts_its_llm_stream_and_its_socket() {
     }
     assert!(env.agent.removed.lock().unwrap().iter().any(|n| n.contains("run-eph-slow")));
     // Once the run ended, its socket is gone: nothing more can be billed to it.
-    let leftover = std::fs::read_dir(env.running.state.cfg.audit_dir.parent().expect("dir").join("runs")).map(|d| d.count()).unwrap_or(0);
+    let leftover = std::fs::read_dir(&env.root).map(|d| d.count()).unwrap_or(0);
     assert_eq!(leftover, 0, "the run's workspace and socket are removed");
 
     // A caller that goes away (onDisconnect: abort, the default) ends its run the same way.
@@ -294,4 +259,55 @@ async fn an_ephemeral_run_over_its_accounts_budget_is_stopped() {
     assert_eq!(doc["error"]["code"], "budget_exceeded", "{doc}");
     assert_eq!(env.llm.entries().iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains("TWICE"))).count(), 1, "the refused call never reached the upstream");
     env.stop().await;
+}
+
+/// Ephemeral runs live in the one registry of live runs: runs of one `stateKey` take turns (the
+/// second is `queued` and gets no container before the first ends; `ifBusy: reject` is refused),
+/// and a handoff shutdown, which leaves gateway runs running, ends a running container run.
+#[actix_rt::test]
+async fn ephemeral_runs_of_one_state_key_take_turns_and_a_shutdown_ends_them() {
+    let env = env(4).await;
+    let post = |id: &str, msg: &str, extra: Value| {
+        let mut body = json!({"message": msg, "billingAccountId": "acct-eph", "runId": id, "stateKey": "conv-1", "graphId": "sandbox:openclaw-ephemeral"});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        env.http.post(format!("{}/v1/runs?wait=false", env.base)).json(&body).send()
+    };
+    assert_eq!(post("run-key-a", "SLOW first", json!({})).await.expect("post").status(), 202);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.agent.chunks.lock().unwrap().values().sum::<usize>() < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the first run's stream did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(post("run-key-b", "second", json!({})).await.expect("post").status(), 202);
+    let refused = post("run-key-c", "third", json!({"ifBusy": "reject"})).await.expect("post");
+    assert_eq!(refused.status(), 409, "ifBusy: reject applies to ephemeral runs");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(env.doc("run-key-b").await["status"], "queued");
+    assert!(!env.agent.mounts.lock().unwrap().keys().any(|n| n.contains("run-key-b")), "no container before the first run ends");
+    let r = env.http.post(format!("{}/v1/runs/run-key-a/abort", env.base)).send().await.expect("abort");
+    assert_eq!(r.json::<Value>().await.expect("json")["aborted"], true);
+    assert_eq!(env.finished("run-key-a").await["status"], "aborted");
+    let b = env.finished("run-key-b").await;
+    assert_eq!(b["status"], "ok", "{b}");
+    // Counted where gateway runs are: by the registry, at the run's end.
+    let metrics = env.http.get(format!("{}/metrics", env.base)).send().await.expect("metrics").text().await.expect("text");
+    for series in ["sandbox_runs_total{agent=\"main\",status=\"ok\"} 1", "sandbox_runs_total{agent=\"main\",status=\"aborted\"} 1", "clawmux_runs_active 0"] {
+        assert!(metrics.lines().any(|l| l == series), "{series} missing from\n{metrics}");
+    }
+
+    // Shutdown (handoff, the default) with a container run under way.
+    assert_eq!(post("run-key-d", "SLOW last", json!({})).await.expect("post").status(), 202);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !env.agent.chunks.lock().unwrap().keys().any(|n| n.contains("run-key-d")) {
+        assert!(tokio::time::Instant::now() < deadline, "the last run's stream did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let store = env.running.state.store.clone();
+    env.stop().await;
+    let doc = store.view("run-key-d").await.expect("store").expect("stored").doc();
+    let doc = serde_json::to_value(doc).expect("json");
+    assert_eq!(doc["status"], "aborted", "{doc}");
+    assert!(doc["error"]["message"].as_str().is_some_and(|m| m.contains("shut")), "{doc}");
 }

@@ -213,6 +213,23 @@ pub struct Submit {
     pub resume: Option<Resume>,
     /// What to do when the session key is busy.
     pub if_busy: IfBusy,
+    /// Who runs it: `None`, a session actor on the gateway connection; otherwise the actor this
+    /// makes (an ephemeral container's). Either way the registry owns the run's life: locks,
+    /// cancels, shutdown, its end.
+    pub external: Option<ExternalStart>,
+}
+
+/// Makes the actor of a run that does not use the gateway connection, given the registry's port
+/// (it reports its end there, exactly once, with `RunEnded`).
+pub type ExternalStart = Box<dyn FnOnce(RegistryPort) -> ExternalRun + Send>;
+
+/// What the registry holds of a run that does not use the gateway connection. Such a run cannot
+/// be handed to the next process: at shutdown it is cancelled in either mode.
+pub struct ExternalRun {
+    /// `Turn::Go` once it holds its locks (it must not start before).
+    pub turn: Recipient<Turn>,
+    /// Cancels (abort, client gone, timeout of a queued run, shutdown).
+    pub cancel: Recipient<CancelRun>,
 }
 
 /// How an admitted run stands.

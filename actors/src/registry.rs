@@ -1,17 +1,19 @@
 //! The registry: the one place that knows which runs are live.
 //!
-//! It admits runs (capacity, duplicates, readiness, shutdown), creates each run's session actor,
+//! It admits runs (capacity, duplicates, readiness, shutdown), creates each run's actor (a session
+//! actor on the gateway connection, or the one an external runner makes: an ephemeral container's),
 //! and holds the locks runs take in turn: first the session key (runs of one session never
 //! interleave, FIFO by admission), then the branch key (one run works on and publishes a branch at a
 //! time). Taking them always in that order makes a deadlock impossible. It relays the gateway
 //! connection's state to every live run, delivers cancels, and at shutdown hands runs off or cancels
-//! them. The session actor owns everything else about a run (its timeout included) and reports its
-//! end here.
+//! them. The run's actor owns everything else about it (its timeout included) and reports its end
+//! here. One registry for both kinds of run: abort, client disconnect, shutdown and the capacity
+//! limit work the same for each.
 
 use crate::branch::Workspace;
 use crate::messages::{
-    AdmitError, Admitted, IfBusy, Cancel, CancelRun, Drain, GatewayPort, GatewayUp, InFlight, Link, Lock, RegistryPort, Release, RunEnded,
-    ShutdownMode, Submit, Suspend, Turn,
+    AdmitError, Admitted, Cancel, CancelRun, Drain, ExternalRun, GatewayPort, GatewayUp, IfBusy, InFlight, Link, Lock, RegistryPort, Release,
+    RunEnded, ShutdownMode, Submit, Suspend, Turn,
 };
 use crate::metrics::Metrics;
 use crate::queue::KeyQueue;
@@ -44,8 +46,32 @@ enum Hold {
     Held,
 }
 
+/// The actor that runs a live run.
+enum RunActor {
+    /// A session actor on the gateway connection.
+    Session(Addr<SessionActor>),
+    /// A run outside the gateway (an ephemeral container).
+    External(ExternalRun),
+}
+
+impl RunActor {
+    fn turn(&self, turn: Turn) {
+        match self {
+            Self::Session(a) => a.do_send(turn),
+            Self::External(e) => e.turn.do_send(turn),
+        }
+    }
+
+    fn cancel(&self, reason: crate::run::CancelReason) {
+        match self {
+            Self::Session(a) => a.do_send(CancelRun(reason)),
+            Self::External(e) => e.cancel.do_send(CancelRun(reason)),
+        }
+    }
+}
+
 struct LiveRun {
-    addr: Addr<SessionActor>,
+    actor: RunActor,
     /// Its agent: the `agent` label of the run's metrics when it ends.
     agent_id: String,
     session_key: SessionKey,
@@ -116,15 +142,15 @@ impl Registry {
     fn after_session(&mut self, run_id: &str) {
         let Some(run) = self.live.get_mut(run_id) else { return };
         let Some(branch) = run.branch_key.clone() else {
-            run.addr.do_send(Turn::Go);
+            run.actor.turn(Turn::Go);
             return;
         };
         if self.branches.admit(&branch, run_id.to_owned()).is_some() {
             run.branch = Hold::Held;
-            run.addr.do_send(Turn::Go);
+            run.actor.turn(Turn::Go);
         } else {
             run.branch = Hold::Waiting;
-            run.addr.do_send(Turn::WaitingForBranch);
+            run.actor.turn(Turn::WaitingForBranch);
         }
     }
 
@@ -170,7 +196,7 @@ impl Registry {
         while let Some(next) = self.branches.finish(&key.to_owned()) {
             if let Some(run) = self.live.get_mut(&next) {
                 run.branch = Hold::Held;
-                run.addr.do_send(Turn::Go);
+                run.actor.turn(Turn::Go);
                 return;
             }
         }
@@ -204,7 +230,7 @@ impl Handler<Submit> for Registry {
         if self.live.contains_key(&msg.spec.run_id) {
             return Err(AdmitError::Duplicate);
         }
-        if msg.resume.is_none() {
+        if msg.resume.is_none() && msg.external.is_none() {
             // Connected is not enough: without the scopes every write would fail (`/readyz` says
             // why). Resumed runs are exempt: they wait for the connection themselves.
             let ready = self.status.read().map(|s| s.ready()).unwrap_or_else(|p| p.into_inner().ready());
@@ -221,21 +247,26 @@ impl Handler<Submit> for Registry {
         let branch_key = msg.spec.branch.as_ref().map(|b| b.key.clone());
         let publishing = matches!(msg.resume.as_ref().map(|r| &r.stage), Some(ResumeStage::Publishing { .. }));
         let interrupt_key = session_key.clone();
-        let actor = SessionActor::new(
-            msg.spec,
-            msg.sink,
-            self.gateway.clone(),
-            Self::port(ctx),
-            self.workspace.clone(),
-            self.cfg.session.clone(),
-            self.metrics.clone(),
-            self.link.clone(),
-            msg.resume,
-        );
-        let addr = actor.start();
+        let actor = match msg.external {
+            Some(start) => RunActor::External(start(Self::port(ctx))),
+            None => RunActor::Session(
+                SessionActor::new(
+                    msg.spec,
+                    msg.sink,
+                    self.gateway.clone(),
+                    Self::port(ctx),
+                    self.workspace.clone(),
+                    self.cfg.session.clone(),
+                    self.metrics.clone(),
+                    self.link.clone(),
+                    msg.resume,
+                )
+                .start(),
+            ),
+        };
         self.live.insert(
             run_id.clone(),
-            LiveRun { addr, agent_id, session_key, branch_key, admitted: Instant::now(), session: Hold::None, branch: Hold::None },
+            LiveRun { actor, agent_id, session_key, branch_key, admitted: Instant::now(), session: Hold::None, branch: Hold::None },
         );
         if publishing {
             // The gateway run is over: only the branch is needed, to publish.
@@ -246,10 +277,10 @@ impl Handler<Submit> for Registry {
         } else if msg.if_busy == IfBusy::Interrupt && self.sessions.is_busy(&interrupt_key) {
             let session_key = interrupt_key;
             // The run holding the key ends `aborted`; this one goes right after it.
-            let holder = self.live.iter().find(|(_, r)| r.session_key == session_key && r.session == Hold::Held).map(|(id, r)| (id.clone(), r.addr.clone()));
-            if let Some((id, addr)) = holder {
+            let holder = self.live.iter().find(|(_, r)| r.session_key == session_key && r.session == Hold::Held);
+            if let Some((id, run)) = holder {
                 tracing::info!(run_id = %run_id, interrupted = %id, "interrupting the running run of the session (ifBusy: interrupt)");
-                addr.do_send(CancelRun(crate::run::CancelReason::Interrupted));
+                run.actor.cancel(crate::run::CancelReason::Interrupted);
             }
             if let Some(run) = self.live.get_mut(&run_id) {
                 run.session = Hold::Waiting;
@@ -276,7 +307,7 @@ impl Handler<Cancel> for Registry {
     fn handle(&mut self, msg: Cancel, _ctx: &mut Context<Self>) -> bool {
         match self.live.get(&msg.run_id) {
             Some(run) => {
-                run.addr.do_send(CancelRun(msg.reason));
+                run.actor.cancel(msg.reason);
                 true
             }
             None => false,
@@ -311,7 +342,9 @@ impl Handler<Link> for Registry {
     fn handle(&mut self, msg: Link, _ctx: &mut Context<Self>) {
         self.link = msg.0.clone();
         for run in self.live.values() {
-            run.addr.do_send(msg.clone());
+            if let RunActor::Session(addr) = &run.actor {
+                addr.do_send(msg.clone());
+            }
         }
     }
 }
@@ -321,9 +354,10 @@ impl Handler<Drain> for Registry {
     fn handle(&mut self, msg: Drain, _ctx: &mut Context<Self>) -> usize {
         self.draining = Some(msg.0);
         for run in self.live.values() {
-            match msg.0 {
-                ShutdownMode::Handoff => run.addr.do_send(Suspend),
-                ShutdownMode::Cancel => run.addr.do_send(CancelRun(crate::run::CancelReason::Shutdown)),
+            match (&run.actor, msg.0) {
+                (RunActor::Session(addr), ShutdownMode::Handoff) => addr.do_send(Suspend),
+                // A container cannot be handed to the next process: its run ends now in either mode.
+                (actor, _) => actor.cancel(crate::run::CancelReason::Shutdown),
             }
         }
         self.live.len()
@@ -339,3 +373,5 @@ impl Handler<InFlight> for Registry {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod external_tests;

@@ -65,8 +65,6 @@ pub struct AppState {
     /// Flips to true at shutdown: live SSE streams end (clients re-attach to the next process)
     /// and nothing new is admitted.
     pub stopping: tokio::sync::watch::Receiver<bool>,
-    /// The live ephemeral runs (their cancels); `None` when no variant is ephemeral.
-    pub ephemeral: Option<Arc<crate::ephemeral::Ephemeral>>,
 }
 
 /// An error answer: `{"error":{"code","message"}}`.

@@ -227,7 +227,7 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
 
 /// Answers a POST for a run: SSE, 202 at once, or the document at the end.
 async fn respond(req: &HttpRequest, state: &web::Data<AppState>, view: RunView, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
-    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), ephemeral: state.ephemeral.clone(), armed: arm };
+    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: arm };
     if wants_sse(req) {
         return sse_response(req, state, view, 0, guard).await;
     }
@@ -345,7 +345,7 @@ pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state:
         return Err(ApiError::unavailable("clawmux is shutting down; re-attach to the next instance"));
     }
     // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
-    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), ephemeral: state.ephemeral.clone(), armed: false };
+    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: false };
     sse_response(&req, &state, view, after, guard).await
 }
 
@@ -366,9 +366,6 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
     let run_id = view.run_id().to_owned();
     if view.is_finished() {
         return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: false }));
-    }
-    if state.ephemeral.as_ref().is_some_and(|e| e.cancel(&run_id, CancelReason::Api)) {
-        return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: true }));
     }
     let found = state
         .registry

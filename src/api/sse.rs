@@ -37,8 +37,6 @@ pub(crate) struct DisconnectGuard {
     pub(crate) run_id: String,
     pub(crate) view: RunView,
     pub(crate) registry: Addr<Registry>,
-    /// Ephemeral runs are cancelled there, not in the registry.
-    pub(crate) ephemeral: Option<std::sync::Arc<crate::ephemeral::Ephemeral>>,
     pub(crate) armed: bool,
 }
 
@@ -52,9 +50,6 @@ impl Drop for DisconnectGuard {
     fn drop(&mut self) {
         if self.armed && !self.view.is_finished() {
             tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
-            if self.ephemeral.as_ref().is_some_and(|e| e.cancel(&self.run_id, CancelReason::ClientGone)) {
-                return;
-            }
             self.registry.do_send(Cancel { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
         }
     }

@@ -1,11 +1,12 @@
-//! One ephemeral run's life, and the registry of the live ones.
+//! One ephemeral run's execution: what its actor ([`super::actor::ContainerRun`]) runs once the
+//! registry gives it its turn.
 //!
 //! ```text
 //! admitted ─(FIFO slot: CLAWMUX_EPHEMERAL_MAX)─▶ workspace + LLM socket ─▶ container ─▶ exit
 //!          ─▶ envelope ─▶ text_delta + final | error ─▶ container, socket, workspace removed
 //! ```
-//! The deadline is admission + the run's timeout (capped by the variant's): the wait for a slot
-//! counts. Abort, timeout, client disconnect and shutdown remove the container at once (with it
+//! The deadline is admission + the run's timeout (capped by the variant's): the waits for its
+//! session key and for a slot count. Abort, timeout, client disconnect and shutdown remove the container at once (with it
 //! the agent and its LLM stream; the run's end also cuts its calls in the proxy). Nothing of a run
 //! outlives it: its container is removed whatever happened, and a restart reaps the containers
 //! (by label) and workspaces a crash left behind.
@@ -19,7 +20,6 @@ use crate::attribution::RunBilling;
 use crate::proxy::ProxyState;
 use actix_web::web;
 use clawmux_actors::{CancelReason, Checkpoint, ErrorCode, RunEvent, RunOutcome, RunSink, RunSpec};
-use dashmap::DashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -79,13 +79,32 @@ pub struct Job {
     pub billing: Option<Arc<RunBilling>>,
 }
 
-/// A live run's cancel switch.
-struct Live {
+impl Job {
+    /// When the run times out: admission plus its timeout (capped by the variant's).
+    pub fn deadline(&self) -> std::time::Instant {
+        deadline_of(&self.spec, self.spec.timeout.min(self.variant.timeout))
+    }
+}
+
+/// A run's cancel switch: its actor pulls it, the execution watches it.
+#[derive(Default)]
+pub struct Switch {
     cancel: CancellationToken,
     reason: Mutex<Option<CancelReason>>,
 }
 
-/// The live ephemeral runs.
+impl Switch {
+    /// Cancels the run; the first reason given is the one it ends with.
+    pub fn cancel(&self, reason: CancelReason) {
+        if let Ok(mut r) = self.reason.lock() {
+            r.get_or_insert(reason);
+        }
+        self.cancel.cancel();
+    }
+}
+
+/// What ephemeral runs share: the container runner, the FIFO of container slots, the settings.
+/// It holds no run: each run's actor, registered in the one registry of live runs, owns it.
 pub struct Ephemeral {
     runner: Arc<dyn Runner>,
     /// The attribution proxy's state, shared by every run's socket (`None`: runs get no socket;
@@ -94,21 +113,13 @@ pub struct Ephemeral {
     cfg: EphemeralConfig,
     /// FIFO: tokio's semaphore hands permits out in request order.
     slots: Arc<tokio::sync::Semaphore>,
-    live: DashMap<String, Arc<Live>>,
-    /// Finished runs by agent and status, as for gateway runs (`sandbox_runs_total`, durations).
-    metrics: std::sync::OnceLock<clawmux_actors::metrics::Metrics>,
 }
 
 impl Ephemeral {
-    /// Counts the runs' ends in these metrics (once).
-    pub fn set_metrics(&self, metrics: clawmux_actors::metrics::Metrics) {
-        let _ = self.metrics.set(metrics);
-    }
-
     /// The runner of ephemeral runs.
     pub fn new(runner: Arc<dyn Runner>, proxy: Option<web::Data<ProxyState>>, cfg: EphemeralConfig) -> Arc<Self> {
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent.max(1)));
-        Arc::new(Self { runner, proxy, cfg, slots, live: DashMap::new(), metrics: std::sync::OnceLock::new() })
+        Arc::new(Self { runner, proxy, cfg, slots })
     }
 
     /// Removes what a previous process left: labelled containers and workspaces.
@@ -125,60 +136,17 @@ impl Ephemeral {
         }
     }
 
-    /// Starts a run (it waits for a slot if all are taken).
-    pub fn start(self: &Arc<Self>, job: Job) {
-        let live = Arc::new(Live { cancel: CancellationToken::new(), reason: Mutex::new(None) });
-        self.live.insert(job.spec.run_id.clone(), live.clone());
-        let me = self.clone();
-        actix_web::rt::spawn(async move {
-            let run_id = job.spec.run_id.clone();
-            let sink = job.sink.clone();
-            let (outcome, delta) = me.execute(&job, &live).await;
-            me.live.remove(&run_id);
-            if let Some(m) = me.metrics.get() {
-                let seconds = job.spec.admitted_at.elapsed().map_or(0.0, |d| d.as_secs_f64());
-                m.run_finished(&job.agent_id, outcome.status, seconds);
-            }
-            if let Some(text) = delta {
-                sink.emit(RunEvent::TextDelta(text));
-            }
-            tracing::info!(run_id = %run_id, status = outcome.status.as_str(), error = ?outcome.error.as_ref().map(|e| &e.message), "ephemeral run ended");
-            sink.emit(RunEvent::Finished(outcome));
-        });
-    }
-
-    /// Cancels a live run; false when it is not one of ours (or already ended).
-    pub fn cancel(&self, run_id: &str, reason: CancelReason) -> bool {
-        let Some(live) = self.live.get(run_id).map(|l| l.clone()) else { return false };
-        if let Ok(mut r) = live.reason.lock() {
-            r.get_or_insert(reason);
-        }
-        live.cancel.cancel();
-        true
-    }
-
-    /// Cancels every live run (shutdown).
-    pub fn cancel_all(&self, reason: CancelReason) {
-        let ids: Vec<String> = self.live.iter().map(|e| e.key().clone()).collect();
-        for id in ids {
-            self.cancel(&id, reason);
-        }
-    }
-
     /// Whether a run started now would get a container slot at once.
     pub fn has_free_slot(&self) -> bool {
         self.slots.available_permits() > 0
     }
 
-    /// Live runs (waiting or running).
-    pub fn live_runs(&self) -> usize {
-        self.live.len()
-    }
-
-    async fn execute(&self, job: &Job, live: &Live) -> (RunOutcome, Option<String>) {
-        let timeout = job.spec.timeout.min(job.variant.timeout);
-        let deadline = Instant::from_std(deadline_of(&job.spec, timeout));
-        let cancelled = |live: &Live| {
+    /// Runs `job` (it waits for a slot if all are taken) until it ends or `switch` cancels it;
+    /// its container, socket and workspace are gone when this returns. The run's text (if any)
+    /// and its outcome, for its actor to emit.
+    pub async fn run(&self, job: &Job, live: &Switch) -> (RunOutcome, Option<String>) {
+        let deadline = Instant::from_std(job.deadline());
+        let cancelled = |live: &Switch| {
             let reason = live.reason.lock().ok().and_then(|r| *r).unwrap_or(CancelReason::Api);
             (reason.outcome(String::new()), None)
         };
@@ -213,7 +181,7 @@ impl Ephemeral {
     }
 
     /// Workspace, socket, container; everything removed again before it returns.
-    async fn contained(&self, job: &Job, live: &Live, name: &str, dir: &Path, deadline: Instant) -> Contained {
+    async fn contained(&self, job: &Job, live: &Switch, name: &str, dir: &Path, deadline: Instant) -> Contained {
         let layout = match prepare(dir, job, &self.cfg.default_model) {
             Ok(l) => l,
             Err(e) => return Contained::Failed(format!("cannot prepare the run's workspace in {}: {e}", dir.display())),
@@ -249,7 +217,7 @@ impl Ephemeral {
         result
     }
 
-    async fn run_container(&self, job: &Job, live: &Live, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> Contained {
+    async fn run_container(&self, job: &Job, live: &Switch, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> Contained {
         let id = tokio::select! {
             r = self.runner.start(name, body) => match r {
                 Ok(id) => id,

@@ -8,10 +8,12 @@
 //! - [`outcome`]: a container's end → the run's events, pure.
 //! - [`socket`]: the run's LLM socket (the proxy, scoped to the run).
 //! - [`runner`]: the [`runner::Runner`] trait and its Docker implementation.
-//! - [`flow`]: one run's life (FIFO slot, workspace, socket, container, cancel, timeout, clean-up)
-//!   and the registry of live ephemeral runs ([`flow::Ephemeral`]).
+//! - [`flow`]: one run's execution (FIFO slot, workspace, socket, container, cancel, timeout,
+//!   clean-up).
+//! - [`actor`]: the run's actor, registered in the one registry of live runs like a session actor.
 //! - [`doctor`]: `clawmux doctor`'s checks.
 
+pub mod actor;
 pub mod container;
 pub mod doctor;
 pub mod envelope;
@@ -21,4 +23,5 @@ pub mod outcome;
 pub mod runner;
 pub mod socket;
 
+pub use actor::ContainerRun;
 pub use flow::{Ephemeral, EphemeralConfig, Job};

@@ -1,7 +1,11 @@
-//! The flow with a fake runner: every way a run ends, the FIFO slots, clean-up.
+//! The flow with a fake runner, each run driven by its actor ([`ContainerRun`]) as the registry
+//! drives it (a probe port records its end): every way a run ends, the FIFO slots, clean-up.
 
 use super::*;
+use crate::ephemeral::actor::ContainerRun;
 use crate::ephemeral::runner::{Exit, RunnerError};
+use actix::prelude::*;
+use clawmux_actors::messages::{CancelRun, ExternalRun, RegistryPort, Release, RunEnded, Turn};
 use async_trait::async_trait;
 use clawmux_actors::RunStatus;
 use clawmux_protocol::{SessionKey, TraceParent};
@@ -172,23 +176,98 @@ struct Env {
     eph: Arc<Ephemeral>,
     runner: Arc<FakeRunner>,
     root: tempfile::TempDir,
+    ends: Addr<Ends>,
+}
+
+/// Plays the registry's side of the port: records every run's reported end.
+#[derive(Default)]
+struct Ends(Arc<Mutex<Vec<(String, Option<RunStatus>)>>>);
+
+impl Actor for Ends {
+    type Context = Context<Self>;
+}
+
+impl Handler<RunEnded> for Ends {
+    type Result = ();
+    fn handle(&mut self, msg: RunEnded, _ctx: &mut Context<Self>) {
+        self.0.lock().expect("lock").push((msg.run_id, msg.status));
+    }
+}
+
+impl Handler<Release> for Ends {
+    type Result = ();
+    fn handle(&mut self, _msg: Release, _ctx: &mut Context<Self>) {}
+}
+
+/// What ends a run from outside.
+#[derive(Message)]
+#[rtype(result = "Vec<(String, Option<RunStatus>)>")]
+struct Reported;
+
+impl Handler<Reported> for Ends {
+    type Result = MessageResult<Reported>;
+    fn handle(&mut self, _msg: Reported, _ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.0.lock().expect("lock").clone())
+    }
 }
 
 fn env(max: usize) -> Env {
     let root = tempfile::tempdir().expect("tmp");
     let runner = FakeRunner::new();
     let cfg = EphemeralConfig { root: root.path().join("runs"), max_concurrent: max, default_model: "m".into() };
-    Env { eph: Ephemeral::new(runner.clone(), None, cfg), runner, root }
+    Env { eph: Ephemeral::new(runner.clone(), None, cfg), runner, root, ends: Ends::default().start() }
+}
+
+/// A run's sink and its actor's handle.
+struct Started {
+    sink: Arc<Sink>,
+    actor: ExternalRun,
+}
+
+impl std::ops::Deref for Started {
+    type Target = Sink;
+    fn deref(&self) -> &Sink {
+        &self.sink
+    }
+}
+
+impl Started {
+    fn cancel(&self, reason: CancelReason) {
+        self.actor.cancel.do_send(CancelRun(reason));
+    }
 }
 
 impl Env {
-    fn run(&self, run_id: &str, timeout: Duration) -> Arc<Sink> {
+    /// Admits a run and gives it its turn at once (its session key is free).
+    fn run(&self, run_id: &str, timeout: Duration) -> Started {
+        let started = self.admit(run_id, timeout);
+        started.actor.turn.do_send(Turn::Go);
+        started
+    }
+
+    /// Admits a run without giving it its turn (its session key is held by another run).
+    fn admit(&self, run_id: &str, timeout: Duration) -> Started {
         let sink = Arc::new(Sink::default());
         let mut variant = EphemeralSpec::defaults("img:test");
         variant.output_bytes = 1000;
-        self.eph.start(Job { spec: spec(run_id, timeout), agent_id: "main".into(), variant, sink: sink.clone(), billing: None });
-        sink
+        let job = Job { spec: spec(run_id, timeout), agent_id: "main".into(), variant, sink: sink.clone(), billing: None };
+        let port = RegistryPort { release: self.ends.clone().recipient(), ended: self.ends.clone().recipient() };
+        Started { sink, actor: ContainerRun::start(self.eph.clone(), job, port) }
     }
+
+    /// The ends the runs reported to the registry (waits, bounded, for `n` of them).
+    async fn reported(&self, n: usize) -> Vec<(String, Option<RunStatus>)> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let ends = self.ends.send(Reported).await.expect("probe");
+            if ends.len() >= n {
+                return ends;
+            }
+            assert!(std::time::Instant::now() < deadline, "only {ends:?} reported, wanted {n}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     fn leftover_dirs(&self) -> usize {
         std::fs::read_dir(self.root.path().join("runs")).map(|d| d.count()).unwrap_or(0)
     }
@@ -203,8 +282,6 @@ const LONG: Duration = Duration::from_secs(600);
 #[actix_rt::test]
 async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     let e = env(4);
-    let registry = prometheus::Registry::new();
-    e.eph.set_metrics(clawmux_actors::metrics::Metrics::new(&registry).expect("metrics").with_agents(["main".to_owned()]));
     e.runner.script("r-ok", Script::Exit(ok_exit("the answer")));
     let sink = e.run("r-ok", LONG);
     let o = sink.outcome().await;
@@ -222,9 +299,7 @@ async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     assert_eq!(files[0].1["models"]["mode"], "replace");
     assert_eq!(files[0].1["agents"]["defaults"]["model"]["primary"], "cogni/fake-model");
     assert_eq!(e.leftover_dirs(), 0, "the workspace is removed");
-    assert_eq!(e.eph.live_runs(), 0);
-    let text = String::from_utf8(prometheus::TextEncoder::new().encode_to_string(&registry.gather()).expect("encode").into_bytes()).expect("utf8");
-    assert!(text.contains(r#"sandbox_runs_total{agent="main",status="ok"} 1"#), "{text}");
+    assert_eq!(e.reported(1).await, [("r-ok".to_owned(), Some(RunStatus::Ok))], "its end, reported to the registry once");
 }
 
 #[actix_rt::test]
@@ -238,13 +313,14 @@ async fn abort_and_client_disconnect_remove_the_container_at_once() {
             assert!(std::time::Instant::now() < deadline, "the container started");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(e.eph.cancel(run, reason));
+        sink.cancel(reason);
         let o = sink.outcome().await;
         assert_eq!(o.status, RunStatus::Aborted);
         assert!(o.error.as_ref().is_some_and(|er| er.message.contains(want)), "{o:?}");
         assert!(e.runner.seen(|s| s.removed.iter().any(|n| n.contains(run))), "the container is removed");
     }
-    assert!(!e.eph.cancel("r-abort", CancelReason::Api), "an ended run is not ours any more");
+    let ends = e.reported(2).await;
+    assert_eq!(ends, [("r-abort".to_owned(), Some(RunStatus::Aborted)), ("r-gone".to_owned(), Some(RunStatus::Aborted))]);
     assert_eq!(e.leftover_dirs(), 0);
 }
 
@@ -315,14 +391,32 @@ async fn runs_wait_for_a_slot_in_fifo_order_and_the_wait_counts_toward_the_timeo
 #[actix_rt::test]
 async fn a_run_aborted_while_waiting_for_a_slot_never_starts() {
     let e = env(1);
-    let _s1 = e.run("r-hold", LONG);
+    let s1 = e.run("r-hold", LONG);
     let s2 = e.run("r-wait", LONG);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(e.eph.cancel("r-wait", CancelReason::Api));
+    s2.cancel(CancelReason::Api);
     assert_eq!(s2.outcome().await.status, RunStatus::Aborted);
     assert!(e.runner.seen(|s| s.started.iter().all(|n| !n.contains("r-wait"))));
-    e.eph.cancel_all(CancelReason::Shutdown);
-    assert_eq!(_s1.outcome().await.status, RunStatus::Aborted);
+    s1.cancel(CancelReason::Shutdown);
+    assert_eq!(s1.outcome().await.status, RunStatus::Aborted);
+}
+
+#[actix_rt::test]
+async fn a_run_waiting_for_its_turn_times_out_or_is_cancelled_without_a_container() {
+    let e = env(4);
+    // Its session key stays held by another run: no turn comes.
+    let late = e.admit("r-turnless", Duration::from_secs(1));
+    assert_eq!(late.outcome().await.status, RunStatus::Timeout);
+    let cancelled = e.admit("r-cancelled", LONG);
+    cancelled.cancel(CancelReason::Interrupted);
+    assert_eq!(cancelled.outcome().await.status, RunStatus::Aborted);
+    // A turn after the end starts nothing: the run is over.
+    cancelled.actor.turn.do_send(Turn::Go);
+    let ends = e.reported(2).await;
+    assert_eq!(ends, [("r-turnless".to_owned(), Some(RunStatus::Timeout)), ("r-cancelled".to_owned(), Some(RunStatus::Aborted))]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(e.runner.seen(|s| s.started.is_empty()), "no container for a run that never had its turn");
+    assert_eq!(e.ends.send(Reported).await.expect("probe").len(), 2, "each end reported once");
 }
 
 #[actix_rt::test]
