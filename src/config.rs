@@ -71,6 +71,9 @@ pub enum DeviceMode {
     Auto,
 }
 
+/// Most session-actor threads (`CLAWMUX_SHARDS`): more than cores only adds switching.
+pub const MAX_SHARDS: usize = 256;
+
 /// The effective configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -128,6 +131,10 @@ pub struct Config {
     pub run_retention_max: usize,
     /// Runs in flight (running + queued) before new ones get 503.
     pub max_runs: usize,
+    /// Threads (actix arbiters) the session actors are spread over (`CLAWMUX_SHARDS`, default one
+    /// per core): the supervisor's thread then only decodes and routes frames. 0: on the
+    /// supervisor's own thread (no shards: the comparison case of the benchmarks).
+    pub shards: usize,
     /// The run store (`CLAWMUX_STORE_URL`).
     pub store_url: crate::store::StoreUrl,
     /// What SIGTERM does with live runs (`CLAWMUX_SHUTDOWN`).
@@ -208,6 +215,7 @@ impl Default for Config {
             run_retention_sec: 3600,
             run_retention_max: 10_000,
             max_runs: 5000,
+            shards: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_SHARDS),
             store_url: crate::store::StoreUrl::Sqlite(state_dir().join("runs.db")),
             shutdown: clawmux_actors::ShutdownMode::Handoff,
             webhook_allow: String::new(),
@@ -247,6 +255,7 @@ struct FileConfig {
     run_retention_sec: Option<u64>,
     run_retention_max: Option<usize>,
     max_runs: Option<usize>,
+    shards: Option<usize>,
     store_url: Option<String>,
     shutdown: Option<String>,
     webhook_allow: Option<String>,
@@ -343,7 +352,7 @@ impl Config {
             ($($field:ident),*) => { $( if let Some(v) = f.$field { self.$field = v; } )* };
         }
         set!(run_timeout_sec, max_run_timeout_sec, max_message_bytes, log, log_format, relay_workspace, relay_base_ref, github_api_url,
-             run_retention_sec, run_retention_max, max_runs);
+             run_retention_sec, run_retention_max, max_runs, shards);
         if let Some(v) = f.proxy_listen {
             self.proxy_listen = parse_addr("proxy_listen", &v)?;
         }
@@ -477,6 +486,9 @@ impl Config {
         if let Some(v) = get("CLAWMUX_MAX_RUNS") {
             self.max_runs = parse_num("CLAWMUX_MAX_RUNS", &v)?;
         }
+        if let Some(v) = get("CLAWMUX_SHARDS") {
+            self.shards = parse_num("CLAWMUX_SHARDS", &v)?;
+        }
         if let Some(v) = get("CLAWMUX_STORE_URL") {
             self.store_url = crate::store::StoreUrl::parse(&v).map_err(|m| invalid("CLAWMUX_STORE_URL", m))?;
         }
@@ -527,6 +539,9 @@ impl Config {
         if self.max_runs == 0 {
             return Err(invalid("CLAWMUX_MAX_RUNS", "must be at least 1"));
         }
+        if self.shards > MAX_SHARDS {
+            return Err(invalid("CLAWMUX_SHARDS", format!("must be from 0 to {MAX_SHARDS}")));
+        }
         Ok(())
     }
 
@@ -561,6 +576,7 @@ impl Config {
             ("CLAWMUX_RUN_RETENTION_SEC", self.run_retention_sec.to_string()),
             ("CLAWMUX_RUN_RETENTION_MAX", self.run_retention_max.to_string()),
             ("CLAWMUX_MAX_RUNS", self.max_runs.to_string()),
+            ("CLAWMUX_SHARDS", self.shards.to_string()),
             ("CLAWMUX_STORE_URL", self.store_url.display()),
             ("CLAWMUX_SHUTDOWN", format!("{:?}", self.shutdown).to_lowercase()),
             ("CLAWMUX_WEBHOOK_ALLOW", if self.webhook_allow.is_empty() { "(none: webhooks refused)".to_owned() } else { self.webhook_allow.clone() }),
@@ -589,6 +605,18 @@ mod tests {
         assert_eq!(c.replica_id, "eu-1a");
         for bad in ["has space", &"x".repeat(129), "t\u{e9}st"] {
             assert!(Config::load(None, &env(&[("CLAWMUX_REPLICA_ID", bad)])).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn shards_default_to_the_cores_and_are_checked() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(Config::load(None, &env(&[])).expect("defaults").shards, cores.min(MAX_SHARDS));
+        assert_eq!(Config::load(None, &env(&[("CLAWMUX_SHARDS", "3")])).expect("valid").shards, 3);
+        assert_eq!(Config::load(None, &env(&[("CLAWMUX_SHARDS", "0")])).expect("valid").shards, 0);
+        for bad in ["257", "many", "-1"] {
+            let err = Config::load(None, &env(&[("CLAWMUX_SHARDS", bad)])).expect_err(bad).to_string();
+            assert!(err.contains("CLAWMUX_SHARDS"), "{err}");
         }
     }
 

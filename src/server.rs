@@ -37,6 +37,8 @@ pub struct Running {
     stopping: tokio::sync::watch::Sender<bool>,
     /// Runs continued from the store at start.
     pub resumed: usize,
+    /// The session actors' threads, stopped at the end of [`shutdown`].
+    shards: Vec<actix::Arbiter>,
 }
 
 /// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
@@ -173,8 +175,12 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         },
     };
     let relay = workspace.is_some();
-    let run_registry =
-        Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone()).start();
+    // The session actors' threads: the supervisor's thread decodes and routes every frame; each
+    // run's own work (its deltas, its store writes, its SSE fan-out) happens on its shard.
+    let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
+    let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
+        .with_shards(shards.iter().map(actix::Arbiter::handle).collect())
+        .start();
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
     {
         // A run whose account's budget is spent ends `budget_exceeded` (the proxy refused its call).
@@ -245,7 +251,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     let server = server.run();
     let handle = server.handle();
     let done = actix::spawn(server);
-    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed })
+    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards })
 }
 
 /// Continues every unfinished run of the store, in admission order (so each session key's and
@@ -369,6 +375,9 @@ pub async fn shutdown(running: &Running) {
     // Last: while the proxy drains (up to 30 s), callers get `503` + `Retry-After` and documents,
     // not refused connections.
     running.server.stop(true).await;
+    for shard in &running.shards {
+        shard.stop();
+    }
 }
 
 /// Runs until SIGINT or SIGTERM, then shuts down as `CLAWMUX_SHUTDOWN` says.

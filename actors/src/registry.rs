@@ -22,6 +22,7 @@ use crate::session::{SessionActor, SessionConfig};
 use crate::supervisor::StatusHandle;
 use actix::prelude::*;
 use clawmux_protocol::SessionKey;
+use actix::dev::ArbiterHandle;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -95,6 +96,10 @@ pub struct Registry {
     branches: KeyQueue<String, String>,
     /// Set at shutdown: nothing new is admitted.
     draining: Option<ShutdownMode>,
+    /// The arbiters (threads) session actors run on, one per core by default: a run's frames, its
+    /// deltas and its store writes are then handled beside the supervisor's thread, not on it.
+    /// Empty: on the registry's own arbiter (tests).
+    shards: Vec<ArbiterHandle>,
 }
 
 impl Registry {
@@ -118,7 +123,14 @@ impl Registry {
             sessions: KeyQueue::new(),
             branches: KeyQueue::new(),
             draining: None,
+            shards: Vec::new(),
         }
+    }
+
+    /// Starts session actors on these arbiters, a run's by its session key ([`shard_of`]).
+    pub fn with_shards(mut self, shards: Vec<ArbiterHandle>) -> Self {
+        self.shards = shards;
+        self
     }
 
     fn port(ctx: &Context<Self>) -> RegistryPort {
@@ -249,8 +261,8 @@ impl Handler<Submit> for Registry {
         let interrupt_key = session_key.clone();
         let actor = match msg.external {
             Some(start) => RunActor::External(start(Self::port(ctx))),
-            None => RunActor::Session(
-                SessionActor::new(
+            None => {
+                let actor = SessionActor::new(
                     msg.spec,
                     msg.sink,
                     self.gateway.clone(),
@@ -260,9 +272,12 @@ impl Handler<Submit> for Registry {
                     self.metrics.clone(),
                     self.link.clone(),
                     msg.resume,
-                )
-                .start(),
-            ),
+                );
+                RunActor::Session(match shard_of(&session_key, self.shards.len()) {
+                    Some(i) => SessionActor::start_in_arbiter(&self.shards[i], move |_| actor),
+                    None => actor.start(),
+                })
+            }
         };
         self.live.insert(
             run_id.clone(),
@@ -371,7 +386,22 @@ impl Handler<InFlight> for Registry {
     }
 }
 
+/// The shard (of `shards`) a session key's runs go to; `None` without shards. By key, so that
+/// the runs of one session share a thread; stable within a process, which is all it needs (the
+/// registry, not the shard, orders them).
+pub fn shard_of(key: &SessionKey, shards: usize) -> Option<usize> {
+    use std::hash::{Hash, Hasher};
+    if shards == 0 {
+        return None;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.as_str().hash(&mut h);
+    Some((h.finish() % shards as u64) as usize)
+}
+
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod external_tests;
+#[cfg(test)]
+mod shard_tests;
