@@ -30,7 +30,10 @@ CM_PID=$!
 for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$CM_PORT/readyz" >/dev/null 2>&1 && break; sleep 0.1; done
 timeout 300 $NICE "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 \
   --deadline-sec 240 --no-progress --json > /tmp/clawmux-latency-load.json
-curl -fsS "http://127.0.0.1:$CM_PORT/metrics" | python3 -c '
+# clawmux's own CPU (user + system, seconds) and peak RSS over the whole run, from /proc.
+CPU_SEC="$(awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$CM_PID/stat")"
+PEAK_RSS_KB="$(awk '/^VmHWM/ {print $2}' "/proc/$CM_PID/status")"
+curl -fsS "http://127.0.0.1:$CM_PORT/metrics" | CPU_SEC="$CPU_SEC" PEAK_RSS_KB="$PEAK_RSS_KB" SHARDS="${CLAWMUX_SHARDS:-cores}" python3 -c '
 import sys, json
 buckets = []
 for line in sys.stdin:
@@ -44,4 +47,10 @@ print("runs final:", finals, " isolation violations:", viol, " deltas measured:"
 for q in (0.5, 0.9, 0.99, 0.999):
     le = next(b for b, c in buckets if c >= q * total)
     print(f"p{q*100:g}: <= {le*1000:g} ms")
+import os
+acc, first = load["latencyMs"]["accepted"]["p99"], load["latencyMs"]["firstDelta"]["p99"]
+cpu, runs, rps = float(os.environ["CPU_SEC"]), load["runs"], load["runsPerSec"]
+shards, rss = os.environ["SHARDS"], int(os.environ["PEAK_RSS_KB"]) / 1024
+print(f"shards={shards} runs/s={rps:.0f} accepted p99={acc:.0f} ms first-delta p99={first:.0f} ms", end=" ")
+print(f"clawmux CPU={cpu:.2f} s ({cpu / runs * 1000:.2f} ms/run) peak RSS={rss:.0f} MiB")
 '
