@@ -28,12 +28,16 @@ CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$GW_PORT" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLA
   CLAWMUX_STORE_URL="${BENCH_STORE_URL:-memory:}" CLAWMUX_DEVICE_IDENTITY=off CLAWMUX_LOG=warn "$BIN" serve >/dev/null 2>&1 &
 CM_PID=$!
 for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$CM_PORT/readyz" >/dev/null 2>&1 && break; sleep 0.1; done
-timeout 300 $NICE "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 \
-  --deadline-sec 240 --no-progress --json > /tmp/clawmux-latency-load.json
-# clawmux's own CPU (user + system, seconds) and peak RSS over the whole run, from /proc.
-CPU_SEC="$(awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$CM_PID/stat")"
+# The load driver's CPU: the subshell's `times` (its children's user and system time).
+LOAD_TIMES="$( { timeout 300 $NICE "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 \
+  --deadline-sec 240 --no-progress --json > /tmp/clawmux-latency-load.json || echo "the load driver says not every run ended final (details below)" >&2; times; } | tail -1)"
+# CPU (user + system, seconds) of clawmux and of the replay gateway, clawmux's peak RSS, from /proc.
+cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"; }
+CPU_SEC="$(cpu_of "$CM_PID")"; GW_CPU_SEC="$(cpu_of "$GW_PID")"
+LOAD_CPU_SEC="$(echo "$LOAD_TIMES" | awk '{ n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } print n }')"
 PEAK_RSS_KB="$(awk '/^VmHWM/ {print $2}' "/proc/$CM_PID/status")"
-curl -fsS "http://127.0.0.1:$CM_PORT/metrics" | CPU_SEC="$CPU_SEC" PEAK_RSS_KB="$PEAK_RSS_KB" SHARDS="${CLAWMUX_SHARDS:-cores}" python3 -c '
+curl -fsS "http://127.0.0.1:$CM_PORT/metrics" | CPU_SEC="$CPU_SEC" GW_CPU_SEC="$GW_CPU_SEC" LOAD_CPU_SEC="$LOAD_CPU_SEC" \
+  PEAK_RSS_KB="$PEAK_RSS_KB" SHARDS="${CLAWMUX_SHARDS:-cores}" python3 -c '
 import sys, json
 buckets = []
 for line in sys.stdin:
@@ -52,5 +56,7 @@ acc, first = load["latencyMs"]["accepted"]["p99"], load["latencyMs"]["firstDelta
 cpu, runs, rps = float(os.environ["CPU_SEC"]), load["runs"], load["runsPerSec"]
 shards, rss = os.environ["SHARDS"], int(os.environ["PEAK_RSS_KB"]) / 1024
 print(f"shards={shards} runs/s={rps:.0f} accepted p99={acc:.0f} ms first-delta p99={first:.0f} ms", end=" ")
-print(f"clawmux CPU={cpu:.2f} s ({cpu / runs * 1000:.2f} ms/run) peak RSS={rss:.0f} MiB")
+print(f"clawmux CPU={cpu:.2f} s ({cpu / runs * 1000:.2f} ms/run) peak RSS={rss:.0f} MiB ({rss * 1024 / runs:.0f} KiB/run)")
+gw, drv = float(os.environ["GW_CPU_SEC"]), float(os.environ["LOAD_CPU_SEC"])
+print(f"CPU of the others: replay gateway {gw:.2f} s, load driver {drv:.2f} s")
 '
