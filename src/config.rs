@@ -131,6 +131,9 @@ pub struct Config {
     pub run_retention_max: usize,
     /// Runs in flight (running + queued) before new ones get 503.
     pub max_runs: usize,
+    /// New gateway runs between their turn and the gateway's ACK at once (`CLAWMUX_MAX_STARTING`,
+    /// 0: no limit): a burst of POSTs starts at the gateway's pace, `queued` meanwhile.
+    pub max_starting: usize,
     /// Threads (actix arbiters) the session actors are spread over (`CLAWMUX_SHARDS`, default one
     /// per core): the supervisor's thread then only decodes and routes frames. 0: on the
     /// supervisor's own thread (no shards: the comparison case of the benchmarks).
@@ -215,6 +218,7 @@ impl Default for Config {
             run_retention_sec: 3600,
             run_retention_max: 10_000,
             max_runs: 5000,
+            max_starting: 256,
             shards: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_SHARDS),
             store_url: crate::store::StoreUrl::Sqlite(state_dir().join("runs.db")),
             shutdown: clawmux_actors::ShutdownMode::Handoff,
@@ -256,6 +260,7 @@ struct FileConfig {
     run_retention_max: Option<usize>,
     max_runs: Option<usize>,
     shards: Option<usize>,
+    max_starting: Option<usize>,
     store_url: Option<String>,
     shutdown: Option<String>,
     webhook_allow: Option<String>,
@@ -352,7 +357,7 @@ impl Config {
             ($($field:ident),*) => { $( if let Some(v) = f.$field { self.$field = v; } )* };
         }
         set!(run_timeout_sec, max_run_timeout_sec, max_message_bytes, log, log_format, relay_workspace, relay_base_ref, github_api_url,
-             run_retention_sec, run_retention_max, max_runs, shards);
+             run_retention_sec, run_retention_max, max_runs, shards, max_starting);
         if let Some(v) = f.proxy_listen {
             self.proxy_listen = parse_addr("proxy_listen", &v)?;
         }
@@ -486,6 +491,9 @@ impl Config {
         if let Some(v) = get("CLAWMUX_MAX_RUNS") {
             self.max_runs = parse_num("CLAWMUX_MAX_RUNS", &v)?;
         }
+        if let Some(v) = get("CLAWMUX_MAX_STARTING") {
+            self.max_starting = parse_num("CLAWMUX_MAX_STARTING", &v)?;
+        }
         if let Some(v) = get("CLAWMUX_SHARDS") {
             self.shards = parse_num("CLAWMUX_SHARDS", &v)?;
         }
@@ -577,6 +585,7 @@ impl Config {
             ("CLAWMUX_RUN_RETENTION_MAX", self.run_retention_max.to_string()),
             ("CLAWMUX_MAX_RUNS", self.max_runs.to_string()),
             ("CLAWMUX_SHARDS", self.shards.to_string()),
+            ("CLAWMUX_MAX_STARTING", self.max_starting.to_string()),
             ("CLAWMUX_STORE_URL", self.store_url.display()),
             ("CLAWMUX_SHUTDOWN", format!("{:?}", self.shutdown).to_lowercase()),
             ("CLAWMUX_WEBHOOK_ALLOW", if self.webhook_allow.is_empty() { "(none: webhooks refused)".to_owned() } else { self.webhook_allow.clone() }),
@@ -609,11 +618,14 @@ mod tests {
     }
 
     #[test]
-    fn shards_default_to_the_cores_and_are_checked() {
+    fn shards_and_start_slots_have_defaults_and_are_checked() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         assert_eq!(Config::load(None, &env(&[])).expect("defaults").shards, cores.min(MAX_SHARDS));
         assert_eq!(Config::load(None, &env(&[("CLAWMUX_SHARDS", "3")])).expect("valid").shards, 3);
         assert_eq!(Config::load(None, &env(&[("CLAWMUX_SHARDS", "0")])).expect("valid").shards, 0);
+        assert_eq!(Config::load(None, &env(&[])).expect("defaults").max_starting, 256);
+        assert_eq!(Config::load(None, &env(&[("CLAWMUX_MAX_STARTING", "0")])).expect("valid").max_starting, 0);
+        assert!(Config::load(None, &env(&[("CLAWMUX_MAX_STARTING", "x")])).expect_err("x").to_string().contains("CLAWMUX_MAX_STARTING"));
         for bad in ["257", "many", "-1"] {
             let err = Config::load(None, &env(&[("CLAWMUX_SHARDS", bad)])).expect_err(bad).to_string();
             assert!(err.contains("CLAWMUX_SHARDS"), "{err}");

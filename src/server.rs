@@ -128,7 +128,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     if let Ok(mut st) = status.write() {
         st.device_id = sup.device.as_ref().map(|d| d.device_id().to_owned());
     }
-    let registry_cfg = RegistryConfig { max_runs: sup.max_runs, session: sup.session() };
+    let registry_cfg = RegistryConfig { max_runs: sup.max_runs, max_starting: cfg.max_starting, session: sup.session() };
     let supervisor = Supervisor::new(sup, metrics.clone(), status.clone()).start();
     if cfg.api_token.is_none() {
         tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");

@@ -281,6 +281,10 @@ pub enum Lock {
     Session,
     /// Its branch key: one run works on (and publishes) a branch at a time.
     Branch,
+    /// A start slot (`RegistryConfig::max_starting`), held from its turn to the gateway's ACK of
+    /// its `agent` call: a burst of admissions starts at the gateway's pace instead of queueing
+    /// thousands of requests and replies in front of the frames of runs already streaming.
+    Start,
 }
 
 /// Registry → session: where the run stands in the queues.

@@ -32,6 +32,9 @@ use std::time::Instant;
 pub struct RegistryConfig {
     /// Live runs (queued included) above which new runs are refused with 503.
     pub max_runs: usize,
+    /// New gateway runs between their turn and their `agent` ACK at once (0: no limit); more wait,
+    /// FIFO, `queued` (see [`Lock::Start`]). Continued and branch runs do not wait for a slot.
+    pub max_starting: usize,
     /// What each session actor gets.
     pub session: SessionConfig,
 }
@@ -80,6 +83,10 @@ struct LiveRun {
     admitted: Instant,
     session: Hold,
     branch: Hold,
+    /// Its start slot; only for runs that take one ([`LiveRun::gated`]).
+    start: Hold,
+    /// A new, branch-less gateway run: it takes a start slot before it goes.
+    gated: bool,
 }
 
 /// The registry actor. Start it once, in `main`, after the supervisor.
@@ -94,6 +101,10 @@ pub struct Registry {
     live: HashMap<String, LiveRun>,
     sessions: KeyQueue<SessionKey, String>,
     branches: KeyQueue<String, String>,
+    /// Runs holding a start slot.
+    starting: usize,
+    /// Runs waiting for one, in order.
+    start_queue: std::collections::VecDeque<String>,
     /// Set at shutdown: nothing new is admitted.
     draining: Option<ShutdownMode>,
     /// The arbiters (threads) session actors run on, one per core by default: a run's frames, its
@@ -122,6 +133,8 @@ impl Registry {
             live: HashMap::new(),
             sessions: KeyQueue::new(),
             branches: KeyQueue::new(),
+            starting: 0,
+            start_queue: std::collections::VecDeque::new(),
             draining: None,
             shards: Vec::new(),
         }
@@ -154,7 +167,7 @@ impl Registry {
     fn after_session(&mut self, run_id: &str) {
         let Some(run) = self.live.get_mut(run_id) else { return };
         let Some(branch) = run.branch_key.clone() else {
-            run.actor.turn(Turn::Go);
+            self.go(run_id);
             return;
         };
         if self.branches.admit(&branch, run_id.to_owned()).is_some() {
@@ -163,6 +176,34 @@ impl Registry {
         } else {
             run.branch = Hold::Waiting;
             run.actor.turn(Turn::WaitingForBranch);
+        }
+    }
+
+    /// Gives the run its turn, or queues it for a start slot when it takes one and none is free.
+    fn go(&mut self, run_id: &str) {
+        let Some(run) = self.live.get_mut(run_id) else { return };
+        if !run.gated || self.cfg.max_starting == 0 {
+            run.actor.turn(Turn::Go);
+        } else if self.starting < self.cfg.max_starting {
+            self.starting += 1;
+            run.start = Hold::Held;
+            run.actor.turn(Turn::Go);
+        } else {
+            run.start = Hold::Waiting;
+            self.start_queue.push_back(run_id.to_owned());
+        }
+    }
+
+    fn grant_next_start(&mut self) {
+        while self.starting < self.cfg.max_starting {
+            let Some(next) = self.start_queue.pop_front() else { return };
+            if let Some(run) = self.live.get_mut(&next) {
+                if run.start == Hold::Waiting {
+                    self.starting += 1;
+                    run.start = Hold::Held;
+                    run.actor.turn(Turn::Go);
+                }
+            }
         }
     }
 
@@ -190,6 +231,14 @@ impl Registry {
                     Hold::Held => self.grant_next_branch(&key),
                 }
             }
+            Lock::Start => match std::mem::replace(&mut run.start, Hold::None) {
+                Hold::None => {}
+                Hold::Waiting => self.start_queue.retain(|id| id != run_id),
+                Hold::Held => {
+                    self.starting -= 1;
+                    self.grant_next_start();
+                }
+            },
         }
     }
 
@@ -216,7 +265,7 @@ impl Registry {
 
     fn update_gauges(&self) {
         self.metrics.runs_active.set(self.live.len() as i64);
-        self.metrics.runs_queued.set(self.sessions.waiting_len() as i64);
+        self.metrics.runs_queued.set((self.sessions.waiting_len() + self.start_queue.len()) as i64);
     }
 }
 
@@ -258,6 +307,7 @@ impl Handler<Submit> for Registry {
         let agent_id = msg.spec.agent_id.clone();
         let branch_key = msg.spec.branch.as_ref().map(|b| b.key.clone());
         let publishing = matches!(msg.resume.as_ref().map(|r| &r.stage), Some(ResumeStage::Publishing { .. }));
+        let gated = msg.external.is_none() && msg.resume.is_none() && branch_key.is_none();
         let interrupt_key = session_key.clone();
         let actor = match msg.external {
             Some(start) => RunActor::External(start(Self::port(ctx))),
@@ -281,7 +331,17 @@ impl Handler<Submit> for Registry {
         };
         self.live.insert(
             run_id.clone(),
-            LiveRun { actor, agent_id, session_key, branch_key, admitted: Instant::now(), session: Hold::None, branch: Hold::None },
+            LiveRun {
+                actor,
+                agent_id,
+                session_key,
+                branch_key,
+                admitted: Instant::now(),
+                session: Hold::None,
+                branch: Hold::None,
+                start: Hold::None,
+                gated,
+            },
         );
         if publishing {
             // The gateway run is over: only the branch is needed, to publish.
@@ -312,7 +372,7 @@ impl Handler<Submit> for Registry {
         }
         self.metrics.runs_admitted.inc();
         self.update_gauges();
-        let queued = self.live.get(&run_id).is_some_and(|r| r.session == Hold::Waiting);
+        let queued = self.live.get(&run_id).is_some_and(|r| r.session == Hold::Waiting || r.start == Hold::Waiting);
         Ok(if queued { Admitted::Queued } else { Admitted::Started })
     }
 }
@@ -343,6 +403,7 @@ impl Handler<RunEnded> for Registry {
     fn handle(&mut self, msg: RunEnded, _ctx: &mut Context<Self>) {
         self.free(&msg.run_id, Lock::Session);
         self.free(&msg.run_id, Lock::Branch);
+        self.free(&msg.run_id, Lock::Start);
         if let Some(run) = self.live.remove(&msg.run_id) {
             if let Some(status) = msg.status {
                 self.metrics.run_finished(&run.agent_id, status, run.admitted.elapsed().as_secs_f64());
@@ -405,3 +466,5 @@ mod tests;
 mod external_tests;
 #[cfg(test)]
 mod shard_tests;
+#[cfg(test)]
+mod start_tests;

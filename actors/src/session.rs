@@ -472,6 +472,7 @@ impl SessionActor {
         if !self.accepted {
             self.accepted = true;
             self.sink.emit(RunEvent::Accepted { gateway_run_id });
+            self.registry.release.do_send(Release { run_id: self.spec.run_id.clone(), lock: Lock::Start });
         }
     }
 

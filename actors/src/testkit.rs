@@ -64,6 +64,9 @@ impl std::fmt::Debug for Sent {
 struct ProbeActor {
     /// Where the test reads what was sent.
     tx: mpsc::UnboundedSender<Sent>,
+    /// Start-slot releases, counted apart: they come at the ACK, between the messages a test
+    /// follows step by step (the registry's `start_tests` test the slots themselves).
+    start_releases: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Actor for ProbeActor {
@@ -87,7 +90,16 @@ forward!(RemoveRoute, m => Sent::RemoveRoute(m));
 forward!(Abandon, m => Sent::Abandon(m));
 forward!(OutboundHeadersUnsupported, _m => Sent::HeadersUnsupported);
 forward!(ScopeMissing, _m => Sent::ScopeMissing);
-forward!(Release, m => Sent::Release(m));
+impl Handler<Release> for ProbeActor {
+    type Result = ();
+    fn handle(&mut self, m: Release, _ctx: &mut Context<Self>) {
+        if m.lock == crate::messages::Lock::Start {
+            self.start_releases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        } else {
+            let _ = self.tx.send(Sent::Release(m));
+        }
+    }
+}
 forward!(RunEnded, m => Sent::Ended(m));
 
 /// The test's side of the probe.
@@ -96,13 +108,21 @@ pub struct Probe {
     rx: mpsc::UnboundedReceiver<Sent>,
     /// The probe actor (its recipients make the ports).
     addr: Addr<ProbeActor>,
+    /// Start-slot releases received (see [`ProbeActor`]).
+    start_releases: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Probe {
     /// Starts a probe (inside a running actix System).
     pub fn start() -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        Self { rx, addr: ProbeActor { tx }.start() }
+        let start_releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        Self { rx, addr: ProbeActor { tx, start_releases: start_releases.clone() }.start(), start_releases }
+    }
+
+    /// Start-slot releases received so far.
+    pub fn start_releases(&self) -> usize {
+        self.start_releases.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The supervisor's port, answered by this probe.

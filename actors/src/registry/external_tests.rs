@@ -65,7 +65,7 @@ fn registry(max_runs: usize, connected: bool) -> (Addr<Registry>, Probe) {
         outbound_headers: OutboundHeadersMode::Auto,
     };
     let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
-    let reg = Registry::new(RegistryConfig { max_runs, session }, metrics, status, probe.gateway(), None).start();
+    let reg = Registry::new(RegistryConfig { max_runs, max_starting: 0, session }, metrics, status, probe.gateway(), None).start();
     (reg, probe)
 }
 

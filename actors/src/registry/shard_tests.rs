@@ -34,7 +34,7 @@ fn sharded() -> Sharded {
     let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
     let arbiters: Vec<Arbiter> = (0..SHARDS).map(|_| Arbiter::new()).collect();
     let handles = arbiters.iter().map(Arbiter::handle).collect();
-    let reg = Registry::new(RegistryConfig { max_runs: 100, session }, metrics, status, probe.gateway(), None).with_shards(handles).start();
+    let reg = Registry::new(RegistryConfig { max_runs: 100, max_starting: 0, session }, metrics, status, probe.gateway(), None).with_shards(handles).start();
     reg.do_send(Link(Some(up("A", false))));
     Sharded { reg, probe, arbiters }
 }

@@ -32,7 +32,7 @@ fn world(max_runs: usize, workspace: Option<Arc<dyn Workspace>>) -> World {
         outbound_headers: OutboundHeadersMode::Auto,
     };
     let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
-    let reg = Registry::new(RegistryConfig { max_runs, session }, metrics, status.clone(), probe.gateway(), workspace).start();
+    let reg = Registry::new(RegistryConfig { max_runs, max_starting: 0, session }, metrics, status.clone(), probe.gateway(), workspace).start();
     reg.do_send(Link(Some(up("A", false))));
     World { reg, probe, status }
 }

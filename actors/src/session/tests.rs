@@ -157,6 +157,7 @@ async fn a_run_patches_subscribes_sends_agent_streams_and_ends_once() {
     let (sent, status) = h.ended().await;
     assert_eq!(status, Some(RunStatus::Ok));
     assert_eq!(methods(&sent), ["sessions.messages.unsubscribe", "remove_route", "release_session"]);
+    assert_eq!(h.probe.start_releases(), 1, "the start slot is given back once, at the ACK");
     assert_eq!(the_call(&sent, name::SESSIONS_UNSUBSCRIBE).params, json!({"key": h.spec.session_key.as_str()}));
     assert_eq!(
         h.sink.events(),
