@@ -54,9 +54,9 @@ fn hot_path(frame: &str, table: &RouteTable<usize>, tracker: &mut DeltaTracker, 
     let (sk, rid) = ev.event.route_key().expect("run-scoped");
     let run = *table.route(sk, rid).expect("routed");
     if let GatewayEvent::Chat(chat) = ev.event {
-        if let Some(delta) = chat.text().and_then(|t| tracker.push(&t)) {
-            // As `RunRecord::emit` does for `RunEvent::TextDelta`.
-            let data = serde_json::json!({ "text": delta }).to_string();
+        if let Some(delta) = chat.text().and_then(|t| tracker.push(t)) {
+            // As `RunLog::text_delta` does.
+            let data = clawmux::store::event_data::text_delta(&delta);
             *event_id += 1;
             let _ = write!(out, "id: {event_id}\nevent: text_delta\ndata: {data}\n\n");
         }

@@ -533,7 +533,7 @@ impl RunSink for RunLog {
                 self.submit(Some((EventName::Status, data.to_string())), RunPatch::default());
             }
             RunEvent::TextDelta(text) => {
-                let data = serde_json::json!({ "text": text }).to_string();
+                let data = super::event_data::text_delta(&text);
                 self.submit(Some((EventName::TextDelta, data)), RunPatch::default());
             }
             RunEvent::Relay(relay) => {
@@ -569,7 +569,7 @@ impl RunSink for RunLog {
     }
 
     fn text_delta(&self, text: String, received: Instant) {
-        let data = serde_json::json!({ "text": text }).to_string();
+        let data = super::event_data::text_delta(&text);
         self.submit_received(Some((EventName::TextDelta, data)), RunPatch::default(), Some(received), None);
     }
 
