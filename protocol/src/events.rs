@@ -146,6 +146,24 @@ struct ChatWire<'a> {
     error_message: Option<Str<'a>>,
 }
 
+/// A `chat` payload decoded straight from its frame (see [`crate::one_pass`]).
+pub(crate) struct ChatPayload(pub(crate) ChatEvent);
+
+impl<'de> Deserialize<'de> for ChatPayload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        ChatWire::deserialize(d).map(|w| ChatPayload(ChatEvent::from_wire(w)))
+    }
+}
+
+/// An `agent` payload decoded straight from its frame (see [`crate::one_pass`]).
+pub(crate) struct AgentPayload(pub(crate) AgentEvent);
+
+impl<'de> Deserialize<'de> for AgentPayload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        AgentWire::deserialize(d).map(|w| AgentPayload(AgentEvent::from_wire(w)))
+    }
+}
+
 impl ChatEvent {
     fn from_wire(w: ChatWire<'_>) -> Self {
         Self {

@@ -91,6 +91,11 @@ pub fn decode_frame(text: &str, max_payload: usize) -> Result<Frame, DecodeError
     if text.len() > max_payload {
         return Err(DecodeError::TooLarge { size: text.len(), max: max_payload });
     }
+    // Most frames: a chat or agent event, read in one pass. Anything else, and any frame it
+    // refuses, is decoded below (which then refuses it with the same error as before).
+    if let Some((event, seq)) = crate::one_pass::routed_event(text) {
+        return Ok(Frame::Event(EventFrame { event, seq }));
+    }
     let wire: WireFrame<'_> = serde_json::from_str(text)?;
     match wire.kind.as_str() {
         "res" => {

@@ -8,6 +8,7 @@
 //!   `sessions.messages.subscribe`, `agent`, `agent.wait`, `chat.abort`, `sessions.abort`).
 //! - [`events`]: the events a multiplexer routes (`chat`, `agent`) or acts on (`tick`, `shutdown`).
 //! - [`error`]: the gateway's error shape and the codes seen in the field.
+//! - `one_pass`: the common frame (a `chat`/`agent` event) decoded in one pass.
 //! - [`num`]: numbers clawmux only reads as hints, decoded leniently (a bad one is absent).
 //! - [`session_key`]: canonical session keys (the gateway lower-cases them).
 //! - [`trace`]: W3C `traceparent` values (protocol 4 forwards them to the LLM).
@@ -23,6 +24,7 @@ pub mod frame;
 pub mod handshake;
 pub mod methods;
 pub mod num;
+mod one_pass;
 pub mod session_key;
 pub mod trace;
 pub mod wire;
