@@ -124,13 +124,18 @@ struct MessageWire<'a> {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ChatWire<'a> {
+    /// Routing key (with the session key); borrowed until the event leaves the decoder.
     #[serde(default, borrow)]
     run_id: Option<Str<'a>>,
+    /// Routing key (with the run id).
     #[serde(default, borrow)]
     session_key: Option<Str<'a>>,
+    /// Per-run sequence number (a hint; a bad one is absent).
     #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     seq: Option<u64>,
+    /// Delta, final, aborted or error.
     state: ChatState,
+    /// The message, reduced to its text while it is decoded.
     #[serde(default, borrow)]
     message: Option<MessageWire<'a>>,
     /// Protocol 4: the increment of this delta (absent on protocol 3). Unused: clawmux diffs
@@ -142,11 +147,12 @@ struct ChatWire<'a> {
     #[serde(default, borrow)]
     #[allow(dead_code)]
     stop_reason: Option<Str<'a>>,
+    /// Error text of an `error` state (kept: it becomes the run's error message).
     #[serde(default, borrow)]
     error_message: Option<Str<'a>>,
 }
 
-/// A `chat` payload decoded straight from its frame (see [`crate::one_pass`]).
+/// A `chat` payload decoded straight from its frame (see `one_pass`).
 pub(crate) struct ChatPayload(pub(crate) ChatEvent);
 
 impl<'de> Deserialize<'de> for ChatPayload {
@@ -155,7 +161,7 @@ impl<'de> Deserialize<'de> for ChatPayload {
     }
 }
 
-/// An `agent` payload decoded straight from its frame (see [`crate::one_pass`]).
+/// An `agent` payload decoded straight from its frame (see `one_pass`).
 pub(crate) struct AgentPayload(pub(crate) AgentEvent);
 
 impl<'de> Deserialize<'de> for AgentPayload {
@@ -228,12 +234,16 @@ struct SignalData {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct AgentWire<'a> {
+    /// Routing key (with the session key).
     #[serde(default, borrow)]
     run_id: Option<Str<'a>>,
+    /// Routing key (with the run id).
     #[serde(default, borrow)]
     session_key: Option<Str<'a>>,
+    /// Per-run sequence number (a hint; a bad one is absent).
     #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     seq: Option<u64>,
+    /// Which stream: decides whether `data` has a signal at all.
     #[serde(borrow)]
     stream: Str<'a>,
     /// Stream-specific data: checked to be JSON, decoded only for a signal.

@@ -22,14 +22,19 @@ pub(crate) fn routed_event(text: &str) -> Option<(GatewayEvent, Option<u64>)> {
     serde_json::from_str::<OnePass>(text).ok()?.0
 }
 
+/// The decoded event and the frame's `seq`; `None` when the frame is not one this path takes.
 struct OnePass(Option<(GatewayEvent, Option<u64>)>);
 
+/// The frame's `seq`, read as leniently as the general decoding reads it.
 #[derive(Deserialize)]
 struct Lenient(#[serde(deserialize_with = "crate::num::lenient_u64")] Option<u64>);
 
+/// The events this path decodes (the ones routed to runs, nearly every frame of a busy gateway).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Routed {
+    /// A `chat` event.
     Chat,
+    /// An `agent` event.
     Agent,
 }
 

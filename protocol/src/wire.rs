@@ -53,8 +53,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
 /// One content block of a chat message, borrowed: only `text` blocks matter, and only their text.
 #[derive(Deserialize)]
 struct Block<'a> {
+    /// Only `text` blocks are streamed; required, as it always was.
     #[serde(rename = "type", borrow)]
     kind: Str<'a>,
+    /// The block's text, appended to the message's text (borrowed: copied once, there).
     #[serde(default, borrow)]
     text: Option<Str<'a>>,
 }
