@@ -3,6 +3,7 @@
 //! caller asked for `onDisconnect: abort` and went away.
 
 use super::{store_unavailable, ApiError, AppState};
+use crate::store::live::{Feed, FeedError};
 use crate::store::{RunView, StoredEvent};
 use actix::Addr;
 use actix_web::http::header::{self, HeaderValue};
@@ -12,7 +13,6 @@ use clawmux_actors::messages::Cancel;
 use clawmux_actors::{CancelReason, Registry};
 use std::sync::Arc;
 use std::time::Duration;
-use crate::store::live::{Feed, FeedError};
 
 /// One server-sent event of a run's stream (its `id:`, `event:` and `data:` lines; `: keep-alive`
 /// comment lines come between events). Only for the OpenAPI document: the stream is written by
