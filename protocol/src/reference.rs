@@ -465,11 +465,18 @@ mod tests {
             json!([["text", "as a list"]]),
             json!({"phase": "start", "name": "exec"}),
         ];
+        // One frame of each shape (kind, event, state or stream, phase): the others differ only
+        // in their text and ids.
+        let mut shapes = std::collections::HashSet::new();
         let frames: Vec<String> = recorded()
             .into_iter()
-            .filter(|f| f.contains("agent:main:record:276a8e83") || f.contains("\"stream\":\"tool\""))
+            .filter(|f| {
+                let v: Value = serde_json::from_str(f).expect("JSON");
+                let p = &v["payload"];
+                shapes.insert([&v["type"], &v["event"], &p["state"], &p["stream"], &p["data"]["phase"]].map(Value::to_string))
+            })
             .collect();
-        assert!(frames.len() > 15, "{}", frames.len());
+        assert!(frames.len() > 10, "{}", frames.len());
         let mut compared = 0;
         for f in &frames {
             let v: Value = serde_json::from_str(f).expect("JSON");
@@ -505,15 +512,16 @@ mod tests {
                     }
                     candidates.push(m);
                 }
+                // In the gateway's key order, so the one-pass decoding is the one compared (the
+                // random mutations above also try the sorted order, the general decoding's).
                 for m in candidates {
-                    for text in [gateway_order(&m), m.to_string()] {
-                        assert_eq!(old(&text, MAX), new(&text, MAX), "{text}");
-                        compared += 1;
-                    }
+                    let text = gateway_order(&m);
+                    assert_eq!(old(&text, MAX), new(&text, MAX), "{text}");
+                    compared += 1;
                 }
             }
         }
-        assert!(compared > 5_000, "{compared}");
+        assert!(compared > 20_000, "{compared}");
     }
 
     #[test]
