@@ -880,7 +880,7 @@ impl SessionActor {
             GatewayEvent::Chat(chat) => match chat.state {
                 ChatState::Delta | ChatState::Final | ChatState::Aborted => {
                     if let Some(text) = chat.text() {
-                        self.push_text(&text, received);
+                        self.push_text(text, received);
                     }
                 }
                 ChatState::Error => {

@@ -3,6 +3,7 @@
 
 use crate::error::DecodeError;
 use crate::handshake::ConnectChallenge;
+use crate::wire::{ContentText, Str};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -38,8 +39,8 @@ impl GatewayEvent {
     /// Decodes the payload of the event called `name`.
     pub fn decode(name: &str, payload: Option<&str>) -> Result<Self, DecodeError> {
         Ok(match name {
-            "chat" => GatewayEvent::Chat(parse(name, payload)?),
-            "agent" => GatewayEvent::Agent(parse(name, payload)?),
+            "chat" => GatewayEvent::Chat(ChatEvent::from_wire(parse(name, payload)?)),
+            "agent" => GatewayEvent::Agent(AgentEvent::from_wire(parse(name, payload)?)),
             "tick" => GatewayEvent::Tick(match payload {
                 Some(_) => parse(name, payload)?,
                 None => Tick { ts: None },
@@ -77,119 +78,126 @@ pub enum ChatState {
     Error,
 }
 
-/// A `chat` event payload. Session key and run id are optional in decoding so that a frame lacking
-/// them can be counted and dropped by the router rather than rejected as malformed.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// A `chat` event payload, as a multiplexer needs it: the message is reduced to its text while
+/// it is decoded (one pass, nothing of it kept but the text). Session key and run id are optional
+/// in decoding so that a frame lacking them can be counted and dropped by the router rather than
+/// rejected as malformed.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatEvent {
     /// Gateway run id (= the `agent` idempotency key).
-    #[serde(default)]
     pub run_id: Option<String>,
     /// Canonical session key.
-    #[serde(default)]
     pub session_key: Option<String>,
     /// Per-run sequence number (shared with `agent` events; resets to 1 after an abort). Unused
     /// by clawmux; a bad one is absent rather than costing the run its text.
-    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     pub seq: Option<u64>,
     /// Delta, final, aborted or error.
     pub state: ChatState,
-    /// The assistant message; its text is CUMULATIVE.
-    #[serde(default)]
-    pub message: Option<ChatMessage>,
-    /// Protocol 4: the increment of this delta (absent on protocol 3). Informational only:
-    /// clawmux diffs cumulative text by prefix because coalescing can merge increments.
-    #[serde(default)]
-    pub delta_text: Option<String>,
-    /// Why the chat stopped (`stop`, `rpc` for aborts).
-    #[serde(default)]
-    pub stop_reason: Option<String>,
+    /// The CUMULATIVE text of the assistant message: all its text blocks concatenated (not only
+    /// the first); `None` when the event has no message.
+    pub text: Option<String>,
     /// Error text of an `error` state.
-    #[serde(default)]
     pub error_message: Option<String>,
 }
 
 impl ChatEvent {
-    /// The cumulative text of the message: all text blocks concatenated (not only the first).
-    pub fn text(&self) -> Option<String> {
-        self.message.as_ref().map(ChatMessage::text)
+    /// The cumulative text of the message, if the event has one.
+    pub fn text(&self) -> Option<&str> {
+        self.text.as_deref()
     }
 }
 
-/// A chat message.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ChatMessage {
-    /// `assistant` for run output.
+/// A chat message on the wire. Fields in wire order (a struct may also come as a JSON array).
+#[derive(Deserialize)]
+struct MessageWire<'a> {
+    /// `assistant` for run output; unused, but must be a string.
+    #[serde(default, borrow)]
+    #[allow(dead_code)]
+    role: Option<Str<'a>>,
+    /// Content blocks (text, and others a multiplexer does not stream), or a plain string.
     #[serde(default)]
-    pub role: Option<String>,
-    /// Content blocks (text, and others a multiplexer does not stream).
-    #[serde(default)]
-    pub content: MessageContent,
+    content: ContentText,
 }
 
-/// Message content: a list of blocks, or (older shapes) a plain string.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum MessageContent {
-    /// `[{"type":"text","text":"..."}, ...]`
-    Blocks(Vec<ContentBlock>),
-    /// A plain string.
-    Text(String),
+/// A `chat` payload on the wire, borrowed. Fields in the order of the payload's schema (a struct
+/// may also come as a JSON array, which fills them in this order).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ChatWire<'a> {
+    /// Routing key (with the session key); borrowed until the event leaves the decoder.
+    #[serde(default, borrow)]
+    run_id: Option<Str<'a>>,
+    /// Routing key (with the run id).
+    #[serde(default, borrow)]
+    session_key: Option<Str<'a>>,
+    /// Per-run sequence number (a hint; a bad one is absent).
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
+    seq: Option<u64>,
+    /// Delta, final, aborted or error.
+    state: ChatState,
+    /// The message, reduced to its text while it is decoded.
+    #[serde(default, borrow)]
+    message: Option<MessageWire<'a>>,
+    /// Protocol 4: the increment of this delta (absent on protocol 3). Unused: clawmux diffs
+    /// cumulative text by prefix because coalescing can merge increments; must be a string.
+    #[serde(default, borrow)]
+    #[allow(dead_code)]
+    delta_text: Option<Str<'a>>,
+    /// Why the chat stopped (`stop`, `rpc` for aborts). Unused; must be a string.
+    #[serde(default, borrow)]
+    #[allow(dead_code)]
+    stop_reason: Option<Str<'a>>,
+    /// Error text of an `error` state (kept: it becomes the run's error message).
+    #[serde(default, borrow)]
+    error_message: Option<Str<'a>>,
 }
 
-impl Default for MessageContent {
-    fn default() -> Self {
-        MessageContent::Blocks(Vec::new())
+/// A `chat` payload decoded straight from its frame (see `one_pass`).
+pub(crate) struct ChatPayload(pub(crate) ChatEvent);
+
+impl<'de> Deserialize<'de> for ChatPayload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        ChatWire::deserialize(d).map(|w| ChatPayload(ChatEvent::from_wire(w)))
     }
 }
 
-/// One content block.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ContentBlock {
-    /// Block type; only `text` blocks are streamed.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// Text of a `text` block.
-    #[serde(default)]
-    pub text: Option<String>,
+/// An `agent` payload decoded straight from its frame (see `one_pass`).
+pub(crate) struct AgentPayload(pub(crate) AgentEvent);
+
+impl<'de> Deserialize<'de> for AgentPayload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        AgentWire::deserialize(d).map(|w| AgentPayload(AgentEvent::from_wire(w)))
+    }
 }
 
-impl ChatMessage {
-    /// Concatenated text of all `text` blocks.
-    pub fn text(&self) -> String {
-        match &self.content {
-            MessageContent::Text(s) => s.clone(),
-            MessageContent::Blocks(blocks) => {
-                let mut out = String::new();
-                for b in blocks.iter().filter(|b| b.kind == "text") {
-                    if let Some(t) = &b.text {
-                        out.push_str(t);
-                    }
-                }
-                out
-            }
+impl ChatEvent {
+    fn from_wire(w: ChatWire<'_>) -> Self {
+        Self {
+            run_id: w.run_id.map(Str::into_owned),
+            session_key: w.session_key.map(Str::into_owned),
+            seq: w.seq,
+            state: w.state,
+            text: w.message.map(|m| m.content.0),
+            error_message: w.error_message.map(Str::into_owned),
         }
     }
 }
 
-/// An `agent` event payload.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// An `agent` event payload. Its `data` is looked at once, while the frame is decoded, and only
+/// for the streams that drive `status` events; nothing of it is kept but that signal (tool
+/// arguments and results never leave the decoder).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentEvent {
     /// Gateway run id.
-    #[serde(default)]
     pub run_id: Option<String>,
     /// Canonical session key.
-    #[serde(default)]
     pub session_key: Option<String>,
     /// Per-run sequence number (unused by clawmux; a bad one is absent).
-    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     pub seq: Option<u64>,
     /// `lifecycle`, `assistant`, `tool`, `usage`, `item`, `command_output`, `compaction`, ...
     pub stream: String,
-    /// Stream-specific data, decoded only by whoever needs it.
-    #[serde(default)]
-    pub data: Option<Box<RawValue>>,
+    /// What the event says for `status` events (see [`AgentEvent::signal`]).
+    pub signal: Option<AgentSignal>,
 }
 
 /// What a status-relevant `agent` event says, without tool arguments or results.
@@ -222,26 +230,68 @@ struct SignalData {
     input_tokens: Option<u64>,
 }
 
-impl AgentEvent {
-    /// Decodes the parts of `data` that drive `status` events. Returns `None` for streams that
-    /// carry nothing a caller may see (assistant text comes from `chat`; tool args never leave).
-    pub fn signal(&self) -> Option<AgentSignal> {
-        let data: SignalData = serde_json::from_str(self.data.as_ref()?.get()).ok()?;
-        match self.stream.as_str() {
-            "lifecycle" => data.phase.map(AgentSignal::Lifecycle),
-            "tool" | "item" => match data.phase.as_deref() {
-                Some("start") => Some(AgentSignal::ToolStart(data.name.unwrap_or_else(|| "tool".to_owned()))),
-                Some("end") | Some("result") => Some(AgentSignal::ToolEnd),
-                _ => None,
-            },
-            "compaction" => match data.phase.as_deref() {
-                Some("start") => Some(AgentSignal::CompactionStart),
-                Some("end") => Some(AgentSignal::CompactionEnd),
-                _ => None,
-            },
-            "usage" => Some(AgentSignal::Usage { output_tokens: data.output_tokens, input_tokens: data.input_tokens }),
+/// An `agent` payload on the wire, borrowed. Fields in the order of the payload's schema.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct AgentWire<'a> {
+    /// Routing key (with the session key).
+    #[serde(default, borrow)]
+    run_id: Option<Str<'a>>,
+    /// Routing key (with the run id).
+    #[serde(default, borrow)]
+    session_key: Option<Str<'a>>,
+    /// Per-run sequence number (a hint; a bad one is absent).
+    #[serde(default, deserialize_with = "crate::num::lenient_u64")]
+    seq: Option<u64>,
+    /// Which stream: decides whether `data` has a signal at all.
+    #[serde(borrow)]
+    stream: Str<'a>,
+    /// Stream-specific data: checked to be JSON, decoded only for a signal.
+    #[serde(default, borrow)]
+    data: Option<&'a RawValue>,
+}
+
+/// The signal of an `agent` event of `stream` with `data`. `None` for streams that carry nothing
+/// a caller may see (assistant text comes from `chat`; tool args never leave), and for data that
+/// does not decode (a signal is a hint; the run goes on without it).
+fn signal_of(stream: &str, data: Option<&RawValue>) -> Option<AgentSignal> {
+    if !matches!(stream, "lifecycle" | "tool" | "item" | "compaction" | "usage") {
+        // Most agent events (the assistant stream) stop here, before their data is parsed again.
+        return None;
+    }
+    let data: SignalData = serde_json::from_str(data?.get()).ok()?;
+    match stream {
+        "lifecycle" => data.phase.map(AgentSignal::Lifecycle),
+        "tool" | "item" => match data.phase.as_deref() {
+            Some("start") => Some(AgentSignal::ToolStart(data.name.unwrap_or_else(|| "tool".to_owned()))),
+            Some("end") | Some("result") => Some(AgentSignal::ToolEnd),
             _ => None,
+        },
+        "compaction" => match data.phase.as_deref() {
+            Some("start") => Some(AgentSignal::CompactionStart),
+            Some("end") => Some(AgentSignal::CompactionEnd),
+            _ => None,
+        },
+        "usage" => Some(AgentSignal::Usage { output_tokens: data.output_tokens, input_tokens: data.input_tokens }),
+        _ => None,
+    }
+}
+
+impl AgentEvent {
+    fn from_wire(w: AgentWire<'_>) -> Self {
+        let signal = signal_of(w.stream.as_str(), w.data);
+        Self {
+            run_id: w.run_id.map(Str::into_owned),
+            session_key: w.session_key.map(Str::into_owned),
+            seq: w.seq,
+            stream: w.stream.into_owned(),
+            signal,
         }
+    }
+
+    /// What the event says that drives `status` events, if anything (decoded with the frame).
+    pub fn signal(&self) -> Option<AgentSignal> {
+        self.signal.clone()
     }
 }
 
@@ -270,28 +320,34 @@ pub struct Shutdown {
 mod tests {
     use super::*;
 
+    fn agent(payload: &str) -> AgentEvent {
+        match GatewayEvent::decode("agent", Some(payload)) {
+            Ok(GatewayEvent::Agent(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn text_joins_all_text_blocks() {
-        let c: ChatEvent = serde_json::from_str(
-            r#"{"runId":"r","sessionKey":"s","state":"delta","message":{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"thinking"},{"type":"text","text":"b"}]}}"#,
+        let GatewayEvent::Chat(c) = GatewayEvent::decode(
+            "chat",
+            Some(r#"{"runId":"r","sessionKey":"s","state":"delta","message":{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"thinking"},{"type":"text","text":"b"}]}}"#),
         )
-        .expect("decodes");
-        assert_eq!(c.text().as_deref(), Some("ab"));
+        .expect("decodes") else {
+            panic!("not chat")
+        };
+        assert_eq!(c.text(), Some("ab"));
     }
 
     #[test]
     fn tool_signal_never_carries_arguments() {
-        let a: AgentEvent = serde_json::from_str(
-            r#"{"runId":"r","sessionKey":"s","stream":"tool","data":{"phase":"start","name":"exec","args":{"command":"cat /secret"}}}"#,
-        )
-        .expect("decodes");
+        let a = agent(r#"{"runId":"r","sessionKey":"s","stream":"tool","data":{"phase":"start","name":"exec","args":{"command":"cat /secret"}}}"#);
         assert_eq!(a.signal(), Some(AgentSignal::ToolStart("exec".into())));
     }
 
     #[test]
     fn lifecycle_signal() {
-        let a: AgentEvent =
-            serde_json::from_str(r#"{"runId":"r","sessionKey":"s","stream":"lifecycle","data":{"phase":"start"}}"#).expect("decodes");
+        let a = agent(r#"{"runId":"r","sessionKey":"s","stream":"lifecycle","data":{"phase":"start"}}"#);
         assert_eq!(a.signal(), Some(AgentSignal::Lifecycle("start".into())));
     }
 }

@@ -10,6 +10,7 @@
 
 use crate::error::{DecodeError, ErrorShape};
 use crate::events::GatewayEvent;
+use crate::wire::Str;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -63,8 +64,8 @@ pub struct EventFrame {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct WireFrame<'a> {
-    #[serde(rename = "type")]
-    kind: std::borrow::Cow<'a, str>,
+    #[serde(rename = "type", borrow)]
+    kind: Str<'a>,
     id: Option<String>,
     method: Option<String>,
     ok: Option<bool>,
@@ -73,7 +74,8 @@ struct WireFrame<'a> {
     #[serde(borrow)]
     payload: Option<&'a RawValue>,
     error: Option<ErrorShape>,
-    event: Option<String>,
+    #[serde(borrow)]
+    event: Option<Str<'a>>,
     // Unused by clawmux: a bad one must not cost the frame (a `res` carrying it would be lost).
     #[serde(default, deserialize_with = "crate::num::lenient_u64")]
     seq: Option<u64>,
@@ -89,8 +91,13 @@ pub fn decode_frame(text: &str, max_payload: usize) -> Result<Frame, DecodeError
     if text.len() > max_payload {
         return Err(DecodeError::TooLarge { size: text.len(), max: max_payload });
     }
+    // Most frames: a chat or agent event, read in one pass. Anything else, and any frame it
+    // refuses, is decoded below (which then refuses it with the same error as before).
+    if let Some((event, seq)) = crate::one_pass::routed_event(text) {
+        return Ok(Frame::Event(EventFrame { event, seq }));
+    }
     let wire: WireFrame<'_> = serde_json::from_str(text)?;
-    match wire.kind.as_ref() {
+    match wire.kind.as_str() {
         "res" => {
             let id = wire.id.ok_or_else(|| malformed("res", "missing id"))?;
             let ok = wire.ok.ok_or_else(|| malformed("res", "missing ok"))?;
@@ -101,7 +108,7 @@ pub fn decode_frame(text: &str, max_payload: usize) -> Result<Frame, DecodeError
         }
         "event" => {
             let name = wire.event.ok_or_else(|| malformed("event", "missing event name"))?;
-            let event = GatewayEvent::decode(&name, wire.payload.map(RawValue::get))?;
+            let event = GatewayEvent::decode(name.as_str(), wire.payload.map(RawValue::get))?;
             Ok(Frame::Event(EventFrame { event, seq: wire.seq }))
         }
         "req" => {
@@ -198,7 +205,7 @@ mod tests {
         let GatewayEvent::Chat(chat) = ev.event else { panic!("not chat") };
         assert_eq!(chat.state, ChatState::Delta);
         assert_eq!(chat.run_id.as_deref(), Some("k1"));
-        assert_eq!(chat.text(), Some("Hello".to_owned()));
+        assert_eq!(chat.text(), Some("Hello"));
     }
 
     #[test]
@@ -274,7 +281,7 @@ mod tests {
                 let Ok(Frame::Event(ev)) = decode_frame(text, MAX) else { panic!("{text}") };
                 assert_eq!(ev.seq, None, "{text}");
                 match ev.event {
-                    GatewayEvent::Chat(c) => assert_eq!((c.seq, c.text().as_deref()), (None, Some("Hi"))),
+                    GatewayEvent::Chat(c) => assert_eq!((c.seq, c.text()), (None, Some("Hi"))),
                     GatewayEvent::Agent(a) => {
                         assert_eq!(a.seq, None);
                         let usage = crate::events::AgentSignal::Usage { output_tokens: None, input_tokens: None };

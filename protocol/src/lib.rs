@@ -8,9 +8,11 @@
 //!   `sessions.messages.subscribe`, `agent`, `agent.wait`, `chat.abort`, `sessions.abort`).
 //! - [`events`]: the events a multiplexer routes (`chat`, `agent`) or acts on (`tick`, `shutdown`).
 //! - [`error`]: the gateway's error shape and the codes seen in the field.
+//! - `one_pass`: the common frame (a `chat`/`agent` event) decoded in one pass.
 //! - [`num`]: numbers clawmux only reads as hints, decoded leniently (a bad one is absent).
 //! - [`session_key`]: canonical session keys (the gateway lower-cases them).
 //! - [`trace`]: W3C `traceparent` values (protocol 4 forwards them to the LLM).
+//! - [`wire`]: borrowed pieces of the decoding (strings not copied, a message reduced to its text).
 //!
 //! No I/O lives here. Decoding is strict where a multiplexer depends on a field (a malformed known
 //! frame is an error) and tolerant of fields the gateway adds over releases (hello-ok alone has
@@ -22,8 +24,12 @@ pub mod frame;
 pub mod handshake;
 pub mod methods;
 pub mod num;
+mod one_pass;
 pub mod session_key;
 pub mod trace;
+pub mod wire;
+#[cfg(test)]
+mod reference;
 
 pub use error::{DecodeError, ErrorCode, ErrorShape};
 pub use events::{AgentEvent, ChatEvent, ChatState, GatewayEvent, Shutdown, Tick};

@@ -3,6 +3,7 @@
 //! caller asked for `onDisconnect: abort` and went away.
 
 use super::{store_unavailable, ApiError, AppState};
+use crate::store::live::{Feed, FeedError};
 use crate::store::{RunView, StoredEvent};
 use actix::Addr;
 use actix_web::http::header::{self, HeaderValue};
@@ -12,7 +13,6 @@ use clawmux_actors::messages::Cancel;
 use clawmux_actors::{CancelReason, Registry};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::broadcast::error::RecvError;
 
 /// One server-sent event of a run's stream (its `id:`, `event:` and `data:` lines; `: keep-alive`
 /// comment lines come between events). Only for the OpenAPI document: the stream is written by
@@ -57,7 +57,7 @@ impl Drop for DisconnectGuard {
 
 struct SseState {
     backlog: std::vec::IntoIter<Arc<StoredEvent>>,
-    rx: Option<tokio::sync::broadcast::Receiver<Arc<StoredEvent>>>,
+    rx: Option<Feed>,
     last_id: u64,
     done: bool,
     guard: DisconnectGuard,
@@ -108,14 +108,14 @@ pub(crate) async fn sse_response(
                 match next {
                     Ok(ev) if ev.id <= st.last_id => continue,
                     Ok(ev) => break ev,
-                    Err(RecvError::Lagged(n)) => {
+                    Err(FeedError::Lagged(n)) => {
                         // Too slow: drop this client (it can re-attach with Last-Event-ID); the
                         // run itself goes on.
                         tracing::warn!(run_id = %st.guard.run_id, skipped = n, "SSE client too slow; disconnecting it");
                         st.guard.disarm();
                         return None;
                     }
-                    Err(RecvError::Closed) => return None,
+                    Err(FeedError::Closed) => return None,
                 }
             },
         };

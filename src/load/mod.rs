@@ -561,7 +561,7 @@ async fn per_call_run(ctx: &Ctx, gateway: &str, token: Option<String>, marker: &
                     use clawmux_protocol::ChatState;
                     match chat.state {
                         ChatState::Delta => {
-                            if let Some(d) = chat.text().and_then(|t| tracker.push(&t)) {
+                            if let Some(d) = chat.text().and_then(|t| tracker.push(t)) {
                                 trace.push(Observed::TextDelta(d), at);
                             }
                         }

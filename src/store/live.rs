@@ -21,10 +21,11 @@ use serde::Serialize;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Instant;
 use time::OffsetDateTime;
-use tokio::sync::broadcast;
+use tokio::sync::watch;
 
-/// Events buffered per live client before it counts as too slow (it is then disconnected and can
-/// re-attach with `Last-Event-ID`). The ring exists only while a client is attached.
+/// Events a live client may fall behind the log before it counts as too slow (it is then
+/// disconnected and can re-attach with `Last-Event-ID`). Clients read the run's log itself (see
+/// [`Feed`]): nothing is buffered per client or per run for them.
 pub const CLIENT_BUFFER: usize = 256;
 
 /// `usage` of the run document.
@@ -171,8 +172,6 @@ struct LogState {
     finished_at: Option<Instant>,
     /// The store has the terminal event (a store failure's end may become visible first).
     end_stored: bool,
-    /// Live clients; created by the first one, dropped with the terminal event.
-    tx: Option<broadcast::Sender<Arc<StoredEvent>>>,
 }
 
 /// A live run's log (the session actor's [`RunSink`]).
@@ -186,9 +185,10 @@ pub struct RunLog {
     /// Whether a vanished caller cancels the run.
     pub abort_on_disconnect: bool,
     state: Mutex<LogState>,
-    /// Flips to true with the terminal event (waiters that only need the end use this, so a
-    /// lagging broadcast receiver can never make them miss it).
-    done: tokio::sync::watch::Sender<bool>,
+    /// The id of the last visible event, and whether the run finished (set with the terminal
+    /// event): live clients ([`Feed`]) wake on it, waiters that only need the end wait for it.
+    /// One channel per run, whether or not anyone listens.
+    visible: watch::Sender<Visible>,
     /// The run's billing identity and the registry it is live in (with the LLM proxy): it stops
     /// being attributable with its terminal event.
     billing: OnceLock<(Arc<RunBilling>, Arc<Attributions>)>,
@@ -230,9 +230,8 @@ impl RunLog {
                 closed: finished,
                 finished_at: finished.then(Instant::now),
                 end_stored: finished,
-                tx: None,
             }),
-            done: tokio::sync::watch::channel(finished).0,
+            visible: watch::channel(Visible { last_id: next_id, finished }).0,
             billing: OnceLock::new(),
             on_failure: OnceLock::new(),
             on_end: OnceLock::new(),
@@ -292,8 +291,8 @@ impl RunLog {
 
     /// Resolves once the run's terminal event is visible.
     pub async fn finished(&self) {
-        let mut rx = self.done.subscribe();
-        let _ = rx.wait_for(|d| *d).await;
+        let mut rx = self.visible.subscribe();
+        let _ = rx.wait_for(|v| v.finished).await;
     }
 
     /// True once the terminal event is visible.
@@ -312,18 +311,20 @@ impl RunLog {
         self.lock().end_stored
     }
 
-    /// Stored events after `after`, and a receiver for the ones that follow (taken under the same
+    /// Stored events after `after`, and a feed of the ones that follow (taken under the same
     /// lock, so nothing is lost or repeated between the two). `None` once the run finished.
-    pub fn attach(&self, after: u64) -> (Vec<Arc<StoredEvent>>, Option<broadcast::Receiver<Arc<StoredEvent>>>) {
-        let mut st = self.lock();
+    pub fn attach(&self, after: u64) -> (Vec<Arc<StoredEvent>>, Option<Feed>) {
+        let st = self.lock();
         let start = st.events.partition_point(|e| e.id <= after);
         let backlog = st.events[start..].to_vec();
-        let rx = if st.finished_at.is_some() {
-            None
-        } else {
-            Some(st.tx.get_or_insert_with(|| broadcast::channel(CLIENT_BUFFER).0).subscribe())
+        let feed = match (st.finished_at, self.me.upgrade()) {
+            (None, Some(log)) => {
+                let last = backlog.last().map_or(after, |e| e.id);
+                Some(Feed { log, last, visible: self.visible.subscribe() })
+            }
+            _ => None,
         };
-        (backlog, rx)
+        (backlog, feed)
     }
 
     /// The text delivered so far (the `text_delta` events, concatenated).
@@ -396,15 +397,12 @@ impl RunLog {
             patch.apply(&mut st.stored);
             let Some(ev) = event else { return };
             st.events.push(ev.clone());
-            if let Some(tx) = &st.tx {
-                // No receivers is fine: the event is in the log for re-attachment.
-                let _ = tx.send(ev.clone());
-            }
             if ev.is_terminal() {
                 st.finished_at = Some(Instant::now());
                 st.end_stored = true;
-                st.tx = None;
             }
+            // Under the lock: a feed that found nothing new marked the previous value seen.
+            self.visible.send_modify(|v| v.last_id = ev.id);
             ev.is_terminal()
         };
         if terminal {
@@ -452,11 +450,8 @@ impl RunLog {
                 patch.apply(&mut st.stored);
             }
             st.events.push(event.clone());
-            if let Some(tx) = &st.tx {
-                let _ = tx.send(event);
-            }
             st.finished_at = Some(Instant::now());
-            st.tx = None;
+            self.visible.send_modify(|v| v.last_id = event.id);
         }
         store_end(self.me.clone(), self.writer.clone(), write, END_RETRY.0);
         if let Some(hook) = self.on_failure.get() {
@@ -473,7 +468,64 @@ impl RunLog {
             // LLM calls after the end belong to no run and are refused (fail-closed).
             registry.unregister(&billing.trace_id, &billing.run_id);
         }
-        self.done.send_replace(true);
+        self.visible.send_modify(|v| v.finished = true);
+    }
+}
+
+/// What a run's live clients wake on.
+#[derive(Debug, Clone, Copy)]
+struct Visible {
+    /// The id of the last visible event.
+    last_id: u64,
+    /// The terminal event is visible.
+    finished: bool,
+}
+
+/// Why a [`Feed`] has no next event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeedError {
+    /// The client fell more than [`CLIENT_BUFFER`] events behind; this many beyond it.
+    Lagged(u64),
+    /// The run finished and every event was taken.
+    Closed,
+}
+
+/// A live client's view of a run's log: the events after the last one it took, as they become
+/// visible. It reads the log itself, so a run keeps no per-client ring and no copies of events.
+pub struct Feed {
+    /// The run.
+    log: Arc<RunLog>,
+    /// The id of the last event taken.
+    last: u64,
+    /// Wakes the feed when an event becomes visible or the run finishes.
+    visible: watch::Receiver<Visible>,
+}
+
+impl Feed {
+    /// The next visible event after the last one taken, waiting for it if needed.
+    pub async fn recv(&mut self) -> Result<Arc<StoredEvent>, FeedError> {
+        loop {
+            {
+                let st = self.log.lock();
+                let next = st.events.partition_point(|e| e.id <= self.last);
+                if let Some(ev) = st.events.get(next) {
+                    let behind = st.events.len() - next;
+                    if behind > CLIENT_BUFFER {
+                        return Err(FeedError::Lagged((behind - CLIENT_BUFFER) as u64));
+                    }
+                    self.last = ev.id;
+                    return Ok(ev.clone());
+                }
+                if st.finished_at.is_some() {
+                    return Err(FeedError::Closed);
+                }
+                // Under the lock, so an event made visible after this look wakes the wait below.
+                self.visible.borrow_and_update();
+            }
+            if self.visible.changed().await.is_err() {
+                return Err(FeedError::Closed);
+            }
+        }
     }
 }
 
@@ -533,7 +585,7 @@ impl RunSink for RunLog {
                 self.submit(Some((EventName::Status, data.to_string())), RunPatch::default());
             }
             RunEvent::TextDelta(text) => {
-                let data = serde_json::json!({ "text": text }).to_string();
+                let data = super::event_data::text_delta(&text);
                 self.submit(Some((EventName::TextDelta, data)), RunPatch::default());
             }
             RunEvent::Relay(relay) => {
@@ -569,7 +621,7 @@ impl RunSink for RunLog {
     }
 
     fn text_delta(&self, text: String, received: Instant) {
-        let data = serde_json::json!({ "text": text }).to_string();
+        let data = super::event_data::text_delta(&text);
         self.submit_received(Some((EventName::TextDelta, data)), RunPatch::default(), Some(received), None);
     }
 
@@ -581,5 +633,100 @@ impl RunSink for RunLog {
             Checkpoint::Publishing { content, gateway_usage } => (None, CheckpointRecord::Publishing { content, gateway_usage }),
         };
         self.submit(None, RunPatch { status, checkpoint: Some(checkpoint), ..RunPatch::default() });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Insert, Retention, RunStore, StoreUrl};
+    use clawmux_actors::RunOutcome;
+    use std::time::Duration;
+
+    /// Generous: the writer commits in the background, on a loaded machine.
+    const WAIT: Duration = Duration::from_secs(20);
+
+    async fn live_run(run_id: &str) -> (Arc<RunStore>, Arc<RunLog>) {
+        let metrics = super::super::writer::StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let store = RunStore::open(&StoreUrl::Memory, Retention { max_age_ms: 3_600_000, max_count: 100 }, metrics, None)
+            .await
+            .expect("memory store");
+        let row = super::super::backend_tests::row(run_id, "acct", now_ms());
+        let Ok(Insert::New(log)) = store.insert(row).await else { panic!("not inserted") };
+        (store, log)
+    }
+
+    /// Waits (bounded) until the log shows `n` events.
+    async fn visible(log: &RunLog, n: usize) {
+        tokio::time::timeout(WAIT, async {
+            while log.attach(0).0.len() < n {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the events became visible");
+    }
+
+    #[actix_rt::test]
+    async fn a_feed_brings_every_later_event_in_order_then_closes() {
+        let (_store, log) = live_run("r-feed").await;
+        let (backlog, feed) = log.attach(0);
+        assert!(backlog.is_empty());
+        let mut feed = feed.expect("live");
+        // Waiting before anything is visible: the wake-up must not be lost.
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                match tokio::time::timeout(WAIT, feed.recv()).await.expect("not stuck") {
+                    Ok(ev) => got.push((ev.id, ev.name)),
+                    Err(e) => return (got, e),
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        log.text_delta("a".into(), Instant::now());
+        log.text_delta("b".into(), Instant::now());
+        log.emit(RunEvent::Finished(RunOutcome::ok("ab".into(), None)));
+        let (got, end) = tokio::time::timeout(WAIT, reader).await.expect("reader ends").expect("reader");
+        assert_eq!(got, [(1, EventName::TextDelta), (2, EventName::TextDelta), (3, EventName::Final)]);
+        assert_eq!(end, FeedError::Closed);
+        // Attached after the end: the log, and no feed.
+        let (backlog, feed) = log.attach(1);
+        assert_eq!(backlog.iter().map(|e| e.id).collect::<Vec<_>>(), [2, 3]);
+        assert!(feed.is_none());
+    }
+
+    #[actix_rt::test]
+    async fn a_feed_starts_after_the_backlog_it_came_with() {
+        let (_store, log) = live_run("r-backlog").await;
+        log.text_delta("a".into(), Instant::now());
+        log.text_delta("b".into(), Instant::now());
+        visible(&log, 2).await;
+        let (backlog, feed) = log.attach(0);
+        assert_eq!(backlog.len(), 2);
+        let mut feed = feed.expect("live");
+        log.text_delta("c".into(), Instant::now());
+        let ev = tokio::time::timeout(WAIT, feed.recv()).await.expect("not stuck").expect("an event");
+        assert_eq!((ev.id, ev.data.as_str()), (3, r#"{"text":"c"}"#));
+    }
+
+    #[actix_rt::test]
+    async fn a_client_more_than_the_buffer_behind_is_too_slow() {
+        let (_store, log) = live_run("r-slow").await;
+        let (_, slow) = log.attach(0);
+        let (_, keeping_up) = log.attach(0);
+        let (mut slow, mut keeping_up) = (slow.expect("live"), keeping_up.expect("live"));
+        for i in 0..CLIENT_BUFFER {
+            log.text_delta(format!("{i} "), Instant::now());
+        }
+        visible(&log, CLIENT_BUFFER).await;
+        // Exactly the buffer behind: still served.
+        let first = keeping_up.recv().await.expect("within the buffer");
+        assert_eq!(first.id, 1);
+        log.text_delta("one more".into(), Instant::now());
+        visible(&log, CLIENT_BUFFER + 1).await;
+        assert_eq!(slow.recv().await.map(|e| e.id), Err(FeedError::Lagged(1)));
+        // The other one is CLIENT_BUFFER behind again, not more.
+        assert_eq!(keeping_up.recv().await.map(|e| e.id), Ok(2));
     }
 }

@@ -22,6 +22,7 @@
 //! [`RunSink`]: clawmux_actors::RunSink
 
 mod columns;
+pub mod event_data;
 pub mod live;
 pub mod memory;
 pub mod notes;

@@ -169,7 +169,7 @@ impl Handler<Routed> for RunProbe {
     fn handle(&mut self, msg: Routed, _ctx: &mut Context<Self>) {
         let (session_key, run_id) = msg.0.route_key().unwrap_or((None, None));
         let text = match &msg.0 {
-            GatewayEvent::Chat(c) => c.text(),
+            GatewayEvent::Chat(c) => c.text().map(str::to_owned),
             _ => None,
         };
         self.seen.push(SeenEvent { session_key: session_key.map(str::to_owned), run_id: run_id.map(str::to_owned), text });

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The whole-system case of issue 12, as a new user would try it: a replay gateway playing the long
+# recorded run (3.5 s) re-cut into 20 deltas, `clawmux serve`, `clawmux load --runs N --concurrency C`.
+# Prints one JSON line: clawmux CPU per run (utime+stime from /proc), peak RSS (VmHWM), the load
+# driver's latencies (accepted, first delta, terminal), finals, errors, isolation violations.
+#
+#   BENCH_BIN=target/release/clawmux SYS_C=1000 SYS_RUNS=2000 bench/system.sh
+#
+# Each clawmux binary named in BENCH_BINS (space-separated) is measured SYS_REPS times, alternating,
+# so that two builds compare on the same machine load. Everything started is stopped by PID.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO="$(pwd)"
+BINS="${BENCH_BINS:-${BENCH_BIN:-$REPO/target/release/clawmux}}"
+C="${SYS_C:-1000}"
+RUNS="${SYS_RUNS:-2000}"
+REPS="${SYS_REPS:-1}"
+CASSETTE="${BENCH_CASSETTE:-tests/cassettes/openclaw-2026.9.6-long.jsonl}"
+DEADLINE="${SYS_DEADLINE:-300}"
+WORK="$(mktemp -d /tmp/clawmux-sys.XXXXXX)"
+
+GW_PID=""; CM_PID=""
+stop_pid() {
+  local p="$1"
+  [ -n "$p" ] || return 0
+  kill -TERM "$p" 2>/dev/null || return 0
+  for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }; sleep 0.1; done
+  kill -KILL "$p" 2>/dev/null || true
+  wait "$p" 2>/dev/null || true
+}
+cleanup() { stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
+trap cleanup EXIT INT TERM
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+wait_http() { for _ in $(seq 1 $(( $2 * 10 ))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+hwm_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
+
+one() { # BIN REP
+  local bin="$1" rep="$2"
+  local gp sp cp out="$WORK/load-$rep-$RANDOM.json"
+  gp="$(free_port)"; sp="$(free_port)"; cp="$(free_port)"
+  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$bin" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
+    --speed 1 --deltas 20 --stats-listen "127.0.0.1:$sp" >>"$WORK/gateway.log" 2>&1 &
+  GW_PID=$!
+  wait_http "http://127.0.0.1:$sp/stats" 20 || { echo "gateway did not start" >&2; return 1; }
+  CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$gp" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$cp" \
+    CLAWMUX_STORE_URL="sqlite://$WORK/store-$RANDOM$RANDOM.db" CLAWMUX_MAX_RUNS="$((C + 100))" HOME="$WORK" CLAWMUX_LOG=warn \
+    "$bin" serve >>"$WORK/clawmux.log" 2>&1 &
+  CM_PID=$!
+  wait_http "http://127.0.0.1:$cp/readyz" 30 || { echo "clawmux did not become ready" >&2; return 1; }
+  # Warm-up (not measured): connections, allocator, the gateway's sessions.
+  CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout 120 "$bin" load --target "http://127.0.0.1:$cp" --runs 20 --concurrency 20 \
+    --timeout-sec 60 --deadline-sec 60 --json --no-progress >/dev/null 2>&1 || true
+  echo 5 >"/proc/$CM_PID/clear_refs" 2>/dev/null || true
+  local cpu0 cpu1 t0 t1 lcpu
+  cpu0="$(cpu_ticks "$CM_PID")"; t0="$(date +%s.%N)"
+  CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout --signal=TERM --kill-after=10 $((DEADLINE + 30)) "$BENCH_TIME" -f '%U %S' -o "$out.time" \
+    "$bin" load --target "http://127.0.0.1:$cp" --runs "$RUNS" --concurrency "$C" --timeout-sec 120 \
+    --deadline-sec "$DEADLINE" --json --no-progress --model cogni/fake-model >"$out" 2>"$out.err" || true
+  t1="$(date +%s.%N)"; cpu1="$(cpu_ticks "$CM_PID")"
+  local hwm; hwm="$(hwm_kb "$CM_PID")"; lcpu="$(awk '{print $1 + $2}' "$out.time" 2>/dev/null || echo 0)"
+  stop_pid "$CM_PID"; CM_PID=""; stop_pid "$GW_PID"; GW_PID=""
+  python3 - "$bin" "$rep" "$C" "$RUNS" "$out" "$cpu0" "$cpu1" "$(getconf CLK_TCK)" "$t0" "$t1" "$hwm" "$lcpu" "$(cut -d' ' -f1 /proc/loadavg)" <<'PY'
+import json, sys
+binary, rep, c, runs, out, cpu0, cpu1, tck, t0, t1, hwm, lcpu, load = sys.argv[1:]
+try:
+    r = json.load(open(out))
+except Exception as e:
+    r = {"error": str(e)}
+lat = r.get("latencyMs") or {}
+def p(s, q):
+    return ((lat.get(s) or {}).get(q))
+cpu = (int(cpu1) - int(cpu0)) / int(tck)
+done = max(1, (r.get("finals") or 0) + (r.get("errors") or 0))
+print(json.dumps({
+    "bin": binary, "rep": int(rep), "concurrency": int(c), "runs": int(runs), "finals": r.get("finals"), "errors": r.get("errors"),
+    "errorsByCode": r.get("errorsByCode"), "violations": r.get("isolationViolations"), "interrupted": r.get("interrupted"),
+    "cmCpuSec": round(cpu, 2), "cmCpuMsPerRun": round(1000 * cpu / done, 3), "wallSec": round(float(t1) - float(t0), 1),
+    "cmPeakRssMb": round(int(hwm) / 1024, 1), "loadDriverCpuSec": float(lcpu), "loadavg1AtEnd": float(load),
+    "acceptedMs": {q: p("accepted", q) for q in ("p50", "p95", "p99")},
+    "firstDeltaMs": {q: p("firstDelta", q) for q in ("p50", "p99")},
+    "terminalMs": {q: p("terminal", q) for q in ("p50", "p99")},
+}))
+PY
+}
+
+BENCH_TIME="$(command -v time || true)"
+[ -x /usr/bin/time ] && BENCH_TIME=/usr/bin/time
+[ -n "$BENCH_TIME" ] || { echo "bench/system.sh: needs /usr/bin/time (the load driver's own CPU)" >&2; exit 2; }
+for rep in $(seq 1 "$REPS"); do
+  for bin in $BINS; do one "$bin" "$rep"; done
+done
