@@ -250,6 +250,8 @@ impl Admission {
         let registry = self.registry.clone();
         let cancel_id = run_id.clone();
         log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));
+        let (registry, lost_id) = (self.registry.clone(), run_id.clone());
+        log.on_lost(Box::new(move || registry.do_send(clawmux_actors::messages::HandOff { run_id: lost_id.clone() })));
         let sink: Arc<dyn RunSink> = log.clone();
         let admitted = self.registry.send(Submit { spec, sink, resume, if_busy }).timeout(REGISTRY_TIMEOUT).await;
         let refused = match admitted {

@@ -11,7 +11,7 @@
 use crate::branch::Workspace;
 use crate::messages::{
     AdmitError, Admitted, IfBusy, Cancel, CancelRun, Drain, GatewayPort, GatewayUp, InFlight, Link, Lock, RegistryPort, Release, RunEnded,
-    ShutdownMode, Submit, Suspend, Turn,
+    ShutdownMode, Submit, Suspend, Turn, HandOff,
 };
 use crate::metrics::Metrics;
 use crate::queue::KeyQueue;
@@ -327,6 +327,20 @@ impl Handler<Drain> for Registry {
             }
         }
         self.live.len()
+    }
+}
+
+impl Handler<HandOff> for Registry {
+    type Result = bool;
+    fn handle(&mut self, msg: HandOff, _ctx: &mut Context<Self>) -> bool {
+        match self.live.get(&msg.run_id) {
+            Some(run) => {
+                // As at a handoff shutdown: the session leaves its locks and reports `RunEnded`.
+                run.addr.do_send(Suspend);
+                true
+            }
+            None => false,
+        }
     }
 }
 

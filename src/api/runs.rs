@@ -376,6 +376,12 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
         .timeout(ADMIT_TIMEOUT)
         .await
         .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
+    if !found && matches!(view, RunView::Stored(_)) {
+        // Live on another replica (a shared store): recorded for its owner, whose next lease
+        // renewal cancels it.
+        let recorded = state.store.request_abort(&run_id).await.map_err(store_unavailable)?;
+        return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: recorded }));
+    }
     Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }))
 }
 

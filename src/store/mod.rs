@@ -33,6 +33,8 @@ pub mod tenants;
 pub mod writer;
 #[cfg(test)]
 mod backend_tests;
+#[cfg(test)]
+mod lease_tests;
 
 pub use live::{RunDoc, RunLog};
 pub use runs::{Insert, RunStore, RunView};
@@ -334,6 +336,9 @@ pub enum Applied {
     IdempotencyMismatch,
     /// Stored.
     Done,
+    /// Not stored: the run belongs to another replica now (it took the run over after this one's
+    /// lease expired). The writer stops writing for the run.
+    Fenced,
 }
 
 /// A store failure, in words that name the store.
@@ -409,6 +414,45 @@ pub trait Store: Send + Sync + 'static {
     async fn replicas(&self) -> Result<Option<Vec<Replica>>, StoreError> {
         Ok(None)
     }
+    /// Makes this process the owner of the runs it inserts from now on, for `lease.ms` at a time
+    /// (stores shared by several processes; the others have one process per database, to which
+    /// every run belongs).
+    fn set_lease(&self, _lease: &Lease) {}
+    /// Takes the runs this process may continue, in admission order: at start (`at_start`) the
+    /// ones of its own id (a restart under the same id) and those whose lease expired; later only
+    /// the expired ones of other processes. Each claimed run is this process's from then on (no
+    /// other process gets it). Stores without leases: every unfinished run at start, none later.
+    async fn claim(&self, _lease: &Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+        if at_start { self.unfinished().await } else { Ok(Vec::new()) }
+    }
+    /// Renews the lease of every unfinished run of this process (one statement) and reports which
+    /// of `live` (its runs in memory) are another's now, and which have an abort posted elsewhere.
+    async fn renew(&self, _lease: &Lease, _live: &[String]) -> Result<Renewed, StoreError> {
+        Ok(Renewed::default())
+    }
+    /// Records an abort for the run's owner (posted to a process that does not own it); false
+    /// when the run is finished or unknown. Stores without leases: false (every run is local).
+    async fn request_abort(&self, _run_id: &str) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+}
+
+/// Who owns the runs a process admits, and for how long a renewal holds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// `CLAWMUX_REPLICA_ID`.
+    pub replica: String,
+    /// `CLAWMUX_RUN_LEASE_SEC` in milliseconds.
+    pub ms: i64,
+}
+
+/// What a renewal found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Renewed {
+    /// Runs in memory here that another process owns now (this one was too slow to renew).
+    pub lost: Vec<String>,
+    /// Runs of this process with an abort posted to another process.
+    pub aborts: Vec<String>,
 }
 
 /// A clawmux process sharing the store, as its heartbeat row says.

@@ -9,7 +9,7 @@ use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
-use super::{now_ms, Applied, EventName, ListQuery, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
+use super::{now_ms, Applied, EventName, Lease, ListQuery, Renewed, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
 use dashmap::DashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -196,7 +196,7 @@ impl RunStore {
             },
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
-            Applied::Done => Err(StoreError("the run store did not say how the admission went".to_owned())),
+            Applied::Done | Applied::Fenced => Err(StoreError("the run store did not say how the admission went".to_owned())),
         }
     }
 
@@ -208,9 +208,52 @@ impl RunStore {
         }
     }
 
-    /// A live run's log.
+    /// A live run's log (not one another replica took over: that run is served from the store).
     pub fn live(&self, run_id: &str) -> Option<Arc<RunLog>> {
-        self.live.get(run_id).map(|r| r.clone())
+        self.live.get(run_id).map(|r| r.clone()).filter(|l| !l.is_lost())
+    }
+
+    /// Makes this process the owner of the runs it admits; see [`Store::set_lease`].
+    pub fn set_lease(&self, lease: &Lease) {
+        self.backend.set_lease(lease);
+    }
+
+    /// Renews this process's leases; see [`Store::renew`].
+    pub async fn renew(&self, lease: &Lease) -> Result<Renewed, StoreError> {
+        let live: Vec<String> = self.live.iter().filter(|l| !l.is_finished() && !l.is_lost()).map(|l| l.run_id.clone()).collect();
+        self.backend.renew(lease, &live).await
+    }
+
+    /// Another replica owns `run_id` now: stops it here without cancelling it (see
+    /// [`RunLog::lose`]) and serves it from the store from now on.
+    pub fn lose(&self, run_id: &str) -> bool {
+        match self.live.remove(run_id) {
+            Some((_, log)) => log.lose(),
+            None => false,
+        }
+    }
+
+    /// Records an abort for the run's owner (another replica); see [`Store::request_abort`].
+    pub async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
+        self.backend.request_abort(run_id).await
+    }
+
+    /// Takes over the runs whose owner's lease expired (see [`Store::claim`]), as live logs in
+    /// admission order, for the restart path to continue.
+    pub async fn take_over(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let rows = self.backend.claim(lease, false).await?;
+        self.logs_of(rows).await
+    }
+
+    async fn logs_of(&self, rows: Vec<RunRow>) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let mut out = Vec::new();
+        for row in rows {
+            let events = self.backend.events(&row.run_id, 0).await?;
+            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone(), self.notes.clone());
+            self.live.insert(row.run_id.clone(), log.clone());
+            out.push((log, row));
+        }
+        Ok(out)
     }
 
     /// A run, live or stored.
@@ -247,22 +290,15 @@ impl RunStore {
         Ok((docs, last))
     }
 
-    /// The unfinished runs of the store with their events, as live logs, in admission order: what
-    /// a restarted clawmux continues. Runs a previous process ended because the store failed them
-    /// (noted outside the store) are ended the same way first, never continued.
-    pub async fn resume(&self) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+    /// The unfinished runs of the store this process may continue (on a shared store: its own
+    /// and those whose lease expired, claimed; see [`Store::claim`]) with their events, as live
+    /// logs, in admission order: what a restarted clawmux continues. Runs a previous process
+    /// ended because the store failed them (noted outside the store) are ended the same way
+    /// first, never continued.
+    pub async fn resume(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
         let ended = self.end_noted_runs().await?;
-        let mut out = Vec::new();
-        for row in self.backend.unfinished().await? {
-            if ended.contains(&row.run_id) {
-                continue;
-            }
-            let events = self.backend.events(&row.run_id, 0).await?;
-            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone(), self.notes.clone());
-            self.live.insert(row.run_id.clone(), log.clone());
-            out.push((log, row));
-        }
-        Ok(out)
+        let rows = self.backend.claim(lease, true).await?.into_iter().filter(|r| !ended.contains(&r.run_id)).collect();
+        self.logs_of(rows).await
     }
 
     /// Stores the ends a previous process noted and could not store; returns the runs that must
@@ -313,7 +349,7 @@ impl RunStore {
     /// swept from the store: a swept run is gone from every read). A log whose end the store does
     /// not have yet is kept: it is the only place that knows how the run ended.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
-        self.live.retain(|_, log| log.finished_for().is_none_or(|d| d < LINGER) || !log.end_stored());
+        self.live.retain(|_, log| !log.is_lost() && (log.finished_for().is_none_or(|d| d < LINGER) || !log.end_stored()));
         let gone = self.backend.sweep(self.retention, now_ms()).await?;
         for run_id in &gone {
             self.live.remove(run_id);
