@@ -13,6 +13,7 @@
 //!   the next start does not continue a run whose end a client has seen.
 //! - [`live`]: a live run's log in memory ([`live::RunLog`], the session actor's [`RunSink`]):
 //!   events become visible to SSE clients only once the store has them.
+//! - [`follow`]: SSE clients of a run live on another replica (PostgreSQL `LISTEN`/`NOTIFY`).
 //! - [`runs`]: the facade the HTTP layer and the restart path use ([`runs::RunStore`]).
 //! - [`query`]: `GET /v1/runs` filters and cursors, parsed and validated (pure).
 //!
@@ -22,6 +23,7 @@
 //! [`RunSink`]: clawmux_actors::RunSink
 
 mod columns;
+pub mod follow;
 pub mod live;
 pub mod memory;
 pub mod notes;

@@ -249,10 +249,11 @@ impl Events {
         self.data.push(e.data.clone());
     }
 
-    async fn flush(&mut self, tx: &mut Tx<'_>) -> Result<(), sqlx::Error> {
+    async fn flush(&mut self, tx: &mut Tx<'_>, notify: &mut HashSet<String>) -> Result<(), sqlx::Error> {
         if self.ids.is_empty() {
             return Ok(());
         }
+        notify.extend(self.run_ids.iter().cloned());
         sqlx::query("INSERT INTO events (run_id, id, name, data) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[])")
             .bind(&self.run_ids)
             .bind(&self.ids)
@@ -355,13 +356,15 @@ impl PgStore {
         let mut order: Vec<&str> = Vec::new();
         let mut pending: HashMap<&str, Pending> = HashMap::new();
         let mut events = Events::default();
+        // Runs that got events: other replicas' followers are told at commit (see `follow`).
+        let mut notify: HashSet<String> = HashSet::new();
         // Tokens per account and window, added once at the end (in a fixed order: two replicas'
         // batches never wait on each other's spend rows in opposite orders).
         let mut spend: std::collections::BTreeMap<(&str, i64), u64> = Default::default();
         for w in batch {
             out.push(match w {
                 Write::Insert(row) => {
-                    events.flush(&mut tx).await?;
+                    events.flush(&mut tx, &mut notify).await?;
                     insert(&mut tx, row, lease).await?
                 }
                 Write::Append { run_id, .. } | Write::Fail { run_id, .. } if fenced.contains(run_id.as_str()) => Applied::Fenced,
@@ -386,7 +389,7 @@ impl PgStore {
                     Applied::Done
                 }
                 Write::Fail { run_id, event, patch, webhook } => {
-                    events.flush(&mut tx).await?;
+                    events.flush(&mut tx, &mut notify).await?;
                     sqlx::query("DELETE FROM events WHERE run_id = $1 AND id >= $2").bind(run_id).bind(i64_of(event.id)).execute(&mut *tx).await?;
                     events.push(run_id, event);
                     if let Some(w) = webhook {
@@ -406,7 +409,7 @@ impl PgStore {
                     Applied::Done
                 }
                 Write::Delete { run_id } => {
-                    events.flush(&mut tx).await?;
+                    events.flush(&mut tx, &mut notify).await?;
                     sqlx::query("DELETE FROM events WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
                     sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
                     pending.remove(run_id.as_str());
@@ -414,7 +417,7 @@ impl PgStore {
                 }
             });
         }
-        events.flush(&mut tx).await?;
+        events.flush(&mut tx, &mut notify).await?;
         for run_id in order {
             if let Some(p) = pending.get(run_id) {
                 update(&mut tx, run_id, p).await?;
@@ -430,6 +433,10 @@ impl PgStore {
             .bind(i64_of(tokens))
             .execute(&mut *tx)
             .await?;
+        }
+        if !notify.is_empty() {
+            let ids: Vec<String> = notify.into_iter().collect();
+            sqlx::query("SELECT pg_notify($1, id) FROM UNNEST($2::text[]) AS id").bind(super::follow::CHANNEL).bind(&ids).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(out)

@@ -86,6 +86,8 @@ pub struct RunStore {
     latency: Option<prometheus::Histogram>,
     /// Ends the store could not take (durable stores only): see [`super::notes`].
     notes: Option<Arc<EndNotes>>,
+    /// Followers of runs live on other replicas (stores shared by replicas only).
+    follow: Option<Arc<super::follow::Follow>>,
 }
 
 impl RunStore {
@@ -97,6 +99,7 @@ impl RunStore {
         metrics: StoreMetrics,
         latency: Option<prometheus::Histogram>,
     ) -> Result<Arc<Self>, StoreError> {
+        let mut follow = None;
         let (backend, tenants): (Arc<dyn Store>, Arc<dyn TenantStore>) = match url {
             StoreUrl::Memory => {
                 let m = Arc::new(MemoryStore::new());
@@ -108,6 +111,7 @@ impl RunStore {
             }
             StoreUrl::Postgres { url, display } => {
                 let s = Arc::new(PgStore::open(url.expose(), display).await?);
+                follow = Some(super::follow::Follow::new(s.pool().clone()));
                 (s.clone(), s)
             }
         };
@@ -117,7 +121,11 @@ impl RunStore {
             StoreUrl::Memory | StoreUrl::Postgres { .. } => None,
             StoreUrl::Sqlite(path) => Some(Arc::new(EndNotes::open(path).map_err(StoreError)?)),
         };
-        Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes))
+        let mut store = Self::build(backend, tenants, retention, metrics, url.display(), latency, notes);
+        if let Some(s) = Arc::get_mut(&mut store) {
+            s.follow = follow;
+        }
+        Ok(store)
     }
 
     /// A store over `backend` (tests use it with a probe backend).
@@ -142,7 +150,7 @@ impl RunStore {
         notes: Option<Arc<EndNotes>>,
     ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes })
+        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow: None })
     }
 
     /// Keys, limits, spend and the webhook outbox of the same store.
@@ -211,6 +219,12 @@ impl RunStore {
     /// A live run's log (not one another replica took over: that run is served from the store).
     pub fn live(&self, run_id: &str) -> Option<Arc<RunLog>> {
         self.live.get(run_id).map(|r| r.clone()).filter(|l| !l.is_lost())
+    }
+
+    /// Wakes on each batch that stores events of `run_id` on any replica (`None`: the store is
+    /// not shared, every live run is in this process).
+    pub fn follow(&self, run_id: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.follow.as_ref().map(|f| f.subscribe(run_id))
     }
 
     /// Makes this process the owner of the runs it admits; see [`Store::set_lease`].
