@@ -5,7 +5,7 @@
 //! every lease/3: renew ── ONE statement renews every unfinished run of this replica; runs in
 //!                         memory here that another replica owns now are stopped here (no cancel,
 //!                         no writes); aborts posted to other replicas cancel their gateway runs
-//! every lease/2: take over ── claim runs whose lease expired (row locks: one winner per run),
+//! every lease/2 (at most 5 s): take over ── claim runs whose lease expired (row locks: one winner per run),
 //!                         continue each through the restart path, in admission order
 //! ```
 //! Fencing: the store drops a batch's writes for runs another replica owns
@@ -18,6 +18,9 @@ use crate::api::AppState;
 use crate::store::Lease;
 use actix_web::web;
 use std::time::Duration;
+
+/// The longest wait between two looks for runs to take over.
+const TAKEOVER_AT_MOST_EVERY: Duration = Duration::from_secs(5);
 
 /// The lease `cfg` asks for.
 pub fn lease_of(cfg: &crate::config::Config) -> Lease {
@@ -34,6 +37,11 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
         let mut failing = false;
         loop {
             every.tick().await;
+            if *s.stopping.borrow() {
+                // Shutting down: a handoff releases the leases at the end (renewing them then
+                // would hold the suspended runs back from the other replicas).
+                return;
+            }
             match s.store.renew(&l).await {
                 Ok(renewed) => {
                     if failing {
@@ -56,7 +64,9 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
         }
     });
     actix::spawn(async move {
-        let mut every = tokio::time::interval(period / 2);
+        // At most every 5 s whatever the lease: runs a replica hands off at shutdown (leases
+        // released) are taken over within seconds even with long leases.
+        let mut every = tokio::time::interval((period / 2).min(TAKEOVER_AT_MOST_EVERY));
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             every.tick().await;

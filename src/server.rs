@@ -393,6 +393,14 @@ pub async fn shutdown(running: &Running) {
     }
     // Whatever the runs and the proxy wrote is stored before the process goes.
     state.store.flush().await;
+    if mode == ShutdownMode::Handoff {
+        // Other replicas sharing the store continue the suspended runs now, not a lease later.
+        match state.store.release(&crate::lease::lease_of(&state.cfg)).await {
+            Ok(n) if n > 0 => tracing::info!(runs = n, "handed this replica's runs to the others (leases released)"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot release this replica's run leases; other replicas take its runs over once they expire"),
+        }
+    }
     // Last: while the proxy drains (up to 30 s), callers get `503` + `Retry-After` and documents,
     // not refused connections.
     running.server.stop(true).await;

@@ -279,3 +279,51 @@ async fn pg_any_replica_serves_any_run_and_an_abort_posted_to_another_replica_re
     let gw_run = gw.runs().into_iter().find(|r| r.message.contains("<abort-1000>")).expect("the gateway ran it");
     assert!(gw_run.abort_requests >= 1 && gw_run.aborted, "the gateway run was not cancelled: {gw_run:?}");
 }
+
+#[actix_rt::test]
+async fn pg_a_handoff_shutdown_hands_the_runs_to_another_replica_at_once_not_a_lease_later() {
+    let Some(url) = database("pg_handoff_to_a_replica").await else { return };
+    const N: usize = 10;
+    let gw = gateway_at(0.3);
+    let http = http();
+    // A lease far longer than the test waits: only the released leases can explain a takeover.
+    let mut apps: Vec<Clawmux> = (0..2)
+        .map(|i| {
+            let id = format!("h{i}");
+            Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", &url), ("CLAWMUX_REPLICA_ID", &id), ("CLAWMUX_RUN_LEASE_SEC", "600")])
+        })
+        .collect();
+    for a in &mut apps {
+        a.start(&http).await;
+    }
+    let mut ids = Vec::new();
+    for i in 0..N {
+        ids.push(post_run(&http, &apps[0].base, &body(i, "ho")).await);
+    }
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let b0 = apps[0].base.clone();
+    let readers = attach_each(&http, &ids, &seen, |_| b0.clone(), Duration::from_secs(90)).await;
+    until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
+    let stopped = Instant::now();
+    apps[0].sigterm();
+    for r in readers {
+        r.await.unwrap();
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE owner = 'h0'").fetch_one(&pool).await.unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(60), "{left} runs not taken over within 60 s of the handoff (lease 600 s)");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("handoff to another replica: every run claimed {:.2} s after SIGTERM", stopped.elapsed().as_secs_f64());
+    let b1 = apps[1].base.clone();
+    for r in attach_each(&http, &ids, &seen, |_| b1.clone(), Duration::from_secs(90)).await {
+        r.await.unwrap();
+    }
+    let problems = problems(&ids, &seen, "ho");
+    assert!(problems.is_empty(), "{} of {N} runs wrong:\n{}", problems.len(), problems.join("\n"));
+    pool.close().await;
+}

@@ -432,6 +432,12 @@ pub trait Store: Send + Sync + 'static {
     async fn renew(&self, _lease: &Lease, _live: &[String]) -> Result<Renewed, StoreError> {
         Ok(Renewed::default())
     }
+    /// Gives up the leases of this process's unfinished runs (a handoff shutdown: they were
+    /// suspended and their writes flushed), so that other processes take them over at once
+    /// instead of after the lease. A no-op for stores without leases.
+    async fn release(&self, _lease: &Lease) -> Result<u64, StoreError> {
+        Ok(0)
+    }
     /// Records an abort for the run's owner (posted to a process that does not own it); false
     /// when the run is finished or unknown. Stores without leases: false (every run is local).
     async fn request_abort(&self, _run_id: &str) -> Result<bool, StoreError> {

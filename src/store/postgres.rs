@@ -585,6 +585,16 @@ impl Store for PgStore {
         Ok(out)
     }
 
+    async fn release(&self, lease: &Lease) -> Result<u64, StoreError> {
+        // Expired, not ownerless: the same id starting again still counts them as its own.
+        let r = sqlx::query("UPDATE runs SET lease_until = 0 WHERE owner = $1 AND finished_at IS NULL")
+            .bind(&lease.replica)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(r.rows_affected())
+    }
+
     async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
         let r = sqlx::query(&format!(
             "UPDATE runs SET abort_requested_at = COALESCE(abort_requested_at, {DB_NOW_MS}) WHERE run_id = $1 AND finished_at IS NULL"

@@ -247,6 +247,11 @@ impl RunStore {
         }
     }
 
+    /// Gives up this process's leases (handoff shutdown); see [`Store::release`].
+    pub async fn release(&self, lease: &Lease) -> Result<u64, StoreError> {
+        self.backend.release(lease).await
+    }
+
     /// Records an abort for the run's owner (another replica); see [`Store::request_abort`].
     pub async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
         self.backend.request_abort(run_id).await
