@@ -106,6 +106,8 @@ pub enum Submitted {
     },
     /// The same request was admitted before: this is its run (nothing new was started).
     Existing(RunView),
+    /// A new run, stored for the replica that runs the earlier runs of its session key.
+    Elsewhere(RunView),
 }
 
 /// What admission needs: the store, the registry, the LLM proxy's attributions and the budgets.
@@ -123,6 +125,12 @@ pub struct Admission {
     /// The agent variants and the runner of the ephemeral ones: a run of an ephemeral variant
     /// goes there instead of to the registry.
     ephemeral: Option<(crate::agents::AgentRegistry, Arc<crate::ephemeral::Ephemeral>)>,
+    /// Admissions (shared) against takeovers (exclusive): a run this replica stores as its own
+    /// reaches the registry before a takeover claims later-admitted runs of its session key, and
+    /// a takeover hands all it claimed to the registry before a later admission gets there
+    /// (session-key FIFO across replicas). Branch runs do not wait here (their checks may take
+    /// seconds; their branch locks are per replica anyway).
+    gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl Admission {
@@ -134,7 +142,12 @@ impl Admission {
         budgets: Arc<Budgets>,
         workspace: Option<Arc<dyn Workspace>>,
     ) -> Self {
-        Self { store, registry, attributions, budgets, workspace, ephemeral: None }
+        Self { store, registry, attributions, budgets, workspace, ephemeral: None, gate: Arc::default() }
+    }
+
+    /// Held exclusively by a takeover from its claim until its runs are in the registry.
+    pub fn takeover_gate(&self) -> Arc<tokio::sync::RwLock<()>> {
+        self.gate.clone()
     }
 
     /// Sends the runs of `agents`' ephemeral variants to `runner`.
@@ -160,11 +173,19 @@ impl Admission {
         };
         let key_field = branch_field(&new.run.request);
         let (spec, row) = spec_and_row(new, self.attributions.is_some())?;
+        let gate = self.gate.clone();
+        let _admitting = match spec.branch {
+            None => Some(gate.read().await),
+            Some(_) => None,
+        };
         let run_id = spec.run_id.clone();
         let account = spec.billing_account_id.clone();
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
+            // Its owner starts it after the earlier runs of its session key (its limits are
+            // counted there, without the checks, as for a run taken over).
+            Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
             Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
         };

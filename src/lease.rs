@@ -17,6 +17,7 @@
 use crate::api::AppState;
 use crate::store::Lease;
 use actix_web::web;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The longest wait between two looks for runs to take over.
@@ -63,13 +64,19 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
             }
         }
     });
+    let wake = Arc::new(tokio::sync::Notify::new());
+    state.store.wake_on_assigned(&lease.replica, wake.clone());
     actix::spawn(async move {
         // At most every 5 s whatever the lease: runs a replica hands off at shutdown (leases
         // released) are taken over within seconds even with long leases.
         let mut every = tokio::time::interval((period / 2).min(TAKEOVER_AT_MOST_EVERY));
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            every.tick().await;
+            tokio::select! {
+                _ = every.tick() => {}
+                // Another replica admitted a run for this one.
+                () = wake.notified() => {}
+            }
             if *state.stopping.borrow() {
                 return;
             }
@@ -80,6 +87,8 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
 
 /// Claims the runs whose owner stopped renewing and continues them here.
 async fn take_over(state: &web::Data<AppState>, lease: &Lease) {
+    let gate = state.admission.takeover_gate();
+    let _exclusive = gate.write().await;
     let claimed = match state.store.take_over(lease).await {
         Ok(c) => c,
         Err(e) => {
@@ -92,7 +101,7 @@ async fn take_over(state: &web::Data<AppState>, lease: &Lease) {
     }
     let n = claimed.len();
     let continued = crate::server::continue_runs(state, claimed).await;
-    tracing::warn!(claimed = n, continued, replica = %lease.replica, "took over runs whose owner's lease expired");
+    tracing::warn!(claimed = n, continued, replica = %lease.replica, "took over runs (their owner's lease expired, or another replica admitted them for this one)");
 }
 
 /// An abort posted to another replica, for a run of this one: cancels it like `POST …/abort`.

@@ -11,5 +11,10 @@ ALTER TABLE runs ADD COLUMN claims BIGINT NOT NULL DEFAULT 0;
 -- cancels the gateway run.
 ALTER TABLE runs ADD COLUMN abort_requested_at BIGINT;
 
+-- A run admitted by a replica while an earlier run of its session key is another replica's (or
+-- itself still waits for its owner): it is given to that owner, which starts it after the earlier
+-- ones (session-key FIFO across replicas). Set until the owner takes it up.
+ALTER TABLE runs ADD COLUMN assigned_at BIGINT;
+
 -- Renew (one statement per replica) and takeover both look at the unfinished runs only.
 CREATE INDEX runs_owner_unfinished ON runs (owner) WHERE finished_at IS NULL;

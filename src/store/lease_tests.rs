@@ -19,6 +19,10 @@ fn delta(run_id: &str, id: u64) -> Write {
     Write::Append { run_id: run_id.to_owned(), event: Some(event), patch: RunPatch::default(), webhook: None }
 }
 
+async fn one(s: &PgStore, w: Write) -> Applied {
+    s.apply(&[w]).await.expect("insert").pop().expect("one result")
+}
+
 async fn claims_of(url: &str) -> HashMap<String, (String, i64)> {
     let pool = sqlx::PgPool::connect(url).await.expect("connect");
     let rows: Vec<(String, Option<String>, i64)> = sqlx::query_as("SELECT run_id, owner, claims FROM runs").fetch_all(&pool).await.expect("read");
@@ -115,5 +119,36 @@ async fn pg_a_replica_that_lost_a_run_is_fenced_told_by_its_renewal_and_aborts_r
     pool.close().await;
     let (b2, lb2) = open(&url, "b", 60_000).await;
     assert_eq!(b2.claim(&lb2, true).await.expect("claim").len(), 2);
-    assert_eq!(claims_of(&url).await["r1"], ("b".to_owned(), 2));
+    assert_eq!(claims_of(&url).await["r1"], ("b".to_owned(), 1), "a restart under the same id is no change of hands");
+}
+
+#[tokio::test]
+async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_replica_in_admission_order() {
+    let Some(url) = pg_url("pg_session_key_assignment").await else { return };
+    let (a, la) = open(&url, "a", 60_000).await;
+    let (b, _) = open(&url, "b", 60_000).await;
+    let (dead, _) = open(&url, "dead", -1000).await;
+    let keyed = |id: &str, key: &str| {
+        let mut r = row(id, "acct", 1);
+        r.session_key = format!("agent:main:clawmux:acct.s.{key}");
+        Write::Insert(Box::new(r))
+    };
+    assert!(matches!(one(&a, keyed("k1", "x")).await, Applied::Inserted { .. }));
+    // b admits a run of a's key: it is a's, to start after k1; b's other runs stay b's.
+    assert!(matches!(one(&b, keyed("k2", "x")).await, Applied::Assigned { .. }));
+    assert!(matches!(one(&b, keyed("other", "y")).await, Applied::Inserted { .. }));
+    // a admits one more of the key while k2 waits to be taken up: it queues behind k2.
+    assert!(matches!(one(&a, keyed("k3", "x")).await, Applied::Assigned { .. }));
+    let owners = claims_of(&url).await;
+    assert_eq!((owners["k2"].0.as_str(), owners["k3"].0.as_str(), owners["other"].0.as_str()), ("a", "a", "b"));
+    let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["k2", "k3"], "taken up in admission order");
+    assert_eq!(claims_of(&url).await["k2"].1, 0, "assigned to a from the start: no change of hands");
+    assert!(matches!(one(&a, keyed("k4", "x")).await, Applied::Inserted { .. }), "nothing waits any more: a's own");
+    // A key whose runs belong to a dead replica: a new run of it expires with them, and one
+    // claimer takes them all.
+    assert!(matches!(one(&dead, keyed("d1", "z")).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&b, keyed("d2", "z")).await, Applied::Assigned { .. }));
+    let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["d1", "d2"]);
 }

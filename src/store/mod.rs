@@ -338,6 +338,13 @@ pub enum Applied {
     IdempotencyMismatch,
     /// Stored.
     Done,
+    /// A new run, stored for the replica that owns the earlier runs of its session key (or
+    /// after runs of it still waiting for their owner): that replica starts it in admission
+    /// order, not this one.
+    Assigned {
+        /// Admission order.
+        seq: i64,
+    },
     /// Not stored: the run belongs to another replica now (it took the run over after this one's
     /// lease expired). The writer stops writing for the run.
     Fenced,

@@ -179,12 +179,37 @@ impl PgStore {
 
 type Tx<'a> = Transaction<'a, Postgres>;
 
-async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<Applied, sqlx::Error> {
-    let seq: Option<i64> = sqlx::query_scalar(&format!(
+/// `INSERT` of a run without an owner (a store no replica serves).
+const INSERT_UNOWNED: &str = "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
+     checkpoint, content, created_at, key_id, webhook_url, usage) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+     ON CONFLICT DO NOTHING RETURNING seq, NULL::text AS assigned_to";
+
+/// `INSERT` of a replica's new run. It is this replica's, unless an unfinished run of its session
+/// key belongs to another replica or still waits for its owner to take it up: then it goes to the
+/// owner of the earliest one, with that run's lease (a dead owner's runs of the key expire, and are
+/// claimed, together), marked assigned. (The batch holds the key's advisory lock: two replicas
+/// admitting runs of one key decide one after the other.)
+fn insert_owned() -> String {
+    format!(
         "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-         checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
-         $11, $12, $13, $14, $15, {DB_NOW_MS} + $16::bigint) ON CONFLICT DO NOTHING RETURNING seq"
-    ))
+           checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until, assigned_at) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
+           CASE WHEN k.pending THEN COALESCE(k.owner, $15) ELSE $15 END, \
+           CASE WHEN k.pending AND k.owner IS DISTINCT FROM $15 THEN k.lease_until ELSE {DB_NOW_MS} + $16::bigint END, \
+           CASE WHEN k.pending THEN {DB_NOW_MS} END \
+         FROM (SELECT (array_agg(owner ORDER BY seq))[1] AS owner, (array_agg(lease_until ORDER BY seq))[1] AS lease_until, \
+                 bool_or(owner IS DISTINCT FROM $15 OR assigned_at IS NOT NULL) AS pending \
+               FROM runs WHERE session_key = $6 AND finished_at IS NULL) k \
+         ON CONFLICT DO NOTHING RETURNING seq, CASE WHEN assigned_at IS NOT NULL THEN owner END AS assigned_to"
+    )
+}
+
+async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<Applied, sqlx::Error> {
+    let sql = match lease {
+        Some(_) => insert_owned(),
+        None => INSERT_UNOWNED.to_owned(),
+    };
+    let inserted: Option<(i64, Option<String>)> = sqlx::query_as(&sql)
     .bind(&row.run_id)
     .bind(&row.idempotency_key)
     .bind(&row.fingerprint)
@@ -203,8 +228,14 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<
     .bind(lease.map(|l| l.ms))
     .fetch_optional(&mut **tx)
     .await?;
-    if let Some(seq) = seq {
-        return Ok(Applied::Inserted { seq });
+    match inserted {
+        Some((seq, None)) => return Ok(Applied::Inserted { seq }),
+        Some((seq, Some(owner))) => {
+            // Its owner is woken at commit (see `follow`).
+            sqlx::query("SELECT pg_notify($1, $2)").bind(super::follow::ASSIGNED).bind(owner).execute(&mut **tx).await?;
+            return Ok(Applied::Assigned { seq });
+        }
+        None => {}
     }
     // A constraint said no: which row won, and is it the same request?
     if let Some(key) = &row.idempotency_key {
@@ -314,6 +345,29 @@ async fn update(tx: &mut Tx<'_>, run_id: &str, p: &Pending) -> Result<(), sqlx::
     Ok(())
 }
 
+/// Takes the advisory locks of the session keys of the batch's new runs (in one order: batches of
+/// two replicas never wait on each other crosswise), so that admissions of one key on two
+/// replicas, and a takeover of its runs, see each other (see `insert_owned`, `claim`).
+async fn lock_session_keys(tx: &mut Tx<'_>, batch: &[Write]) -> Result<(), sqlx::Error> {
+    let mut keys: Vec<&str> = batch
+        .iter()
+        .filter_map(|w| match w {
+            Write::Insert(row) => Some(row.session_key.as_str()),
+            _ => None,
+        })
+        .collect();
+    if keys.is_empty() {
+        return Ok(());
+    }
+    keys.sort_unstable();
+    keys.dedup();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended(k, 14)) FROM UNNEST($1::text[]) WITH ORDINALITY AS t(k, n) ORDER BY n")
+        .bind(&keys)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 /// The runs of the batch's writes that another replica owns now: their writes are dropped
 /// (answered [`Applied::Fenced`]), so a replica that lost a run (its lease expired and another
 /// took the run over) can no longer add events or change the row. The rows that are still ours
@@ -348,7 +402,10 @@ impl PgStore {
         let mut tx = self.write_pool.begin().await?;
         let lease = self.lease.get();
         let fenced = match lease {
-            Some(l) => fence(&mut tx, batch, l).await?,
+            Some(l) => {
+                lock_session_keys(&mut tx, batch).await?;
+                fence(&mut tx, batch, l).await?
+            }
             None => HashSet::new(),
         };
         let mut out = Vec::with_capacity(batch.len());
@@ -552,11 +609,13 @@ impl Store for PgStore {
         // their admission order is continued by one replica. (The CASE guards the order of
         // evaluation: only expired runs' keys are locked.)
         let mine = if at_start { "owner = $1 OR " } else { "" };
+        // Runs other replicas admitted for this one (assigned) are taken up here too.
         let sql = format!(
-            "WITH c AS (SELECT run_id FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}((owner IS DISTINCT FROM $1) AND \
-               (lease_until IS NULL OR lease_until < {DB_NOW_MS})) THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) \
-               ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
-             UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, claims = r.claims + 1 FROM c \
+            "WITH c AS (SELECT run_id FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
+               OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS})) \
+               THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
+             UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, assigned_at = NULL, \
+               claims = r.claims + CASE WHEN r.owner IS DISTINCT FROM $1 THEN 1 ELSE 0 END FROM c \
              WHERE r.run_id = c.run_id RETURNING r.*"
         );
         let rows = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;

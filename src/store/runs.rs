@@ -28,6 +28,9 @@ pub enum Insert {
     Conflict,
     /// The idempotency key exists with a different body.
     IdempotencyMismatch,
+    /// Stored for the replica that owns the earlier runs of its session key (see
+    /// [`Applied::Assigned`]): it runs there, this process serves it from the store.
+    Assigned(RunView),
 }
 
 /// A run, live in this process or only stored.
@@ -197,6 +200,10 @@ impl RunStore {
                 self.live.insert(log.run_id.clone(), log.clone());
                 Ok(Insert::New(log))
             }
+            Applied::Assigned { seq } => {
+                row.seq = seq;
+                Ok(Insert::Assigned(RunView::Stored(Box::new(row))))
+            }
             Applied::Existing { run_id } => match self.view(&run_id).await? {
                 Some(v) => Ok(Insert::Existing(v)),
                 // Swept between the two reads: the caller may start it again.
@@ -225,6 +232,13 @@ impl RunStore {
     /// not shared, every live run is in this process).
     pub fn follow(&self, run_id: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.follow.as_ref().map(|f| f.subscribe(run_id))
+    }
+
+    /// Wakes `wake` when another replica assigns `replica` a run (stores shared by replicas).
+    pub fn wake_on_assigned(&self, replica: &str, wake: Arc<tokio::sync::Notify>) {
+        if let Some(f) = &self.follow {
+            f.wake_on_assigned(replica, wake);
+        }
     }
 
     /// Makes this process the owner of the runs it admits; see [`Store::set_lease`].
