@@ -101,7 +101,7 @@ async fn take_over(state: &web::Data<AppState>, lease: &Lease) {
     }
     let n = claimed.len();
     let continued = crate::server::continue_runs(state, claimed).await;
-    tracing::warn!(claimed = n, continued, replica = %lease.replica, "took over runs (their owner's lease expired, or another replica admitted them for this one)");
+    tracing::info!(claimed = n, continued, replica = %lease.replica, "took over runs (their owner's lease expired, or another replica admitted them for this one)");
 }
 
 /// An abort posted to another replica, for a run of this one: cancels it like `POST …/abort`.

@@ -18,3 +18,5 @@ ALTER TABLE runs ADD COLUMN assigned_at BIGINT;
 
 -- Renew (one statement per replica) and takeover both look at the unfinished runs only.
 CREATE INDEX runs_owner_unfinished ON runs (owner) WHERE finished_at IS NULL;
+-- An admission looks at the unfinished runs of its session key (assignment, above).
+CREATE INDEX runs_session_unfinished ON runs (session_key) WHERE finished_at IS NULL;

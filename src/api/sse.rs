@@ -86,7 +86,14 @@ impl Following {
             let woken = tokio::select! {
                 biased;
                 _ = stopping.wait_for(|s| *s) => return None,
-                r = self.notified.changed() => r.is_ok(),
+                r = self.notified.changed() => match r {
+                    Ok(()) => true,
+                    // No notifier (cannot happen while this receiver lives): poll, never spin.
+                    Err(_) => {
+                        tokio::time::sleep(crate::store::follow::FALLBACK_POLL).await;
+                        false
+                    }
+                },
                 _ = tokio::time::sleep(crate::store::follow::FALLBACK_POLL) => false,
             };
             self.notified.borrow_and_update();
