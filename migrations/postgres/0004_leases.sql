@@ -18,5 +18,10 @@ ALTER TABLE runs ADD COLUMN assigned_at BIGINT;
 
 -- Renew (one statement per replica) and takeover both look at the unfinished runs only.
 CREATE INDEX runs_owner_unfinished ON runs (owner) WHERE finished_at IS NULL;
--- An admission looks at the unfinished runs of its session key (assignment, above).
+-- A branch run's branch key (also in `spec`): runs of one branch key are assigned to one replica
+-- like runs of one session key, so one replica at a time works on (and publishes) a branch.
+ALTER TABLE runs ADD COLUMN branch_key TEXT;
+
+-- An admission looks at the unfinished runs of its session key and branch key (assignment, above).
 CREATE INDEX runs_session_unfinished ON runs (session_key) WHERE finished_at IS NULL;
+CREATE INDEX runs_branch_unfinished ON runs (branch_key) WHERE finished_at IS NULL AND branch_key IS NOT NULL;

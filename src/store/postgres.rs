@@ -179,27 +179,28 @@ impl PgStore {
 
 type Tx<'a> = Transaction<'a, Postgres>;
 
-/// `INSERT` of a run without an owner (a store no replica serves).
+/// `INSERT` of a run without an owner (a store no replica serves). `$15` and `$16` (owner, lease)
+/// are bound but unused: one list of arguments serves both statements.
 const INSERT_UNOWNED: &str = "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-     checkpoint, content, created_at, key_id, webhook_url, usage) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
-     ON CONFLICT DO NOTHING RETURNING seq, NULL::text AS assigned_to";
+     checkpoint, content, created_at, key_id, webhook_url, usage, branch_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+     $14, $17) ON CONFLICT DO NOTHING RETURNING seq, NULL::text AS assigned_to";
 
 /// `INSERT` of a replica's new run. It is this replica's, unless an unfinished run of its session
-/// key belongs to another replica or still waits for its owner to take it up: then it goes to the
-/// owner of the earliest one, with that run's lease (a dead owner's runs of the key expire, and are
-/// claimed, together), marked assigned. (The batch holds the key's advisory lock: two replicas
+/// key (or of its branch key) belongs to another replica or still waits for its owner to take it
+/// up: then it goes to the owner of the earliest one, with that run's lease (a dead owner's runs of the key expire, and are
+/// claimed, together), marked assigned. (The batch holds the keys' advisory locks: two replicas
 /// admitting runs of one key decide one after the other.)
 fn insert_owned() -> String {
     format!(
         "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-           checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until, assigned_at) \
+           checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until, assigned_at, branch_key) \
          SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
            CASE WHEN k.pending THEN COALESCE(k.owner, $15) ELSE $15 END, \
            CASE WHEN k.pending AND k.owner IS DISTINCT FROM $15 THEN k.lease_until ELSE {DB_NOW_MS} + $16::bigint END, \
-           CASE WHEN k.pending THEN {DB_NOW_MS} END \
+           CASE WHEN k.pending THEN {DB_NOW_MS} END, $17 \
          FROM (SELECT (array_agg(owner ORDER BY seq))[1] AS owner, (array_agg(lease_until ORDER BY seq))[1] AS lease_until, \
                  bool_or(owner IS DISTINCT FROM $15 OR assigned_at IS NOT NULL) AS pending \
-               FROM runs WHERE session_key = $6 AND finished_at IS NULL) k \
+               FROM runs WHERE finished_at IS NULL AND (session_key = $6 OR branch_key = $17)) k \
          ON CONFLICT DO NOTHING RETURNING seq, CASE WHEN assigned_at IS NOT NULL THEN owner END AS assigned_to"
     )
 }
@@ -226,6 +227,7 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<
     .bind(row.usage.as_ref().map(json))
     .bind(lease.map(|l| l.replica.clone()))
     .bind(lease.map(|l| l.ms))
+    .bind(row.spec.branch.as_ref().map(|b| b.key.clone()))
     .fetch_optional(&mut **tx)
     .await?;
     match inserted {
@@ -345,17 +347,25 @@ async fn update(tx: &mut Tx<'_>, run_id: &str, p: &Pending) -> Result<(), sqlx::
     Ok(())
 }
 
-/// Takes the advisory locks of the session keys of the batch's new runs (in one order: batches of
+/// The advisory lock name of a branch key (session keys are locked by their own name; a branch
+/// key can never be mistaken for one: session keys start with `agent:`).
+fn branch_lock(key: &str) -> String {
+    format!("branch:{key}")
+}
+
+/// Takes the advisory locks of the session and branch keys of the batch's new runs (in one order: batches of
 /// two replicas never wait on each other crosswise), so that admissions of one key on two
 /// replicas, and a takeover of its runs, see each other (see `insert_owned`, `claim`).
 async fn lock_session_keys(tx: &mut Tx<'_>, batch: &[Write]) -> Result<(), sqlx::Error> {
-    let mut keys: Vec<&str> = batch
-        .iter()
-        .filter_map(|w| match w {
-            Write::Insert(row) => Some(row.session_key.as_str()),
-            _ => None,
-        })
-        .collect();
+    let mut keys: Vec<String> = Vec::new();
+    for w in batch {
+        if let Write::Insert(row) = w {
+            keys.push(row.session_key.clone());
+            if let Some(b) = &row.spec.branch {
+                keys.push(branch_lock(&b.key));
+            }
+        }
+    }
     if keys.is_empty() {
         return Ok(());
     }
@@ -613,7 +623,8 @@ impl Store for PgStore {
         let sql = format!(
             "WITH c AS (SELECT run_id FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
                OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS})) \
-               THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
+               THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) AND (branch_key IS NULL OR \
+                 pg_try_advisory_xact_lock(hashtextextended('branch:' || branch_key, 14))) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
              UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, assigned_at = NULL, \
                claims = r.claims + CASE WHEN r.owner IS DISTINCT FROM $1 THEN 1 ELSE 0 END FROM c \
              WHERE r.run_id = c.run_id RETURNING r.*"
