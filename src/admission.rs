@@ -106,7 +106,7 @@ pub enum Submitted {
     },
     /// The same request was admitted before: this is its run (nothing new was started).
     Existing(RunView),
-    /// A new run, stored for the replica that runs the earlier runs of its session key.
+    /// A new run, stored for the replica that runs the earlier runs of its session or branch key.
     Elsewhere(RunView),
 }
 
@@ -128,8 +128,9 @@ pub struct Admission {
     /// Admissions (shared) against takeovers (exclusive): a run this replica stores as its own
     /// reaches the registry before a takeover claims later-admitted runs of its session key, and
     /// a takeover hands all it claimed to the registry before a later admission gets there
-    /// (session-key FIFO across replicas). Branch runs do not wait here (their checks may take
-    /// seconds; their branch locks are per replica anyway).
+    /// (session-key FIFO across replicas). Branch runs do not wait here: their checks may take
+    /// seconds (they still never overlap another run of their branch key: the store assigns them
+    /// to the replica that holds it, only their order may differ by a race).
     gate: Arc<tokio::sync::RwLock<()>>,
 }
 
@@ -183,7 +184,7 @@ impl Admission {
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
-            // Its owner starts it after the earlier runs of its session key (its limits are
+            // Its owner starts it after the earlier runs of its keys (its limits are
             // counted there, without the checks, as for a run taken over).
             Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),

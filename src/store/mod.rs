@@ -338,8 +338,8 @@ pub enum Applied {
     IdempotencyMismatch,
     /// Stored.
     Done,
-    /// A new run, stored for the replica that owns the earlier runs of its session key (or
-    /// after runs of it still waiting for their owner): that replica starts it in admission
+    /// A new run, stored for the replica that owns the earlier runs of its session or branch key
+    /// (or after runs of them still waiting for their owner): that replica starts it in admission
     /// order, not this one.
     Assigned {
         /// Admission order.

@@ -28,7 +28,7 @@ pub enum Insert {
     Conflict,
     /// The idempotency key exists with a different body.
     IdempotencyMismatch,
-    /// Stored for the replica that owns the earlier runs of its session key (see
+    /// Stored for the replica that owns the earlier runs of its session or branch key (see
     /// [`Applied::Assigned`]): it runs there, this process serves it from the store.
     Assigned(RunView),
 }
@@ -124,11 +124,7 @@ impl RunStore {
             StoreUrl::Memory | StoreUrl::Postgres { .. } => None,
             StoreUrl::Sqlite(path) => Some(Arc::new(EndNotes::open(path).map_err(StoreError)?)),
         };
-        let mut store = Self::build(backend, tenants, retention, metrics, url.display(), latency, notes);
-        if let Some(s) = Arc::get_mut(&mut store) {
-            s.follow = follow;
-        }
-        Ok(store)
+        Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes, follow))
     }
 
     /// A store over `backend` (tests use it with a probe backend).
@@ -140,9 +136,10 @@ impl RunStore {
         url: String,
         latency: Option<prometheus::Histogram>,
     ) -> Arc<Self> {
-        Self::build(backend, tenants, retention, metrics, url, latency, None)
+        Self::build(backend, tenants, retention, metrics, url, latency, None, None)
     }
 
+    #[allow(clippy::too_many_arguments)] // private: the two constructors above pass everything through
     fn build(
         backend: Arc<dyn Store>,
         tenants: Arc<dyn TenantStore>,
@@ -151,9 +148,10 @@ impl RunStore {
         url: String,
         latency: Option<prometheus::Histogram>,
         notes: Option<Arc<EndNotes>>,
+        follow: Option<Arc<super::follow::Follow>>,
     ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow: None })
+        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow })
     }
 
     /// Keys, limits, spend and the webhook outbox of the same store.
