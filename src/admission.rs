@@ -106,6 +106,8 @@ pub enum Submitted {
     },
     /// The same request was admitted before: this is its run (nothing new was started).
     Existing(RunView),
+    /// A new run, stored for the replica that runs the earlier runs of its session or branch key.
+    Elsewhere(RunView),
 }
 
 /// What admission needs: the store, the registry, the LLM proxy's attributions and the budgets.
@@ -123,6 +125,13 @@ pub struct Admission {
     /// The agent variants and the runner of the ephemeral ones: a run of an ephemeral variant
     /// goes there instead of to the registry.
     ephemeral: Option<(crate::agents::AgentRegistry, Arc<crate::ephemeral::Ephemeral>)>,
+    /// Admissions (shared) against takeovers (exclusive): a run this replica stores as its own
+    /// reaches the registry before a takeover claims later-admitted runs of its session key, and
+    /// a takeover hands all it claimed to the registry before a later admission gets there
+    /// (session-key FIFO across replicas). Branch runs do not wait here: their checks may take
+    /// seconds (they still never overlap another run of their branch key: the store assigns them
+    /// to the replica that holds it, only their order may differ by a race).
+    gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl Admission {
@@ -134,7 +143,12 @@ impl Admission {
         budgets: Arc<Budgets>,
         workspace: Option<Arc<dyn Workspace>>,
     ) -> Self {
-        Self { store, registry, attributions, budgets, workspace, ephemeral: None }
+        Self { store, registry, attributions, budgets, workspace, ephemeral: None, gate: Arc::default() }
+    }
+
+    /// Held exclusively by a takeover from its claim until its runs are in the registry.
+    pub fn takeover_gate(&self) -> Arc<tokio::sync::RwLock<()>> {
+        self.gate.clone()
     }
 
     /// Sends the runs of `agents`' ephemeral variants to `runner`.
@@ -160,11 +174,19 @@ impl Admission {
         };
         let key_field = branch_field(&new.run.request);
         let (spec, row) = spec_and_row(new, self.attributions.is_some())?;
+        let gate = self.gate.clone();
+        let _admitting = match spec.branch {
+            None => Some(gate.read().await),
+            Some(_) => None,
+        };
         let run_id = spec.run_id.clone();
         let account = spec.billing_account_id.clone();
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
+            // Its owner starts it after the earlier runs of its keys (its limits are
+            // counted there, without the checks, as for a run taken over).
+            Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
             Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
         };
@@ -237,6 +259,8 @@ impl Admission {
         let registry = self.registry.clone();
         let cancel_id = run_id.clone();
         log.on_failure(Box::new(move || registry.do_send(Cancel { run_id: cancel_id.clone(), reason: CancelReason::Api })));
+        let (registry, lost_id) = (self.registry.clone(), run_id.clone());
+        log.on_lost(Box::new(move || registry.do_send(clawmux_actors::messages::HandOff { run_id: lost_id.clone() })));
         let sink: Arc<dyn RunSink> = log.clone();
         // An ephemeral variant's run gets a container run's actor instead of a session actor; the
         // registry owns it just the same.

@@ -151,6 +151,9 @@ pub struct Config {
     /// This process among the ones sharing a store (`CLAWMUX_REPLICA_ID`; default hostname-pid):
     /// its heartbeat row says it is alive.
     pub replica_id: String,
+    /// How long a run stays this process's without a renewal (`CLAWMUX_RUN_LEASE_SEC`, PostgreSQL
+    /// store): another replica takes a run over this long after its owner stopped renewing.
+    pub run_lease_sec: u64,
 }
 
 /// `<hostname>-<pid>`: unique among the processes sharing a store, and readable in `doctor`.
@@ -226,6 +229,7 @@ impl Default for Config {
             webhook_secret: None,
             webhook_max_age_sec: 86_400,
             replica_id: default_replica_id(),
+            run_lease_sec: 10,
         }
     }
 }
@@ -512,6 +516,9 @@ impl Config {
         if let Some(v) = get("CLAWMUX_REPLICA_ID") {
             self.replica_id = parse_replica_id(&v)?;
         }
+        if let Some(v) = get("CLAWMUX_RUN_LEASE_SEC") {
+            self.run_lease_sec = parse_num("CLAWMUX_RUN_LEASE_SEC", &v)?;
+        }
         if let Some(v) = get("CLAWMUX_WEBHOOK_MAX_AGE_SEC") {
             self.webhook_max_age_sec = parse_num("CLAWMUX_WEBHOOK_MAX_AGE_SEC", &v)?;
         }
@@ -543,6 +550,11 @@ impl Config {
             if url.contains('@') {
                 return Err(invalid("CLAWMUX_LLM_UPSTREAM_URL", "must not carry credentials; use CLAWMUX_LLM_UPSTREAM_KEY"));
             }
+        }
+        // Renewed every third of it: under 3 s, a few slow round trips to the database would
+        // hand live runs to another replica; over an hour, a dead replica's runs wait that long.
+        if !(3..=3600).contains(&self.run_lease_sec) {
+            return Err(invalid("CLAWMUX_RUN_LEASE_SEC", "must be between 3 and 3600 seconds"));
         }
         if self.max_runs == 0 {
             return Err(invalid("CLAWMUX_MAX_RUNS", "must be at least 1"));
@@ -592,6 +604,7 @@ impl Config {
             ("CLAWMUX_WEBHOOK_SECRET", secret(&self.webhook_secret)),
             ("CLAWMUX_WEBHOOK_MAX_AGE_SEC", self.webhook_max_age_sec.to_string()),
             ("CLAWMUX_REPLICA_ID", self.replica_id.clone()),
+            ("CLAWMUX_RUN_LEASE_SEC", self.run_lease_sec.to_string()),
         ]
     }
 }
@@ -629,6 +642,16 @@ mod tests {
         for bad in ["257", "many", "-1"] {
             let err = Config::load(None, &env(&[("CLAWMUX_SHARDS", bad)])).expect_err(bad).to_string();
             assert!(err.contains("CLAWMUX_SHARDS"), "{err}");
+        }
+    }
+
+    #[test]
+    fn run_leases_default_to_10_s_and_are_bounded() {
+        assert_eq!(Config::load(None, &env(&[])).expect("defaults are valid").run_lease_sec, 10);
+        assert_eq!(Config::load(None, &env(&[("CLAWMUX_RUN_LEASE_SEC", "3")])).expect("valid").run_lease_sec, 3);
+        for bad in ["0", "2", "3601", "-1", "ten"] {
+            let e = Config::load(None, &env(&[("CLAWMUX_RUN_LEASE_SEC", bad)])).expect_err(bad).to_string();
+            assert!(e.contains("CLAWMUX_RUN_LEASE_SEC"), "{e}");
         }
     }
 

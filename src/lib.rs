@@ -21,7 +21,7 @@
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
 //!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
 //!   - [`server`]: wiring, the restart path (continuing stored runs) and shutdown (hand off or
-//!     cancel).
+//!     cancel); [`lease`]: run ownership among replicas on PostgreSQL (renewal, takeover).
 //!   - [`relay`]: the host-side git relay (container worktrees, format-patch → am → push → PR),
 //!     the `Workspace` the session actors use for branch runs.
 //!   - [`tenants`]: API keys scoped to billing accounts, budgets and rate limits, completion
@@ -44,6 +44,7 @@ pub mod ephemeral;
 
 pub mod config;
 pub mod exit;
+pub mod lease;
 pub mod load;
 pub mod record;
 pub mod refname;

@@ -114,6 +114,9 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), replica = %cfg.replica_id, "run store open");
+    // Before anything is admitted: every run this process stores is its own.
+    let lease = crate::lease::lease_of(&cfg);
+    store.set_lease(&lease);
     spawn_heartbeat(store.clone(), cfg.replica_id.clone());
     // Without the LLM proxy nothing counts tokens: token budgets refuse their runs (fail-closed).
     let metered = cfg.llm_upstream_url.is_some();
@@ -222,7 +225,10 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         tenants,
         stopping,
     });
-    let resumed = resume(&state).await;
+    let resumed = resume(&state, &lease).await;
+    if state.store.kind() == "postgres" {
+        crate::lease::spawn(state.clone(), lease);
+    }
     let sweeper = state.clone();
     actix::spawn(async move {
         let mut every = tokio::time::interval(Duration::from_secs(10));
@@ -254,10 +260,11 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards })
 }
 
-/// Continues every unfinished run of the store, in admission order (so each session key's and
-/// branch key's queue is what it was). Returns how many.
-async fn resume(state: &web::Data<AppState>) -> usize {
-    let stored = match state.store.resume().await {
+/// Continues every unfinished run of the store this process may continue (on a shared store: its
+/// own and those whose lease expired), in admission order (so each session key's and branch key's
+/// queue is what it was). Returns how many.
+async fn resume(state: &web::Data<AppState>, lease: &crate::store::Lease) -> usize {
+    let stored = match state.store.resume(lease).await {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(error = %e, "cannot read the unfinished runs of the store; none is continued");
@@ -265,6 +272,16 @@ async fn resume(state: &web::Data<AppState>) -> usize {
         }
     };
     let started = std::time::Instant::now();
+    let resumed = continue_runs(state, stored).await;
+    if resumed > 0 {
+        tracing::info!(runs = resumed, elapsed_ms = started.elapsed().as_millis() as u64, "continued the unfinished runs of the store");
+    }
+    resumed
+}
+
+/// Continues stored runs (a restart, a takeover) in the order given; a run that cannot be
+/// continued ends with an error saying why. Returns how many were continued.
+pub(crate) async fn continue_runs(state: &web::Data<AppState>, stored: Vec<(Arc<crate::store::RunLog>, crate::store::RunRow)>) -> usize {
     let mut resumed = 0;
     for (log, row) in stored {
         match state.admission.resume(&log, &row).await {
@@ -276,9 +293,6 @@ async fn resume(state: &web::Data<AppState>) -> usize {
                 log.emit(RunEvent::Finished(RunOutcome::failed(ErrorCode::Internal, msg, String::new())));
             }
         }
-    }
-    if resumed > 0 {
-        tracing::info!(runs = resumed, elapsed_ms = started.elapsed().as_millis() as u64, "continued the unfinished runs of the store");
     }
     resumed
 }
@@ -372,6 +386,14 @@ pub async fn shutdown(running: &Running) {
     }
     // Whatever the runs and the proxy wrote is stored before the process goes.
     state.store.flush().await;
+    if mode == ShutdownMode::Handoff {
+        // Other replicas sharing the store continue the suspended runs now, not a lease later.
+        match state.store.release(&crate::lease::lease_of(&state.cfg)).await {
+            Ok(n) if n > 0 => tracing::info!(runs = n, "handed this replica's runs to the others (leases released)"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot release this replica's run leases; other replicas take its runs over once they expire"),
+        }
+    }
     // Last: while the proxy drains (up to 30 s), callers get `503` + `Retry-After` and documents,
     // not refused connections.
     running.server.stop(true).await;

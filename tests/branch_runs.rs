@@ -10,7 +10,8 @@
 //! the same store, without asking the gateway anything about it (the gateway restarted meanwhile).
 //! A caller's mistake the relay can see before the run (an unknown base ref, a conflicting branch
 //! key) is a `422` and no run; one it finds only when preparing ends the run `relay_rejected`; a
-//! check that cannot be made admits the run.
+//! check that cannot be made admits the run. Two replicas on one PostgreSQL store (`pg_`) never
+//! work on one branch key at once.
 
 #![allow(clippy::unwrap_used)]
 
@@ -391,5 +392,61 @@ async fn branch_caller_mistakes_are_422_at_post_or_relay_rejected() {
     assert_eq!(gw.runs().len(), 1, "only the unchecked run reached the gateway");
     assert_eq!(in_flight(&app).await, 0);
     server::shutdown(&app).await;
+    gw.stop().await;
+}
+
+/// A replica on the shared PostgreSQL store `url`, with `workspace` as its git relay.
+async fn replica(gw: &ReplayHandle, workspace: &FakeWorkspace, url: &str, id: &str) -> (Running, String, reqwest::Client) {
+    let (url, id) = (url.to_owned(), id.to_owned());
+    let options = StartOptions { workspace: Some(Arc::new(workspace.clone())), ..Default::default() };
+    let app = start_clawmux_opts(
+        &gw.url(),
+        Some(GW_TOKEN),
+        move |c| {
+            c.store_url = clawmux::store::StoreUrl::parse(&url).unwrap();
+            c.replica_id = id;
+            c.run_lease_sec = 3;
+        },
+        |_| {},
+        options,
+    )
+    .await;
+    let base = base(&app);
+    let http = reqwest::Client::new();
+    wait_ready(&http, &base, WAIT).await;
+    (app, base, http)
+}
+
+/// Two replicas on one PostgreSQL database (`CLAWMUX_TEST_PG_URL`; the PostgreSQL phase of
+/// tests/run.sh), sharing one workspace: a run of a branch key admitted on the other replica while
+/// the first publishes is given to the first one's replica and waits for the branch there.
+#[actix_rt::test]
+async fn pg_two_replicas_never_work_on_one_branch_key_at_once() {
+    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
+        assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+        eprintln!("SKIP pg_two_replicas_never_work_on_one_branch_key_at_once: no CLAWMUX_TEST_PG_URL");
+        return;
+    };
+    let url = clawmux::store::postgres::create_test_database(&server, "cmx_branch").await.unwrap();
+    let gw = gateway();
+    let (ws, mut held) = FakeWorkspace::new();
+    let (r0, base0, http) = replica(&gw, &ws, &url, "b0").await;
+    let (r1, base1, _) = replica(&gw, &ws, &url, "b1").await;
+    ws.hold(&[Kind::Publish]);
+    let mut a = post(&http, &base0, &branch_body("rep-a", "k-rep")).await;
+    let step = next_held(&mut held, Kind::Publish, "k-rep").await;
+    let mut b = post(&http, &base1, &branch_body("rep-b", "k-rep")).await;
+    waits_for_branch(&mut b, "k-rep").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ws.log().len(), 2, "b waits while a's publish is under way: {:?}", ws.log());
+    ws.hold(&[]);
+    let _ = step.release.send(());
+    assert_relayed(&mut a, "k-rep").await;
+    assert_relayed(&mut b, "k-rep").await;
+    let kinds: Vec<Kind> = ws.log().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(kinds, [Kind::Prepare, Kind::Publish, Kind::Prepare, Kind::Publish]);
+    assert_eq!(ws.overlaps(), 0, "two steps of one branch overlapped");
+    server::shutdown(&r1).await;
+    server::shutdown(&r0).await;
     gw.stop().await;
 }

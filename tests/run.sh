@@ -45,13 +45,15 @@ say "the run store on a real PostgreSQL"
 # Debian's postgresql (installed when missing), initdb in a fresh directory as the unprivileged
 # `postgres` user, on 127.0.0.1 on a free port, stopped by PID (tests/support/postgres.sh). The
 # backend suite's pg_ cases, the history, tenant and restart tests (a database each), kill -9 + restart of clawmux
-# on it, and the fault test, which starts (and stops, and starts) a PostgreSQL of its own through the same script.
+# on it, three replicas on one database (takeover after kill -9, streams from any replica, aborts to the owner,
+# session-key FIFO; branch_runs: two replicas never work on one branch key at once),
+# and the fault test, which starts (and stops, and starts) a PostgreSQL of its own through the same script.
 PG_DIR="$(mktemp -d /tmp/clawmux-pg.XXXXXX)"
 trap 'tests/support/postgres.sh stop "$PG_DIR" >/dev/null 2>&1 || true; rm -rf "$PG_DIR"' EXIT INT TERM
 PG_ENV="$(tests/support/postgres.sh start "$PG_DIR")"  # an assignment: a failed start stops the script
 eval "$PG_ENV"
 CLAWMUX_TEST_PG_URL="$CLAWMUX_TEST_PG_URL" CLAWMUX_REQUIRE_PG=1 \
-  cargo test --locked -p clawmux --lib --test postgres --test history --test tenants --test restart -- pg_
+  cargo test --locked -p clawmux --lib --test postgres --test history --test tenants --test restart --test replicas --test branch_runs -- pg_
 tests/support/postgres.sh stop "$PG_DIR"
 rm -rf "$PG_DIR"
 trap - EXIT INT TERM

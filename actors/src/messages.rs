@@ -265,6 +265,15 @@ pub enum ShutdownMode {
 #[rtype(result = "usize")]
 pub struct Drain(pub ShutdownMode);
 
+/// Stop one run here without a terminal event and without cancelling its gateway run: another
+/// replica took it over and continues it. Answers whether the run was live.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct HandOff {
+    /// The API run id.
+    pub run_id: String,
+}
+
 /// Number of live runs (queued, waiting, running, publishing).
 #[derive(Message)]
 #[rtype(result = "usize")]

@@ -13,7 +13,7 @@
 use crate::branch::Workspace;
 use crate::messages::{
     AdmitError, Admitted, Cancel, CancelRun, Drain, ExternalRun, GatewayPort, GatewayUp, IfBusy, InFlight, Link, Lock, RegistryPort, Release,
-    RunEnded, ShutdownMode, Submit, Suspend, Turn,
+    RunEnded, ShutdownMode, Submit, Suspend, Turn, HandOff,
 };
 use crate::metrics::Metrics;
 use crate::queue::KeyQueue;
@@ -437,6 +437,24 @@ impl Handler<Drain> for Registry {
             }
         }
         self.live.len()
+    }
+}
+
+impl Handler<HandOff> for Registry {
+    type Result = bool;
+    fn handle(&mut self, msg: HandOff, _ctx: &mut Context<Self>) -> bool {
+        match self.live.get(&msg.run_id) {
+            Some(run) => {
+                match &run.actor {
+                    // As at a handoff shutdown: the session leaves its locks and reports `RunEnded`.
+                    RunActor::Session(addr) => addr.do_send(Suspend),
+                    // A container cannot be taken over (nor continued elsewhere): it is removed.
+                    external => external.cancel(crate::run::CancelReason::Shutdown),
+                }
+                true
+            }
+            None => false,
+        }
     }
 }
 

@@ -211,6 +211,10 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
     let (log, admitted) = match state.admission.submit(new).await.map_err(|e| refused(e, &run_id))? {
         Submitted::New { log, admitted } => (log, admitted),
         Submitted::Existing(view) => return respond(&req, &state, view, wait_false, false).await,
+        Submitted::Elsewhere(view) => {
+            tracing::info!(run_id = %view.run_id(), "run admitted for the replica that runs its session key");
+            return respond(&req, &state, view, wait_false, false).await;
+        }
     };
     tracing::info!(run_id = %log.run_id, session_key = %log.doc().session_key, ?admitted, "run admitted");
     if wait_false && !wants_sse(&req) {
@@ -373,6 +377,12 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
         .timeout(ADMIT_TIMEOUT)
         .await
         .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
+    if !found && matches!(view, RunView::Stored(_)) {
+        // Live on another replica (a shared store): recorded for its owner, whose next lease
+        // renewal cancels it.
+        let recorded = state.store.request_abort(&run_id).await.map_err(store_unavailable)?;
+        return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: recorded }));
+    }
     Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }))
 }
 

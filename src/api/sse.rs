@@ -58,10 +58,55 @@ impl Drop for DisconnectGuard {
 struct SseState {
     backlog: std::vec::IntoIter<Arc<StoredEvent>>,
     rx: Option<Feed>,
+    /// A run live on another replica: its events come from the store as they are stored.
+    follow: Option<Following>,
     last_id: u64,
     done: bool,
     guard: DisconnectGuard,
     stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+/// A run followed through the store (live on another replica).
+struct Following {
+    store: Arc<crate::store::RunStore>,
+    /// Bumped by each batch that stores the run's events (see `store::follow`).
+    notified: tokio::sync::watch::Receiver<u64>,
+}
+
+impl Following {
+    /// The run's next stored events after `after`; `None` ends the stream (the store cannot be
+    /// read, or the run is gone or ended with no further event: the client re-attaches).
+    async fn next(&mut self, run_id: &str, after: u64, stopping: &mut tokio::sync::watch::Receiver<bool>) -> Option<Vec<Arc<StoredEvent>>> {
+        loop {
+            let woken = tokio::select! {
+                biased;
+                _ = stopping.wait_for(|s| *s) => return None,
+                r = self.notified.changed() => match r {
+                    Ok(()) => true,
+                    // No notifier (cannot happen while this receiver lives): poll, never spin.
+                    Err(_) => {
+                        tokio::time::sleep(crate::store::follow::FALLBACK_POLL).await;
+                        false
+                    }
+                },
+                _ = tokio::time::sleep(crate::store::follow::FALLBACK_POLL) => false,
+            };
+            self.notified.borrow_and_update();
+            let events = self.store.events(run_id, after).await.ok()?;
+            if !events.is_empty() {
+                return Some(events.into_iter().map(Arc::new).collect());
+            }
+            if !woken {
+                // Quiet: is the run still going somewhere?
+                let row = self.store.view(run_id).await.ok()??;
+                if row.is_finished() {
+                    // Its end was stored after the read above.
+                    let events = self.store.events(run_id, after).await.ok()?;
+                    return (!events.is_empty()).then(|| events.into_iter().map(Arc::new).collect());
+                }
+            }
+        }
+    }
 }
 
 fn to_sse(ev: &StoredEvent) -> sse::Event {
@@ -75,21 +120,39 @@ pub(crate) async fn sse_response(
     after: u64,
     guard: DisconnectGuard,
 ) -> Result<HttpResponse, ApiError> {
+    let mut follow = None;
     let (backlog, rx) = match &view {
         RunView::Live(log) => log.attach(after),
-        // Not live here: what the store has, then the stream closes.
+        // Not live here: what the store has, then, for a run live on another replica, what is
+        // stored next until its end; else the stream closes.
         RunView::Stored(row) => {
+            if row.finished_at_ms.is_none() {
+                // Subscribed before the read: nothing stored in between is missed.
+                follow = state.store.follow(&row.run_id).map(|notified| Following { store: state.store.clone(), notified });
+            }
             let events = state.store.events(&row.run_id, after).await.map_err(store_unavailable)?;
             (events.into_iter().map(Arc::new).collect(), None)
         }
     };
-    let st = SseState { backlog: backlog.into_iter(), rx, last_id: after, done: false, guard, stopping: state.stopping.clone() };
+    let st = SseState { backlog: backlog.into_iter(), rx, follow, last_id: after, done: false, guard, stopping: state.stopping.clone() };
     let stream = futures_util::stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
         }
         let ev = match st.backlog.next() {
             Some(ev) => ev,
+            None if st.follow.is_some() => {
+                let run_id = st.guard.run_id.clone();
+                let (last_id, mut stopping) = (st.last_id, st.stopping.clone());
+                let next = st.follow.as_mut()?.next(&run_id, last_id, &mut stopping).await;
+                let Some(events) = next else {
+                    // Not the caller's disconnect: the run goes on.
+                    st.guard.disarm();
+                    return None;
+                };
+                st.backlog = events.into_iter();
+                st.backlog.next()?
+            }
             None => loop {
                 let rx = st.rx.as_mut()?;
                 let next = tokio::select! {

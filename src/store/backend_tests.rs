@@ -604,8 +604,19 @@ async fn pg_unreadable_rows_are_skipped_and_never_panic() {
 #[tokio::test]
 #[ignore]
 async fn pg_batch_cost() {
-    let Some(url) = pg_url("pg_batch_cost").await else { return };
-    let s = open_pg(&url).await;
+    for leased in [false, true] {
+        let Some(url) = pg_url("pg_batch_cost").await else { return };
+        let s = open_pg(&url).await;
+        if leased {
+            // As `clawmux serve` runs it: owned runs, each batch fenced and notifying followers.
+            s.set_lease(&super::Lease { replica: "bench".into(), ms: 60_000 });
+        }
+        println!("{}", if leased { "with leases (clawmux serve):" } else { "without leases:" });
+        batch_cost(&s).await;
+    }
+}
+
+async fn batch_cost(s: &PgStore) {
     let inserts: Vec<Write> = (0..1000).map(|i| Write::Insert(Box::new(row(&format!("run-{i}"), "a", 1)))).collect();
     s.apply(&inserts).await.expect("insert");
     let mut id = 0u64;

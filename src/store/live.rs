@@ -172,6 +172,8 @@ struct LogState {
     finished_at: Option<Instant>,
     /// The store has the terminal event (a store failure's end may become visible first).
     end_stored: bool,
+    /// Another replica owns the run now: this log takes and publishes nothing more.
+    lost: bool,
 }
 
 /// A live run's log (the session actor's [`RunSink`]).
@@ -196,6 +198,9 @@ pub struct RunLog {
     on_failure: OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// Told once when the run ends (its account's live-run count).
     on_end: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Stops the run's session actor WITHOUT cancelling its gateway run when another replica
+    /// took the run over (it continues the gateway run).
+    on_lost: OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// `clawmux_frame_to_client_seconds`, observed when a delta becomes visible.
     latency: Option<prometheus::Histogram>,
     /// Where an end the store cannot take is noted (durable stores only).
@@ -230,11 +235,13 @@ impl RunLog {
                 closed: finished,
                 finished_at: finished.then(Instant::now),
                 end_stored: finished,
+                lost: false,
             }),
             visible: watch::channel(Visible { last_id: next_id, finished }).0,
             billing: OnceLock::new(),
             on_failure: OnceLock::new(),
             on_end: OnceLock::new(),
+            on_lost: OnceLock::new(),
             latency,
             notes,
         })
@@ -263,6 +270,47 @@ impl RunLog {
     /// What to do once when the run ends.
     pub fn on_end(&self, hook: Box<dyn Fn() + Send + Sync>) {
         let _ = self.on_end.set(hook);
+    }
+
+    /// What stops the run here when another replica took it over.
+    pub fn on_lost(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_lost.set(hook);
+    }
+
+    /// True once another replica owns the run ([`Self::lose`]).
+    pub fn is_lost(&self) -> bool {
+        self.lock().lost
+    }
+
+    /// Another replica owns the run now (it took the run over: this replica's lease expired):
+    /// nothing more is written or published for it here, its SSE clients' streams end without a
+    /// terminal event (they re-attach, as after a handoff, and any replica serves the rest), it
+    /// stops counting for its account here and its LLM calls are no longer attributed here, and
+    /// its session actor stops WITHOUT cancelling the gateway run (the new owner continues it).
+    /// Returns false when the run had already ended or was lost before.
+    pub fn lose(&self) -> bool {
+        {
+            let mut st = self.lock();
+            if st.lost || st.finished_at.is_some() {
+                return false;
+            }
+            st.lost = true;
+            st.closed = true;
+        }
+        tracing::warn!(run_id = %self.run_id, "another replica took this run over (this one's lease expired); stopping it here without cancelling it");
+        if let Some(hook) = self.on_lost.get() {
+            hook();
+        }
+        if let Some(hook) = self.on_end.get() {
+            hook();
+        }
+        if let Some((billing, registry)) = self.billing.get() {
+            registry.unregister(&billing.trace_id, &billing.run_id);
+        }
+        // Waiters (`?wait=true`) stop waiting here, and live feeds end (no terminal event: the
+        // run's end is the new owner's).
+        self.visible.send_modify(|v| v.finished = true);
+        true
     }
 
     /// The billing account.
@@ -374,6 +422,9 @@ impl RunLog {
             Some(Box::new(move |result: Result<Applied, StoreError>| {
                 if let Some(log) = me.upgrade() {
                     match result {
+                        Ok(Applied::Fenced) => {
+                            log.lose();
+                        }
                         Ok(_) => {
                             log.stored(stored_event, patch);
                             if let (Some(h), Some(t)) = (&log.latency, received) {
@@ -391,7 +442,7 @@ impl RunLog {
     fn stored(&self, event: Option<Arc<StoredEvent>>, patch: RunPatch) {
         let terminal = {
             let mut st = self.lock();
-            if st.finished_at.is_some() {
+            if st.finished_at.is_some() || st.lost {
                 return;
             }
             patch.apply(&mut st.stored);
@@ -414,7 +465,8 @@ impl RunLog {
     fn fail(&self, e: &StoreError) {
         let (write, event) = {
             let mut st = self.lock();
-            if st.finished_at.is_some() {
+            // A lost run's end is its new owner's: ending it here would write over its events.
+            if st.finished_at.is_some() || st.lost {
                 return;
             }
             st.closed = true;
@@ -516,7 +568,7 @@ impl Feed {
                     self.last = ev.id;
                     return Ok(ev.clone());
                 }
-                if st.finished_at.is_some() {
+                if st.finished_at.is_some() || st.lost {
                     return Err(FeedError::Closed);
                 }
                 // Under the lock, so an event made visible after this look wakes the wait below.

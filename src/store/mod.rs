@@ -13,6 +13,7 @@
 //!   the next start does not continue a run whose end a client has seen.
 //! - [`live`]: a live run's log in memory ([`live::RunLog`], the session actor's [`RunSink`]):
 //!   events become visible to SSE clients only once the store has them.
+//! - [`follow`]: SSE clients of a run live on another replica (PostgreSQL `LISTEN`/`NOTIFY`).
 //! - [`runs`]: the facade the HTTP layer and the restart path use ([`runs::RunStore`]).
 //! - [`query`]: `GET /v1/runs` filters and cursors, parsed and validated (pure).
 //!
@@ -23,6 +24,7 @@
 
 mod columns;
 pub mod event_data;
+pub mod follow;
 pub mod live;
 pub mod memory;
 pub mod notes;
@@ -34,6 +36,8 @@ pub mod tenants;
 pub mod writer;
 #[cfg(test)]
 mod backend_tests;
+#[cfg(test)]
+mod lease_tests;
 
 pub use live::{RunDoc, RunLog};
 pub use runs::{Insert, RunStore, RunView};
@@ -335,6 +339,16 @@ pub enum Applied {
     IdempotencyMismatch,
     /// Stored.
     Done,
+    /// A new run, stored for the replica that owns the earlier runs of its session or branch key
+    /// (or after runs of them still waiting for their owner): that replica starts it in admission
+    /// order, not this one.
+    Assigned {
+        /// Admission order.
+        seq: i64,
+    },
+    /// Not stored: the run belongs to another replica now (it took the run over after this one's
+    /// lease expired). The writer stops writing for the run.
+    Fenced,
 }
 
 /// A store failure, in words that name the store.
@@ -410,6 +424,51 @@ pub trait Store: Send + Sync + 'static {
     async fn replicas(&self) -> Result<Option<Vec<Replica>>, StoreError> {
         Ok(None)
     }
+    /// Makes this process the owner of the runs it inserts from now on, for `lease.ms` at a time
+    /// (stores shared by several processes; the others have one process per database, to which
+    /// every run belongs).
+    fn set_lease(&self, _lease: &Lease) {}
+    /// Takes the runs this process may continue, in admission order: at start (`at_start`) the
+    /// ones of its own id (a restart under the same id) and those whose lease expired; later only
+    /// the expired ones of other processes. Each claimed run is this process's from then on (no
+    /// other process gets it). Stores without leases: every unfinished run at start, none later.
+    async fn claim(&self, _lease: &Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+        if at_start { self.unfinished().await } else { Ok(Vec::new()) }
+    }
+    /// Renews the lease of every unfinished run of this process (one statement) and reports which
+    /// of `live` (its runs in memory) are another's now, and which have an abort posted elsewhere.
+    async fn renew(&self, _lease: &Lease, _live: &[String]) -> Result<Renewed, StoreError> {
+        Ok(Renewed::default())
+    }
+    /// Gives up the leases of this process's unfinished runs (a handoff shutdown: they were
+    /// suspended and their writes flushed), so that other processes take them over at once
+    /// instead of after the lease. A no-op for stores without leases.
+    async fn release(&self, _lease: &Lease) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+    /// Records an abort for the run's owner (posted to a process that does not own it); false
+    /// when the run is finished or unknown. Stores without leases: false (every run is local).
+    async fn request_abort(&self, _run_id: &str) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+}
+
+/// Who owns the runs a process admits, and for how long a renewal holds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// `CLAWMUX_REPLICA_ID`.
+    pub replica: String,
+    /// `CLAWMUX_RUN_LEASE_SEC` in milliseconds.
+    pub ms: i64,
+}
+
+/// What a renewal found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Renewed {
+    /// Runs in memory here that another process owns now (this one was too slow to renew).
+    pub lost: Vec<String>,
+    /// Runs of this process with an abort posted to another process.
+    pub aborts: Vec<String>,
 }
 
 /// A clawmux process sharing the store, as its heartbeat row says.

@@ -10,12 +10,13 @@
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
-use super::{Applied, EventName, ListQuery, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
+use super::{Applied, EventName, Lease, ListQuery, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row, Transaction};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The schema, embedded at build time.
@@ -49,7 +50,14 @@ pub struct PgStore {
     display: String,
     /// The last `apply` failed because the database was out of reach (see [`Store::unreachable`]).
     unreachable: AtomicBool,
+    /// This process as the owner of the runs it inserts, and its lease (unset: runs are inserted
+    /// without an owner and writes are not fenced, e.g. `clawmux` commands other than `serve`).
+    lease: OnceLock<Lease>,
 }
+
+/// The database's clock in milliseconds: every lease is set and judged by it, so replicas whose
+/// clocks differ still agree on which lease expired.
+const DB_NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 impl PgStore {
     /// Connects to `url` and migrates the schema. Every error names the store (without its
@@ -78,7 +86,7 @@ impl PgStore {
             .acquire_timeout(ACQUIRE_TIMEOUT)
             .test_before_acquire(true)
             .connect_lazy_with(options);
-        Ok(Self { pool, write_pool, display: display.to_owned(), unreachable: AtomicBool::new(false) })
+        Ok(Self { pool, write_pool, display: display.to_owned(), unreachable: AtomicBool::new(false), lease: OnceLock::new() })
     }
 
     /// The connection pool (replica coordination shares it).
@@ -171,12 +179,38 @@ impl PgStore {
 
 type Tx<'a> = Transaction<'a, Postgres>;
 
-async fn insert(tx: &mut Tx<'_>, row: &RunRow) -> Result<Applied, sqlx::Error> {
-    let seq: Option<i64> = sqlx::query_scalar(
+/// `INSERT` of a run without an owner (a store no replica serves). `$15` and `$16` (owner, lease)
+/// are bound but unused: one list of arguments serves both statements.
+const INSERT_UNOWNED: &str = "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
+     checkpoint, content, created_at, key_id, webhook_url, usage, branch_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+     $14, $17) ON CONFLICT DO NOTHING RETURNING seq, NULL::text AS assigned_to";
+
+/// `INSERT` of a replica's new run. It is this replica's, unless an unfinished run of its session
+/// key (or of its branch key) belongs to another replica or still waits for its owner to take it
+/// up: then it goes to the owner of the earliest one, with that run's lease (a dead owner's runs of the key expire, and are
+/// claimed, together), marked assigned. (The batch holds the keys' advisory locks: two replicas
+/// admitting runs of one key decide one after the other.)
+fn insert_owned() -> String {
+    format!(
         "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-         checkpoint, content, created_at, key_id, webhook_url, usage) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
-         ON CONFLICT DO NOTHING RETURNING seq",
+           checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until, assigned_at, branch_key) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
+           CASE WHEN k.pending THEN COALESCE(k.owner, $15) ELSE $15 END, \
+           CASE WHEN k.pending AND k.owner IS DISTINCT FROM $15 THEN k.lease_until ELSE {DB_NOW_MS} + $16::bigint END, \
+           CASE WHEN k.pending THEN {DB_NOW_MS} END, $17 \
+         FROM (SELECT (array_agg(owner ORDER BY seq))[1] AS owner, (array_agg(lease_until ORDER BY seq))[1] AS lease_until, \
+                 bool_or(owner IS DISTINCT FROM $15 OR assigned_at IS NOT NULL) AS pending \
+               FROM runs WHERE finished_at IS NULL AND (session_key = $6 OR branch_key = $17)) k \
+         ON CONFLICT DO NOTHING RETURNING seq, CASE WHEN assigned_at IS NOT NULL THEN owner END AS assigned_to"
     )
+}
+
+async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<Applied, sqlx::Error> {
+    let sql = match lease {
+        Some(_) => insert_owned(),
+        None => INSERT_UNOWNED.to_owned(),
+    };
+    let inserted: Option<(i64, Option<String>)> = sqlx::query_as(&sql)
     .bind(&row.run_id)
     .bind(&row.idempotency_key)
     .bind(&row.fingerprint)
@@ -191,10 +225,19 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow) -> Result<Applied, sqlx::Error> {
     .bind(&row.key_id)
     .bind(&row.webhook_url)
     .bind(row.usage.as_ref().map(json))
+    .bind(lease.map(|l| l.replica.clone()))
+    .bind(lease.map(|l| l.ms))
+    .bind(row.spec.branch.as_ref().map(|b| b.key.clone()))
     .fetch_optional(&mut **tx)
     .await?;
-    if let Some(seq) = seq {
-        return Ok(Applied::Inserted { seq });
+    match inserted {
+        Some((seq, None)) => return Ok(Applied::Inserted { seq }),
+        Some((seq, Some(owner))) => {
+            // Its owner is woken at commit (see `follow`).
+            sqlx::query("SELECT pg_notify($1, $2)").bind(super::follow::ASSIGNED).bind(owner).execute(&mut **tx).await?;
+            return Ok(Applied::Assigned { seq });
+        }
+        None => {}
     }
     // A constraint said no: which row won, and is it the same request?
     if let Some(key) = &row.idempotency_key {
@@ -239,10 +282,11 @@ impl Events {
         self.data.push(e.data.clone());
     }
 
-    async fn flush(&mut self, tx: &mut Tx<'_>) -> Result<(), sqlx::Error> {
+    async fn flush(&mut self, tx: &mut Tx<'_>, notify: &mut HashSet<String>) -> Result<(), sqlx::Error> {
         if self.ids.is_empty() {
             return Ok(());
         }
+        notify.extend(self.run_ids.iter().cloned());
         sqlx::query("INSERT INTO events (run_id, id, name, data) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[])")
             .bind(&self.run_ids)
             .bind(&self.ids)
@@ -303,23 +347,94 @@ async fn update(tx: &mut Tx<'_>, run_id: &str, p: &Pending) -> Result<(), sqlx::
     Ok(())
 }
 
+/// The advisory lock name of a branch key (session keys are locked by their own name; a branch
+/// key can never be mistaken for one: session keys start with `agent:`).
+fn branch_lock(key: &str) -> String {
+    format!("branch:{key}")
+}
+
+/// Takes the advisory locks of the session and branch keys of the batch's new runs (in one order: batches of
+/// two replicas never wait on each other crosswise), so that admissions of one key on two
+/// replicas, and a takeover of its runs, see each other (see `insert_owned`, `claim`).
+async fn lock_session_keys(tx: &mut Tx<'_>, batch: &[Write]) -> Result<(), sqlx::Error> {
+    let mut keys: Vec<String> = Vec::new();
+    for w in batch {
+        if let Write::Insert(row) = w {
+            keys.push(row.session_key.clone());
+            if let Some(b) = &row.spec.branch {
+                keys.push(branch_lock(&b.key));
+            }
+        }
+    }
+    if keys.is_empty() {
+        return Ok(());
+    }
+    keys.sort_unstable();
+    keys.dedup();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended(k, 14)) FROM UNNEST($1::text[]) WITH ORDINALITY AS t(k, n) ORDER BY n")
+        .bind(&keys)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The runs of the batch's writes that another replica owns now: their writes are dropped
+/// (answered [`Applied::Fenced`]), so a replica that lost a run (its lease expired and another
+/// took the run over) can no longer add events or change the row. The rows that are still ours
+/// are locked until the batch commits (`FOR KEY SHARE`): a takeover (`FOR UPDATE SKIP LOCKED`)
+/// passes them by until then, so it never reads a run's events while a batch of its old owner
+/// is still adding to them. The key-share lock does not block renewals (`FOR NO KEY UPDATE`).
+async fn fence(tx: &mut Tx<'_>, batch: &[Write], lease: &Lease) -> Result<HashSet<String>, sqlx::Error> {
+    let mut ids: Vec<&str> = batch
+        .iter()
+        .filter_map(|w| match w {
+            Write::Append { run_id, .. } | Write::Fail { run_id, .. } => Some(run_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    if ids.is_empty() {
+        return Ok(HashSet::new());
+    }
+    // One order for every batch's locks.
+    ids.sort_unstable();
+    ids.dedup();
+    let rows: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT run_id, owner FROM runs WHERE run_id = ANY($1) ORDER BY run_id FOR KEY SHARE")
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?;
+    // A run that is not there (yet: inserted by this batch) is no one else's.
+    Ok(rows.into_iter().filter(|(_, owner)| owner.as_deref() != Some(lease.replica.as_str())).map(|(id, _)| id).collect())
+}
+
 impl PgStore {
     async fn apply_tx(&self, batch: &[Write]) -> Result<Vec<Applied>, sqlx::Error> {
         let mut tx = self.write_pool.begin().await?;
+        let lease = self.lease.get();
+        let fenced = match lease {
+            Some(l) => {
+                lock_session_keys(&mut tx, batch).await?;
+                fence(&mut tx, batch, l).await?
+            }
+            None => HashSet::new(),
+        };
         let mut out = Vec::with_capacity(batch.len());
         // Row changes of the whole batch, coalesced: one update per run (later changes win).
         let mut order: Vec<&str> = Vec::new();
         let mut pending: HashMap<&str, Pending> = HashMap::new();
         let mut events = Events::default();
+        // Runs that got events: other replicas' followers are told at commit (see `follow`).
+        let mut notify: HashSet<String> = HashSet::new();
         // Tokens per account and window, added once at the end (in a fixed order: two replicas'
         // batches never wait on each other's spend rows in opposite orders).
         let mut spend: std::collections::BTreeMap<(&str, i64), u64> = Default::default();
         for w in batch {
             out.push(match w {
                 Write::Insert(row) => {
-                    events.flush(&mut tx).await?;
-                    insert(&mut tx, row).await?
+                    events.flush(&mut tx, &mut notify).await?;
+                    insert(&mut tx, row, lease).await?
                 }
+                Write::Append { run_id, .. } | Write::Fail { run_id, .. } if fenced.contains(run_id.as_str()) => Applied::Fenced,
                 Write::Append { run_id, event, patch, webhook } => {
                     if let Some(w) = webhook {
                         queue_webhook(&mut tx, run_id, w).await?;
@@ -341,7 +456,7 @@ impl PgStore {
                     Applied::Done
                 }
                 Write::Fail { run_id, event, patch, webhook } => {
-                    events.flush(&mut tx).await?;
+                    events.flush(&mut tx, &mut notify).await?;
                     sqlx::query("DELETE FROM events WHERE run_id = $1 AND id >= $2").bind(run_id).bind(i64_of(event.id)).execute(&mut *tx).await?;
                     events.push(run_id, event);
                     if let Some(w) = webhook {
@@ -361,7 +476,7 @@ impl PgStore {
                     Applied::Done
                 }
                 Write::Delete { run_id } => {
-                    events.flush(&mut tx).await?;
+                    events.flush(&mut tx, &mut notify).await?;
                     sqlx::query("DELETE FROM events WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
                     sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
                     pending.remove(run_id.as_str());
@@ -369,7 +484,7 @@ impl PgStore {
                 }
             });
         }
-        events.flush(&mut tx).await?;
+        events.flush(&mut tx, &mut notify).await?;
         for run_id in order {
             if let Some(p) = pending.get(run_id) {
                 update(&mut tx, run_id, p).await?;
@@ -385,6 +500,10 @@ impl PgStore {
             .bind(i64_of(tokens))
             .execute(&mut *tx)
             .await?;
+        }
+        if !notify.is_empty() {
+            let ids: Vec<String> = notify.into_iter().collect();
+            sqlx::query("SELECT pg_notify($1, id) FROM UNNEST($2::text[]) AS id").bind(super::follow::CHANNEL).bind(&ids).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(out)
@@ -484,6 +603,77 @@ impl Store for PgStore {
                 .await
                 .map_err(|e| self.err(e))?;
         Ok(Some(rows.into_iter().map(|(id, started_at_ms, heartbeat_at_ms, version)| Replica { id, started_at_ms, heartbeat_at_ms, version }).collect()))
+    }
+
+    fn set_lease(&self, lease: &Lease) {
+        if self.lease.set(lease.clone()).is_err() {
+            tracing::warn!("the run store's owner was set twice; the first one stays");
+        }
+    }
+
+    async fn claim(&self, lease: &Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+        // Row locks decide: a run locked by another claimer (or by a batch of its owner, see
+        // `fence`) is passed by, so each run goes to exactly one claimer. The runs of one session
+        // key go together: a claimer takes the key's advisory lock (until it commits) before it
+        // takes any of its runs, and a concurrent claimer that cannot get it leaves them all, so
+        // their admission order is continued by one replica. (The CASE guards the order of
+        // evaluation: only expired runs' keys are locked.)
+        let mine = if at_start { "owner = $1 OR " } else { "" };
+        // Runs other replicas admitted for this one (assigned) are taken up here too.
+        let sql = format!(
+            "WITH c AS (SELECT run_id FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
+               OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS})) \
+               THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) AND (branch_key IS NULL OR \
+                 pg_try_advisory_xact_lock(hashtextextended('branch:' || branch_key, 14))) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
+             UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, assigned_at = NULL, \
+               claims = r.claims + CASE WHEN r.owner IS DISTINCT FROM $1 THEN 1 ELSE 0 END FROM c \
+             WHERE r.run_id = c.run_id RETURNING r.*"
+        );
+        let rows = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        let mut rows = self.decode_rows(rows);
+        rows.sort_by_key(|r| r.seq);
+        Ok(rows)
+    }
+
+    async fn renew(&self, lease: &Lease, live: &[String]) -> Result<Renewed, StoreError> {
+        // One statement: every run of this replica is renewed (a row locked right now, by a
+        // takeover or a batch's delete, is renewed next time rather than waited for: a renewal
+        // never waits, so it never deadlocks with a batch); the SELECT sees the rows as they
+        // were before (one snapshot), which is what decides lost runs and aborts.
+        let sql = format!(
+            "WITH l AS (SELECT run_id FROM runs WHERE owner = $1 AND finished_at IS NULL FOR NO KEY UPDATE SKIP LOCKED), \
+             renewed AS (UPDATE runs r SET lease_until = {DB_NOW_MS} + $2::bigint FROM l WHERE r.run_id = l.run_id) \
+             SELECT run_id, owner IS DISTINCT FROM $1 AS lost FROM runs WHERE run_id = ANY($3) AND finished_at IS NULL \
+               AND (owner IS DISTINCT FROM $1 OR abort_requested_at IS NOT NULL)"
+        );
+        let rows: Vec<(String, bool)> =
+            sqlx::query_as(&sql).bind(&lease.replica).bind(lease.ms).bind(live).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        let mut out = Renewed::default();
+        for (id, lost) in rows {
+            if lost { out.lost.push(id) } else { out.aborts.push(id) }
+        }
+        Ok(out)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<u64, StoreError> {
+        // Expired, not ownerless: the same id starting again still counts them as its own.
+        let r = sqlx::query("UPDATE runs SET lease_until = 0 WHERE owner = $1 AND finished_at IS NULL")
+            .bind(&lease.replica)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(r.rows_affected())
+    }
+
+    async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
+        let r = sqlx::query(&format!(
+            "UPDATE runs SET abort_requested_at = COALESCE(abort_requested_at, {DB_NOW_MS}) WHERE run_id = $1 AND finished_at IS NULL"
+        ))
+        .bind(run_id)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(r.rows_affected() > 0)
     }
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {

@@ -9,7 +9,7 @@ use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
-use super::{now_ms, Applied, EventName, ListQuery, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
+use super::{now_ms, Applied, EventName, Lease, ListQuery, Renewed, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
 use dashmap::DashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +28,9 @@ pub enum Insert {
     Conflict,
     /// The idempotency key exists with a different body.
     IdempotencyMismatch,
+    /// Stored for the replica that owns the earlier runs of its session or branch key (see
+    /// [`Applied::Assigned`]): it runs there, this process serves it from the store.
+    Assigned(RunView),
 }
 
 /// A run, live in this process or only stored.
@@ -86,6 +89,8 @@ pub struct RunStore {
     latency: Option<prometheus::Histogram>,
     /// Ends the store could not take (durable stores only): see [`super::notes`].
     notes: Option<Arc<EndNotes>>,
+    /// Followers of runs live on other replicas (stores shared by replicas only).
+    follow: Option<Arc<super::follow::Follow>>,
 }
 
 impl RunStore {
@@ -97,6 +102,7 @@ impl RunStore {
         metrics: StoreMetrics,
         latency: Option<prometheus::Histogram>,
     ) -> Result<Arc<Self>, StoreError> {
+        let mut follow = None;
         let (backend, tenants): (Arc<dyn Store>, Arc<dyn TenantStore>) = match url {
             StoreUrl::Memory => {
                 let m = Arc::new(MemoryStore::new());
@@ -108,6 +114,7 @@ impl RunStore {
             }
             StoreUrl::Postgres { url, display } => {
                 let s = Arc::new(PgStore::open(url.expose(), display).await?);
+                follow = Some(super::follow::Follow::new(s.pool().clone()));
                 (s.clone(), s)
             }
         };
@@ -117,7 +124,7 @@ impl RunStore {
             StoreUrl::Memory | StoreUrl::Postgres { .. } => None,
             StoreUrl::Sqlite(path) => Some(Arc::new(EndNotes::open(path).map_err(StoreError)?)),
         };
-        Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes))
+        Ok(Self::build(backend, tenants, retention, metrics, url.display(), latency, notes, follow))
     }
 
     /// A store over `backend` (tests use it with a probe backend).
@@ -129,9 +136,10 @@ impl RunStore {
         url: String,
         latency: Option<prometheus::Histogram>,
     ) -> Arc<Self> {
-        Self::build(backend, tenants, retention, metrics, url, latency, None)
+        Self::build(backend, tenants, retention, metrics, url, latency, None, None)
     }
 
+    #[allow(clippy::too_many_arguments)] // private: the two constructors above pass everything through
     fn build(
         backend: Arc<dyn Store>,
         tenants: Arc<dyn TenantStore>,
@@ -140,9 +148,10 @@ impl RunStore {
         url: String,
         latency: Option<prometheus::Histogram>,
         notes: Option<Arc<EndNotes>>,
+        follow: Option<Arc<super::follow::Follow>>,
     ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes })
+        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow })
     }
 
     /// Keys, limits, spend and the webhook outbox of the same store.
@@ -189,6 +198,10 @@ impl RunStore {
                 self.live.insert(log.run_id.clone(), log.clone());
                 Ok(Insert::New(log))
             }
+            Applied::Assigned { seq } => {
+                row.seq = seq;
+                Ok(Insert::Assigned(RunView::Stored(Box::new(row))))
+            }
             Applied::Existing { run_id } => match self.view(&run_id).await? {
                 Some(v) => Ok(Insert::Existing(v)),
                 // Swept between the two reads: the caller may start it again.
@@ -196,7 +209,7 @@ impl RunStore {
             },
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
-            Applied::Done => Err(StoreError("the run store did not say how the admission went".to_owned())),
+            Applied::Done | Applied::Fenced => Err(StoreError("the run store did not say how the admission went".to_owned())),
         }
     }
 
@@ -208,9 +221,70 @@ impl RunStore {
         }
     }
 
-    /// A live run's log.
+    /// A live run's log (not one another replica took over: that run is served from the store).
     pub fn live(&self, run_id: &str) -> Option<Arc<RunLog>> {
-        self.live.get(run_id).map(|r| r.clone())
+        self.live.get(run_id).map(|r| r.clone()).filter(|l| !l.is_lost())
+    }
+
+    /// Wakes on each batch that stores events of `run_id` on any replica (`None`: the store is
+    /// not shared, every live run is in this process).
+    pub fn follow(&self, run_id: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.follow.as_ref().map(|f| f.subscribe(run_id))
+    }
+
+    /// Wakes `wake` when another replica assigns `replica` a run (stores shared by replicas).
+    pub fn wake_on_assigned(&self, replica: &str, wake: Arc<tokio::sync::Notify>) {
+        if let Some(f) = &self.follow {
+            f.wake_on_assigned(replica, wake);
+        }
+    }
+
+    /// Makes this process the owner of the runs it admits; see [`Store::set_lease`].
+    pub fn set_lease(&self, lease: &Lease) {
+        self.backend.set_lease(lease);
+    }
+
+    /// Renews this process's leases; see [`Store::renew`].
+    pub async fn renew(&self, lease: &Lease) -> Result<Renewed, StoreError> {
+        let live: Vec<String> = self.live.iter().filter(|l| !l.is_finished() && !l.is_lost()).map(|l| l.run_id.clone()).collect();
+        self.backend.renew(lease, &live).await
+    }
+
+    /// Another replica owns `run_id` now: stops it here without cancelling it (see
+    /// [`RunLog::lose`]) and serves it from the store from now on.
+    pub fn lose(&self, run_id: &str) -> bool {
+        match self.live.remove(run_id) {
+            Some((_, log)) => log.lose(),
+            None => false,
+        }
+    }
+
+    /// Gives up this process's leases (handoff shutdown); see [`Store::release`].
+    pub async fn release(&self, lease: &Lease) -> Result<u64, StoreError> {
+        self.backend.release(lease).await
+    }
+
+    /// Records an abort for the run's owner (another replica); see [`Store::request_abort`].
+    pub async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
+        self.backend.request_abort(run_id).await
+    }
+
+    /// Takes over the runs whose owner's lease expired (see [`Store::claim`]), as live logs in
+    /// admission order, for the restart path to continue.
+    pub async fn take_over(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let rows = self.backend.claim(lease, false).await?;
+        self.logs_of(rows).await
+    }
+
+    async fn logs_of(&self, rows: Vec<RunRow>) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let mut out = Vec::new();
+        for row in rows {
+            let events = self.backend.events(&row.run_id, 0).await?;
+            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone(), self.notes.clone());
+            self.live.insert(row.run_id.clone(), log.clone());
+            out.push((log, row));
+        }
+        Ok(out)
     }
 
     /// A run, live or stored.
@@ -247,22 +321,15 @@ impl RunStore {
         Ok((docs, last))
     }
 
-    /// The unfinished runs of the store with their events, as live logs, in admission order: what
-    /// a restarted clawmux continues. Runs a previous process ended because the store failed them
-    /// (noted outside the store) are ended the same way first, never continued.
-    pub async fn resume(&self) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+    /// The unfinished runs of the store this process may continue (on a shared store: its own
+    /// and those whose lease expired, claimed; see [`Store::claim`]) with their events, as live
+    /// logs, in admission order: what a restarted clawmux continues. Runs a previous process
+    /// ended because the store failed them (noted outside the store) are ended the same way
+    /// first, never continued.
+    pub async fn resume(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
         let ended = self.end_noted_runs().await?;
-        let mut out = Vec::new();
-        for row in self.backend.unfinished().await? {
-            if ended.contains(&row.run_id) {
-                continue;
-            }
-            let events = self.backend.events(&row.run_id, 0).await?;
-            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone(), self.notes.clone());
-            self.live.insert(row.run_id.clone(), log.clone());
-            out.push((log, row));
-        }
-        Ok(out)
+        let rows = self.backend.claim(lease, true).await?.into_iter().filter(|r| !ended.contains(&r.run_id)).collect();
+        self.logs_of(rows).await
     }
 
     /// Stores the ends a previous process noted and could not store; returns the runs that must
@@ -313,7 +380,7 @@ impl RunStore {
     /// swept from the store: a swept run is gone from every read). A log whose end the store does
     /// not have yet is kept: it is the only place that knows how the run ended.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
-        self.live.retain(|_, log| log.finished_for().is_none_or(|d| d < LINGER) || !log.end_stored());
+        self.live.retain(|_, log| !log.is_lost() && (log.finished_for().is_none_or(|d| d < LINGER) || !log.end_stored()));
         let gone = self.backend.sweep(self.retention, now_ms()).await?;
         for run_id in &gone {
             self.live.remove(run_id);

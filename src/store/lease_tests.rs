@@ -1,0 +1,154 @@
+//! Run leases on PostgreSQL (`pg_…`, see backend_tests): concurrent takeovers, fencing of a
+//! replica that lost a run, renewal reports, claims at start.
+
+use super::backend_tests::{pg_url, row};
+use super::postgres::PgStore;
+use super::{Applied, EventName, Lease, RunPatch, Store, StoredEvent, Write};
+use std::collections::{HashMap, HashSet};
+
+async fn open(url: &str, replica: &str, ms: i64) -> (PgStore, Lease) {
+    let display = super::StoreUrl::parse(url).expect("url").display();
+    let s = PgStore::open(url, &display).await.expect("postgres opens");
+    let lease = Lease { replica: replica.to_owned(), ms };
+    s.set_lease(&lease);
+    (s, lease)
+}
+
+fn delta(run_id: &str, id: u64) -> Write {
+    let event = StoredEvent { id, name: EventName::TextDelta, data: format!("{{\"text\":\"{run_id}-{id}\"}}") };
+    Write::Append { run_id: run_id.to_owned(), event: Some(event), patch: RunPatch::default(), webhook: None }
+}
+
+async fn one(s: &PgStore, w: Write) -> Applied {
+    s.apply(&[w]).await.expect("insert").pop().expect("one result")
+}
+
+async fn claims_of(url: &str) -> HashMap<String, (String, i64)> {
+    let pool = sqlx::PgPool::connect(url).await.expect("connect");
+    let rows: Vec<(String, Option<String>, i64)> = sqlx::query_as("SELECT run_id, owner, claims FROM runs").fetch_all(&pool).await.expect("read");
+    pool.close().await;
+    rows.into_iter().map(|(id, owner, claims)| (id, (owner.unwrap_or_default(), claims))).collect()
+}
+
+#[tokio::test]
+async fn pg_concurrent_takeovers_give_each_expired_run_to_exactly_one_claimer_with_its_session_key() {
+    let Some(url) = pg_url("pg_concurrent_takeovers").await else { return };
+    // A replica whose leases are expired from the start (a negative lease): as if it died.
+    let (dead, _) = open(&url, "dead", -1000).await;
+    const N: usize = 300;
+    let mut batch = Vec::new();
+    for i in 0..N {
+        let mut r = row(&format!("run-{i:03}"), "acct", 1000 + i as i64);
+        // Six runs per session key: they must be continued by one replica, in admission order.
+        r.session_key = format!("agent:main:clawmux:acct.s.{}", i % 50);
+        batch.push(Write::Insert(Box::new(r)));
+    }
+    assert!(dead.apply(&batch).await.expect("insert").iter().all(|a| matches!(a, Applied::Inserted { .. })));
+    let mut claimers = Vec::new();
+    for i in 0..4 {
+        claimers.push(open(&url, &format!("claimer-{i}"), 60_000).await);
+    }
+    let mut won: HashMap<String, Vec<super::RunRow>> = HashMap::new();
+    for _round in 0..20 {
+        let all = futures_util::future::join_all(claimers.iter().map(|(s, l)| s.claim(l, false))).await;
+        for ((_, l), got) in claimers.iter().zip(all) {
+            let got = got.expect("claim");
+            assert!(got.windows(2).all(|w| w[0].seq < w[1].seq), "not in admission order");
+            won.entry(l.replica.clone()).or_default().extend(got);
+        }
+        if won.values().map(Vec::len).sum::<usize>() >= N {
+            break;
+        }
+    }
+    let total: usize = won.values().map(Vec::len).sum();
+    let distinct: HashSet<&str> = won.values().flatten().map(|r| r.run_id.as_str()).collect();
+    assert_eq!((total, distinct.len()), (N, N), "a run was won twice, or not at all: {:?}", won.iter().map(|(k, v)| (k, v.len())).collect::<Vec<_>>());
+    let stored = claims_of(&url).await;
+    for (replica, rows) in &won {
+        for r in rows {
+            assert_eq!(stored[&r.run_id], (replica.clone(), 1), "{}", r.run_id);
+        }
+    }
+    let mut holder: HashMap<&str, &str> = HashMap::new();
+    for (replica, rows) in &won {
+        for r in rows {
+            let h = holder.entry(r.session_key.as_str()).or_insert(replica.as_str());
+            assert_eq!(*h, replica.as_str(), "the runs of {} were split between claimers", r.session_key);
+        }
+    }
+    // Claimed runs hold a fresh lease: nothing is left to take.
+    for (s, l) in &claimers {
+        assert!(s.claim(l, false).await.expect("claim").is_empty());
+    }
+}
+
+#[tokio::test]
+async fn pg_a_replica_that_lost_a_run_is_fenced_told_by_its_renewal_and_aborts_reach_the_owner() {
+    let Some(url) = pg_url("pg_lost_run_fenced").await else { return };
+    let (a, la) = open(&url, "a", -1000).await;
+    let (b, lb) = open(&url, "b", 60_000).await;
+    assert!(matches!(a.apply(&[Write::Insert(Box::new(row("r1", "acct", 1)))]).await.expect("insert")[..], [Applied::Inserted { .. }]));
+    assert_eq!(a.apply(&[delta("r1", 1)]).await.expect("a writes its run"), [Applied::Done]);
+    // A's lease expired (it renews with a negative lease: as if too slow); b takes the run over.
+    assert!(a.renew(&la, &["r1".to_owned()]).await.expect("renew").lost.is_empty(), "still a's until someone claims it");
+    let got = b.claim(&lb, false).await.expect("claim");
+    assert_eq!(got.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), ["r1"]);
+    // A's next writes are dropped (fenced), b's are stored; a's renewal reports the loss.
+    assert_eq!(a.apply(&[delta("r1", 2), Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 1 }]).await.expect("batch"), [Applied::Fenced, Applied::Done]);
+    assert_eq!(b.apply(&[delta("r1", 2)]).await.expect("b writes"), [Applied::Done]);
+    let texts: Vec<String> = b.events("r1", 0).await.expect("events").into_iter().map(|e| e.data).collect();
+    assert_eq!(texts, ["{\"text\":\"r1-1\"}", "{\"text\":\"r1-2\"}"]);
+    assert_eq!(a.renew(&la, &["r1".to_owned()]).await.expect("renew").lost, ["r1"]);
+    let rb = b.renew(&lb, &["r1".to_owned()]).await.expect("renew");
+    assert!(rb.lost.is_empty() && rb.aborts.is_empty(), "{rb:?}");
+    // An abort posted to a (not the owner) reaches b's next renewal.
+    assert!(a.request_abort("r1").await.expect("abort"));
+    assert_eq!(b.renew(&lb, &["r1".to_owned()]).await.expect("renew").aborts, ["r1"]);
+    // At start, a replica continues its own runs (a restart under its id) even with a lease that
+    // holds; another replica does not take them.
+    assert!(a.claim(&la, true).await.expect("claim").is_empty());
+    // A run whose (old) owner's batch is being committed is passed by until that commits: a
+    // takeover never reads its events while they grow.
+    assert!(matches!(a.apply(&[Write::Insert(Box::new(row("r2", "acct", 2)))]).await.expect("insert")[..], [Applied::Inserted { .. }]));
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    let mut batch = pool.begin().await.expect("begin");
+    sqlx::query("SELECT run_id FROM runs WHERE run_id = 'r2' FOR KEY SHARE").execute(&mut *batch).await.expect("lock");
+    assert!(b.claim(&lb, false).await.expect("claim").is_empty(), "claimed a run while its owner's batch was being committed");
+    batch.commit().await.expect("commit");
+    assert_eq!(b.claim(&lb, false).await.expect("claim").len(), 1);
+    pool.close().await;
+    let (b2, lb2) = open(&url, "b", 60_000).await;
+    assert_eq!(b2.claim(&lb2, true).await.expect("claim").len(), 2);
+    assert_eq!(claims_of(&url).await["r1"], ("b".to_owned(), 1), "a restart under the same id is no change of hands");
+}
+
+#[tokio::test]
+async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_replica_in_admission_order() {
+    let Some(url) = pg_url("pg_session_key_assignment").await else { return };
+    let (a, la) = open(&url, "a", 60_000).await;
+    let (b, _) = open(&url, "b", 60_000).await;
+    let (dead, _) = open(&url, "dead", -1000).await;
+    let keyed = |id: &str, key: &str| {
+        let mut r = row(id, "acct", 1);
+        r.session_key = format!("agent:main:clawmux:acct.s.{key}");
+        Write::Insert(Box::new(r))
+    };
+    assert!(matches!(one(&a, keyed("k1", "x")).await, Applied::Inserted { .. }));
+    // b admits a run of a's key: it is a's, to start after k1; b's other runs stay b's.
+    assert!(matches!(one(&b, keyed("k2", "x")).await, Applied::Assigned { .. }));
+    assert!(matches!(one(&b, keyed("other", "y")).await, Applied::Inserted { .. }));
+    // a admits one more of the key while k2 waits to be taken up: it queues behind k2.
+    assert!(matches!(one(&a, keyed("k3", "x")).await, Applied::Assigned { .. }));
+    let owners = claims_of(&url).await;
+    assert_eq!((owners["k2"].0.as_str(), owners["k3"].0.as_str(), owners["other"].0.as_str()), ("a", "a", "b"));
+    let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["k2", "k3"], "taken up in admission order");
+    assert_eq!(claims_of(&url).await["k2"].1, 0, "assigned to a from the start: no change of hands");
+    assert!(matches!(one(&a, keyed("k4", "x")).await, Applied::Inserted { .. }), "nothing waits any more: a's own");
+    // A key whose runs belong to a dead replica: a new run of it expires with them, and one
+    // claimer takes them all.
+    assert!(matches!(one(&dead, keyed("d1", "z")).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&b, keyed("d2", "z")).await, Applied::Assigned { .. }));
+    let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["d1", "d2"]);
+}

@@ -1,0 +1,391 @@
+//! Three clawmux replicas (child processes) on one PostgreSQL database and one replay gateway
+//! (each replica its own connection to it): a replica killed with `kill -9` has every run taken
+//! over by exactly one survivor; any replica serves any run's stream; an abort posted to a replica
+//! that does not own the run reaches its owner.
+//!
+//! Every test is named `pg_…` and runs in the PostgreSQL phase of tests/run.sh (a database of its
+//! own on the server `CLAWMUX_TEST_PG_URL` names). Without it they are skipped, unless
+//! `CLAWMUX_REQUIRE_PG=1`.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "common/child.rs"]
+mod child;
+
+use child::{attach, read_stream, Clawmux, Seen};
+use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
+use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+const GW_TOKEN: &str = "replicas-gw-token";
+
+/// The shortest lease the configuration allows: takeovers within seconds.
+const LEASE_SEC: &str = "3";
+
+async fn database(test: &str) -> Option<String> {
+    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
+        assert!(
+            !std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"),
+            "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set (tests/support/postgres.sh start DIR)"
+        );
+        eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+        return None;
+    };
+    Some(clawmux::store::postgres::create_test_database(&server, "cmx_replicas").await.unwrap())
+}
+
+/// The long recorded run (42 `chat` events over ~3.5 s at speed 1) at `speed`.
+fn gateway_at(speed: f64) -> ReplayHandle {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
+    let cfg = ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(speed).token(GW_TOKEN);
+    ReplayGateway::start("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+}
+
+/// Replica `r{i}` of three, started.
+async fn replicas(gw: &ReplayHandle, url: &str, http: &reqwest::Client) -> Vec<Clawmux> {
+    let mut out = Vec::new();
+    for i in 0..3 {
+        let id = format!("r{i}");
+        let mut app = Clawmux::new(
+            &gw.url(),
+            GW_TOKEN,
+            &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", url), ("CLAWMUX_REPLICA_ID", &id), ("CLAWMUX_RUN_LEASE_SEC", LEASE_SEC)],
+        );
+        app.start(http).await;
+        out.push(app);
+    }
+    out
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().pool_max_idle_per_host(256).timeout(Duration::from_secs(120)).build().unwrap()
+}
+
+fn body(i: usize, tag: &str) -> Value {
+    json!({"message": format!("<{tag}-{i}> [track:long]"), "billingAccountId": format!("acct-{}", i % 5), "onDisconnect": "continue"})
+}
+
+async fn post_run(http: &reqwest::Client, base: &str, body: &Value) -> String {
+    let r = http.post(format!("{base}/v1/runs?wait=false")).json(body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    r.json::<Value>().await.unwrap()["runId"].as_str().unwrap().to_owned()
+}
+
+type Streams = HashMap<String, Arc<Mutex<Seen>>>;
+
+/// Posts `n` runs round-robin over the replicas; run `i` goes to replica `i % 3`.
+async fn post_round_robin(http: &reqwest::Client, apps: &[Clawmux], n: usize, tag: &str) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(post_run(http, &apps[i % apps.len()].base, &body(i, tag)).await);
+    }
+    ids
+}
+
+/// Attaches a reader to each run (index `i`) on `base_of(i)`, from what it has seen on.
+async fn attach_each(http: &reqwest::Client, ids: &[String], seen: &Streams, base_of: impl Fn(usize) -> String, within: Duration) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut readers = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let s = &seen[id];
+        if s.lock().unwrap().terminal().is_some() {
+            continue;
+        }
+        let after = s.lock().unwrap().last_id();
+        readers.push(tokio::spawn(read_stream(attach(http, &base_of(i), id, after).await, s.clone(), within)));
+    }
+    readers
+}
+
+/// Waits (bounded) until every run of `ids` streams text, and none has ended.
+async fn until_all_stream(seen: &Streams, ids: &[&String]) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let streaming = ids.iter().filter(|id| !seen[**id].lock().unwrap().text().is_empty()).count();
+        if streaming == ids.len() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "runs did not stream ({streaming} of {} streaming)", ids.len());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ids.iter().all(|id| seen[*id].lock().unwrap().terminal().is_none()), "runs ended before the test could act on them");
+}
+
+/// Each run's content must be its own (the replay gateway echoes the message).
+fn problems(ids: &[String], seen: &Streams, tag: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let s = seen[id].lock().unwrap();
+        match s.problems() {
+            Some(p) => out.push(format!("{id} (run {i}): {}", p.chars().take(300).collect::<String>())),
+            None => {
+                let content = s.terminal().unwrap().data["content"].as_str().unwrap_or_default().to_owned();
+                if !content.starts_with(&format!("<{tag}-{i}> [track:long] | ")) {
+                    out.push(format!("{id}: not its own content: {content:?}"));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[actix_rt::test]
+async fn pg_kill_9_of_one_replica_every_run_is_taken_over_by_one_survivor_and_ends_once() {
+    let Some(url) = database("pg_kill_9_of_one_replica").await else { return };
+    // 90 runs, 30 per replica, each ~12 s long: the victim's 30 are in flight when it dies.
+    const N: usize = 90;
+    let gw = gateway_at(0.3);
+    let http = http();
+    let mut apps = replicas(&gw, &url, &http).await;
+    let ids = post_round_robin(&http, &apps, N, "tk").await;
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let bases: Vec<String> = apps.iter().map(|a| a.base.clone()).collect();
+    let readers = attach_each(&http, &ids, &seen, |i| bases[i % 3].clone(), Duration::from_secs(90)).await;
+    let victims: Vec<&String> = ids.iter().step_by(3).collect();
+    until_all_stream(&seen, &victims).await;
+
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    apps[0].kill_9();
+    let killed = Instant::now();
+    let killed_ms = clawmux::store::now_ms();
+    // Every run of r0 is claimed by a survivor (bounded).
+    let victim_ids: Vec<String> = victims.iter().map(|s| (*s).clone()).collect();
+    let claimed_after = loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id = ANY($1) AND owner = 'r0'").bind(&victim_ids).fetch_one(&pool).await.unwrap();
+        if left == 0 {
+            break killed.elapsed();
+        }
+        assert!(killed.elapsed() < Duration::from_secs(60), "{left} runs of the killed replica not taken over within 60 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // r0 starts again under its id while its former runs go on elsewhere: it continues none of
+    // them (they are the survivors' now), so none runs twice.
+    apps[0].start(&http).await;
+    assert_eq!(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runs WHERE owner = 'r0'").fetch_one(&pool).await.unwrap(), 0);
+    // Its log says what it continued at start, before it says it listens.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !apps[0].log().contains("clawmux listening") {
+        assert!(Instant::now() < deadline, "no 'listening' line: {}", apps[0].log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!apps[0].log().contains("continued the unfinished runs"), "the restarted replica took runs of others: {}", apps[0].log());
+    // Clients of the dead replica re-attach on the run's new owner with Last-Event-ID, while the
+    // runs go on.
+    let owners: HashMap<String, String> = sqlx::query_as::<_, (String, String)>("SELECT run_id, owner FROM runs").fetch_all(&pool).await.unwrap().into_iter().collect();
+    let base_of_owner = |id: &str| match owners[id].as_str() {
+        "r1" => bases[1].clone(),
+        "r2" => bases[2].clone(),
+        other => panic!("run {id} owned by {other:?}"),
+    };
+    let mut again = Vec::new();
+    for id in &victim_ids {
+        let after = seen[id].lock().unwrap().last_id();
+        assert!(seen[id].lock().unwrap().terminal().is_none(), "{id} ended before its replica was killed");
+        again.push(tokio::spawn(read_stream(attach(&http, &base_of_owner(id), id, after).await, seen[id].clone(), Duration::from_secs(90))));
+    }
+    for r in readers.into_iter().chain(again) {
+        r.await.unwrap();
+    }
+    let ended_ms: i64 = sqlx::query_scalar("SELECT max(finished_at) FROM runs WHERE run_id = ANY($1)").bind(&victim_ids).fetch_one(&pool).await.unwrap();
+    eprintln!(
+        "takeover after kill -9 (lease {LEASE_SEC} s): every run claimed after {:.2} s, every run ended after {:.2} s",
+        claimed_after.as_secs_f64(),
+        (ended_ms - killed_ms) as f64 / 1000.0
+    );
+    let problems = problems(&ids, &seen, "tk");
+    assert!(problems.is_empty(), "{} of {N} runs wrong:\n{}", problems.len(), problems.join("\n"));
+
+    // The store: each of the victim's runs changed hands exactly once, to a survivor; the others
+    // never did; every run has exactly one terminal event.
+    let rows: Vec<(String, String, i64)> = sqlx::query_as("SELECT run_id, owner, claims FROM runs").fetch_all(&pool).await.unwrap();
+    assert_eq!(rows.len(), N);
+    let victim_set: HashSet<&String> = victims.iter().copied().collect();
+    for (id, owner, claims) in &rows {
+        if victim_set.contains(id) {
+            assert!(owner != "r0" && *claims == 1, "{id}: owner {owner}, claims {claims}");
+        } else {
+            let i = ids.iter().position(|x| x == id).unwrap();
+            assert_eq!((owner.as_str(), *claims), (format!("r{}", i % 3).as_str(), 0), "{id}");
+        }
+    }
+    let terminals: Vec<(String, i64)> =
+        sqlx::query_as("SELECT run_id, count(*) FROM events WHERE name IN ('final', 'error') GROUP BY run_id").fetch_all(&pool).await.unwrap();
+    assert!(terminals.len() == N && terminals.iter().all(|(_, c)| *c == 1), "terminal events per run: {terminals:?}");
+    // The gateway: one run per run (its idempotency key), and no `agent` sent twice: a takeover
+    // continues a run with `agent.wait` (its checkpoint says it was sent), never starts it again.
+    let mut per_id: HashMap<String, usize> = HashMap::new();
+    for r in gw.runs() {
+        *per_id.entry(r.run_id.clone()).or_default() += 1;
+    }
+    assert!(per_id.len() == N && per_id.values().all(|c| *c == 1), "gateway runs: {per_id:?}");
+    let requests = gw.stats().requests_received;
+    assert_eq!(requests.get("agent").copied(), Some(N as u64), "agent requests: {requests:?}");
+    assert!(requests.get("agent.wait").copied().unwrap_or(0) >= victims.len() as u64, "agent.wait requests: {requests:?}");
+    let took: usize = apps[1..].iter().map(|a| a.log().matches("took over runs").count()).sum();
+    assert!(took >= 1, "no survivor logged a takeover");
+    pool.close().await;
+}
+
+#[actix_rt::test]
+async fn pg_any_replica_serves_any_run_and_an_abort_posted_to_another_replica_reaches_the_owner() {
+    let Some(url) = database("pg_any_replica_serves_any_run").await else { return };
+    const N: usize = 60;
+    let gw = gateway_at(0.3);
+    let http = http();
+    let apps = replicas(&gw, &url, &http).await;
+    let ids = post_round_robin(&http, &apps, N, "any").await;
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let bases: Vec<String> = apps.iter().map(|a| a.base.clone()).collect();
+    // First streams on the admitting replica, cut after a while (the readers' own deadline).
+    let first = attach_each(&http, &ids, &seen, |i| bases[i % 3].clone(), Duration::from_secs(3)).await;
+    for r in first {
+        r.await.unwrap();
+    }
+    let cut = ids.iter().filter(|id| seen[*id].lock().unwrap().terminal().is_none()).count();
+    assert!(cut >= N / 2, "the streams were not cut mid-run: only {cut} unfinished");
+    // Every stream re-attached on ANOTHER replica (not the owner): backlog from the store, then
+    // the rest as it is stored, to the end.
+    for r in attach_each(&http, &ids, &seen, |i| bases[(i + 1) % 3].clone(), Duration::from_secs(90)).await {
+        r.await.unwrap();
+    }
+    let problems = problems(&ids, &seen, "any");
+    assert!(problems.is_empty(), "{} of {N} runs wrong ({cut} were cut):\n{}", problems.len(), problems.join("\n"));
+    // A run document from a replica that does not own the run.
+    let doc: Value = http.get(format!("{}/v1/runs/{}", bases[2], ids[0])).send().await.unwrap().json().await.unwrap();
+    assert_eq!(doc["status"], "ok", "{doc}");
+
+    // Abort posted to r1 for a run of r0, followed on r2: the owner cancels the gateway run.
+    let run = post_run(&http, &bases[0], &body(1000, "abort")).await;
+    let follower = Arc::new(Mutex::new(Seen::default()));
+    let reader = tokio::spawn(read_stream(attach(&http, &bases[2], &run, 0).await, follower.clone(), Duration::from_secs(60)));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while follower.lock().unwrap().text().is_empty() {
+        assert!(Instant::now() < deadline, "the run did not stream");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = http.post(format!("{}/v1/runs/{run}/abort", bases[1])).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["aborted"], true, "{answer}");
+    reader.await.unwrap();
+    let s = follower.lock().unwrap();
+    let t = s.terminal().unwrap_or_else(|| panic!("no terminal event: {:?}", s.events));
+    assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("aborted")), "{t:?}");
+    let doc: Value = http.get(format!("{}/v1/runs/{run}", bases[1])).send().await.unwrap().json().await.unwrap();
+    assert_eq!(doc["status"], "aborted", "{doc}");
+    let gw_run = gw.runs().into_iter().find(|r| r.message.contains("<abort-1000>")).expect("the gateway ran it");
+    assert!(gw_run.abort_requests >= 1 && gw_run.aborted, "the gateway run was not cancelled: {gw_run:?}");
+}
+
+#[actix_rt::test]
+async fn pg_a_handoff_shutdown_hands_the_runs_to_another_replica_at_once_not_a_lease_later() {
+    let Some(url) = database("pg_handoff_to_a_replica").await else { return };
+    const N: usize = 10;
+    let gw = gateway_at(0.3);
+    let http = http();
+    // A lease far longer than the test waits: only the released leases can explain a takeover.
+    let mut apps: Vec<Clawmux> = (0..2)
+        .map(|i| {
+            let id = format!("h{i}");
+            Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", &url), ("CLAWMUX_REPLICA_ID", &id), ("CLAWMUX_RUN_LEASE_SEC", "600")])
+        })
+        .collect();
+    for a in &mut apps {
+        a.start(&http).await;
+    }
+    let mut ids = Vec::new();
+    for i in 0..N {
+        ids.push(post_run(&http, &apps[0].base, &body(i, "ho")).await);
+    }
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let b0 = apps[0].base.clone();
+    let readers = attach_each(&http, &ids, &seen, |_| b0.clone(), Duration::from_secs(90)).await;
+    until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
+    let stopped = Instant::now();
+    apps[0].sigterm();
+    for r in readers {
+        r.await.unwrap();
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE owner = 'h0'").fetch_one(&pool).await.unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(60), "{left} runs not taken over within 60 s of the handoff (lease 600 s)");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("handoff to another replica: every run claimed {:.2} s after SIGTERM", stopped.elapsed().as_secs_f64());
+    let b1 = apps[1].base.clone();
+    for r in attach_each(&http, &ids, &seen, |_| b1.clone(), Duration::from_secs(90)).await {
+        r.await.unwrap();
+    }
+    let problems = problems(&ids, &seen, "ho");
+    assert!(problems.is_empty(), "{} of {N} runs wrong:\n{}", problems.len(), problems.join("\n"));
+    pool.close().await;
+}
+
+#[actix_rt::test]
+async fn pg_two_replicas_racing_runs_of_one_session_key_never_interleave_them_at_the_gateway() {
+    let Some(url) = database("pg_session_key_fifo").await else { return };
+    const N: usize = 16;
+    let gw = gateway_at(5.0);
+    let http = http();
+    let mut apps: Vec<Clawmux> = (0..2)
+        .map(|i| {
+            let id = format!("f{i}");
+            Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", &url), ("CLAWMUX_REPLICA_ID", &id), ("CLAWMUX_RUN_LEASE_SEC", LEASE_SEC)])
+        })
+        .collect();
+    for a in &mut apps {
+        a.start(&http).await;
+    }
+    // Both replicas admit runs of one conversation (one session key) at the same time.
+    let fifo_body = |i: usize| json!({"message": format!("<fifo-{i}> [track:long]"), "billingAccountId": "acct-fifo", "stateKey": "one-conversation", "onDisconnect": "continue"});
+    let posts = apps.iter().enumerate().map(|(r, app)| {
+        let (http, base) = (http.clone(), app.base.clone());
+        async move {
+            let mut out = Vec::new();
+            for i in (r..N).step_by(2) {
+                out.push((i, post_run(&http, &base, &fifo_body(i)).await));
+            }
+            out
+        }
+    });
+    let ids: HashMap<usize, String> = futures_util::future::join_all(posts).await.into_iter().flatten().collect();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let done: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE finished_at IS NOT NULL").fetch_one(&pool).await.unwrap();
+        if done == N as i64 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{done} of {N} runs ended within 90 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rows: Vec<(String, String, String)> = sqlx::query_as("SELECT run_id, status, owner FROM runs ORDER BY seq").fetch_all(&pool).await.unwrap();
+    assert!(rows.iter().all(|(_, status, _)| status == "ok"), "{rows:?}");
+    let admitted: Vec<&str> = rows.iter().map(|(id, _, _)| id.as_str()).collect();
+    // The gateway's own record: started in admission order, each after the previous one ended.
+    let mut started: Vec<(std::time::Instant, Option<std::time::Instant>, String)> = gw
+        .runs()
+        .into_iter()
+        .map(|r| {
+            let i: usize = r.message.trim_start_matches("<fifo-").split('>').next().unwrap().parse().unwrap();
+            (r.accepted_at, r.finished_at, ids[&i].clone())
+        })
+        .collect();
+    started.sort_by_key(|(at, _, _)| *at);
+    let order: Vec<&str> = started.iter().map(|(_, _, id)| id.as_str()).collect();
+    assert_eq!(order, admitted, "the gateway started them out of admission order");
+    for w in started.windows(2) {
+        let ended = w[0].1.expect("ended at the gateway");
+        assert!(ended <= w[1].0, "{} started before {} ended: interleaved", w[1].2, w[0].2);
+    }
+    let owners: HashSet<&str> = rows.iter().map(|(_, _, o)| o.as_str()).collect();
+    assert_eq!(owners.len(), 1, "one replica ran the session key: {owners:?}");
+    pool.close().await;
+}
