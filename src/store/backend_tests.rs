@@ -715,3 +715,31 @@ async fn sqlite_migrates_a_version_2_store_keeping_runs_and_the_admission_counte
     other.idempotency_key = Some("key-1".into());
     assert_eq!(insert(&s, other).await, 4, "a new run after the swept run-3, on another account's equal key");
 }
+
+/// Replicas sharing a PostgreSQL store: of two delivery loops taking one due webhook at once,
+/// exactly one gets it; it is not due again while taken, comes back when a taker died (its claim
+/// ended), and is never taken again once delivered.
+#[tokio::test]
+async fn pg_replicas_take_a_due_webhook_once() {
+    use crate::store::tenants::{DeliveryOutcome, TenantStore};
+    let Some(url) = pg_url("pg_replicas_take_a_due_webhook_once").await else { return };
+    let (a, b) = (Arc::new(open_pg(&url).await), Arc::new(open_pg(&url).await));
+    insert(&*a, row("run-w", "acct-a", 1)).await;
+    let webhook = NewDelivery { url: "https://hooks.example.com/k".into(), key_id: None, body: "{}".into() };
+    a.apply(&[Write::Append { run_id: "run-w".into(), event: Some(event(1, EventName::Final, "{}")), patch: finish(5), webhook: Some(webhook) }])
+        .await
+        .expect("end with a webhook");
+    let now = super::now_ms() + 1_000;
+    let due = b.due_deliveries(now, 10).await.expect("due");
+    assert_eq!(due.len(), 1);
+    let id = due[0].id;
+    let (x, y) = tokio::join!(a.claim_delivery(id, now, now + 60_000), b.claim_delivery(id, now, now + 60_000));
+    assert_eq!([x.expect("claim"), y.expect("claim")].iter().filter(|won| **won).count(), 1, "exactly one replica takes it");
+    assert!(a.due_deliveries(now, 10).await.expect("due").is_empty(), "taken: not due for anyone");
+    assert!(!b.claim_delivery(id, now, now + 60_000).await.expect("claim"));
+    // Its taker died mid-attempt: due again once the claim ended.
+    assert_eq!(b.due_deliveries(now + 60_001, 10).await.expect("due").len(), 1);
+    assert!(b.claim_delivery(id, now + 60_001, now + 120_000).await.expect("claim"));
+    b.record_delivery(id, &DeliveryOutcome::Delivered, now + 60_002).await.expect("delivered");
+    assert!(!a.claim_delivery(id, now + 200_000, now + 300_000).await.expect("claim"), "a delivered webhook is never taken again");
+}

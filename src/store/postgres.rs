@@ -820,9 +820,8 @@ impl TenantStore for PgStore {
     }
 
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
-        // A plain read, as on SQLite: one process per database. (Taking an item for a while
-        // before the attempt would let replicas share the outbox, but a process killed during the
-        // attempt would then hold it back for that while.)
+        // A plain read: each attempt first takes its item (`claim_delivery`), so replicas share
+        // the outbox without sending a webhook twice.
         let rows: Vec<(i64, String, String, Option<String>, String, i64, i64)> = sqlx::query_as(
             "SELECT id, run_id, url, key_id, body, attempts, created_at FROM webhook_outbox \
              WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1 ORDER BY id LIMIT $2",
@@ -844,6 +843,21 @@ impl TenantStore for PgStore {
                 created_at_ms,
             })
             .collect())
+    }
+
+    async fn claim_delivery(&self, id: i64, now_ms: i64, until_ms: i64) -> Result<bool, StoreError> {
+        // Row lock: of two replicas claiming at once, the second re-checks `next_at` after the
+        // first commits and finds the delivery no longer due.
+        let done = sqlx::query(
+            "UPDATE webhook_outbox SET next_at = $3 WHERE id = $1 AND next_at <= $2 AND delivered_at IS NULL AND gave_up_at IS NULL",
+        )
+        .bind(id)
+        .bind(now_ms)
+        .bind(until_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError> {

@@ -133,6 +133,14 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError>;
     /// Deliveries due at `now_ms`, oldest first.
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError>;
+    /// Takes a delivery that is due at `now_ms` for one attempt, until `until_ms`: false when
+    /// another replica's delivery loop took it first (or it is not due any more), so replicas
+    /// sharing a store never send one webhook twice at once. A process killed during its attempt
+    /// holds the delivery back until `until_ms`. One process per SQLite or memory database: there
+    /// nothing else takes deliveries, so always true.
+    async fn claim_delivery(&self, _id: i64, _now_ms: i64, _until_ms: i64) -> Result<bool, StoreError> {
+        Ok(true)
+    }
     /// Records an attempt.
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError>;
     /// Deliveries of a run: (attempts, delivered, gave up, last error).

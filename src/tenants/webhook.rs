@@ -92,6 +92,9 @@ pub struct DeliveryConfig {
     pub attempt_timeout: Duration,
 }
 
+/// How much longer than one attempt's bound a delivery stays taken by the replica attempting it.
+const CLAIM_MARGIN_MS: i64 = 5_000;
+
 /// Delivers due webhooks until the process ends.
 pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secrets>, cfg: DeliveryConfig) {
     let client = match reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).timeout(cfg.attempt_timeout).build() {
@@ -112,6 +115,17 @@ pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secret
             }
         };
         for item in due {
+            // Taken for one attempt (its bound plus a margin): another replica's loop passes it by.
+            let now = now_ms();
+            let until = now + i64::try_from(cfg.attempt_timeout.as_millis()).unwrap_or(i64::MAX / 2) + CLAIM_MARGIN_MS;
+            match store.claim_delivery(item.id, now, until).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot take a webhook delivery");
+                    continue;
+                }
+            }
             let outcome = attempt(&client, &*secrets, &item, &cfg).await;
             match &outcome {
                 DeliveryOutcome::Delivered => tracing::info!(run_id = %item.run_id, delivery = item.id, "webhook delivered"),
