@@ -12,12 +12,14 @@
 mod common;
 #[path = "common/child.rs"]
 mod child;
+#[path = "common/own_postgres.rs"]
+mod own_postgres;
 
 use child::{attach, read_stream, Clawmux, Seen};
+use own_postgres::OwnPostgres;
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
 use serde_json::{json, Value};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -164,44 +166,6 @@ async fn pg_kill_9_with_runs_in_flight_then_a_restart_on_the_same_database_loses
     let log = app.log();
     assert!(!log.contains(&password_of(&url)), "the database password is in the log");
     assert!(log.contains("postgres://clawmux@127.0.0.1"), "the store is named in the log: {log}");
-}
-
-/// A PostgreSQL of the test's own (tests/support/postgres.sh start DIR), stopped on drop.
-struct OwnPostgres {
-    dir: PathBuf,
-    url: String,
-}
-
-fn script(args: &[&str]) -> String {
-    let out = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/postgres.sh")).args(args).output().unwrap();
-    assert!(out.status.success(), "postgres.sh {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `postgres.sh start DIR`: the URL it prints.
-fn start_in(dir: &Path) -> String {
-    let out = script(&["start", dir.to_str().unwrap()]);
-    out.lines().find_map(|l| l.strip_prefix("CLAWMUX_TEST_PG_URL=")).expect("the URL line").to_owned()
-}
-
-impl OwnPostgres {
-    fn start(dir: &Path) -> Self {
-        Self { dir: dir.to_owned(), url: start_in(dir) }
-    }
-    /// Stops it by its PID (fast shutdown: connections are cut).
-    fn stop(&self) {
-        script(&["stop", self.dir.to_str().unwrap()]);
-    }
-    /// Starts it again: same data, port and password.
-    fn restart(&self) {
-        assert_eq!(start_in(&self.dir), self.url);
-    }
-}
-
-impl Drop for OwnPostgres {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/postgres.sh")).args(["stop", self.dir.to_str().unwrap()]).output();
-    }
 }
 
 #[actix_rt::test]

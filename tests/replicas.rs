@@ -12,6 +12,8 @@
 mod common;
 #[path = "common/child.rs"]
 mod child;
+#[path = "common/own_postgres.rs"]
+mod own_postgres;
 
 use child::{attach, read_stream, Clawmux, Seen};
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
@@ -47,8 +49,13 @@ fn gateway_at(speed: f64) -> ReplayHandle {
 
 /// Replica `r{i}` of three, started.
 async fn replicas(gw: &ReplayHandle, url: &str, http: &reqwest::Client) -> Vec<Clawmux> {
+    replicas_n(gw, url, http, 3).await
+}
+
+/// Replicas `r0` … `r{n-1}`, started.
+async fn replicas_n(gw: &ReplayHandle, url: &str, http: &reqwest::Client, n: usize) -> Vec<Clawmux> {
     let mut out = Vec::new();
-    for i in 0..3 {
+    for i in 0..n {
         let id = format!("r{i}");
         let mut app = Clawmux::new(
             &gw.url(),
@@ -387,5 +394,106 @@ async fn pg_two_replicas_racing_runs_of_one_session_key_never_interleave_them_at
     }
     let owners: HashSet<&str> = rows.iter().map(|(_, _, o)| o.as_str()).collect();
     assert_eq!(owners.len(), 1, "one replica ran the session key: {owners:?}");
+    pool.close().await;
+}
+
+/// The database goes away for longer than a lease while two replicas stream runs, then comes back:
+/// no stream hangs, admission answers `503` + `Retry-After` on both replicas meanwhile and
+/// recovers by itself, and no run ends twice or is started twice (a run whose end its owner could
+/// not store must not be taken over and continued by the other replica once the database is back).
+#[actix_rt::test]
+async fn pg_a_database_outage_longer_than_a_lease_under_two_replicas_hangs_no_run_and_ends_none_twice() {
+    if std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()).is_none() {
+        assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+        eprintln!("SKIP: no CLAWMUX_TEST_PG_URL");
+        return;
+    }
+    // Directly under the temp dir: the server's own user must reach its directory.
+    let tmp = tempfile::Builder::new().prefix("clawmux-pg-outage.").tempdir().unwrap();
+    let pg = own_postgres::OwnPostgres::start(tmp.path());
+    const N: usize = 20;
+    let gw = gateway_at(0.3);
+    let http = http();
+    let mut apps = replicas_n(&gw, &pg.url, &http, 2).await;
+    let ids = post_round_robin(&http, &apps, N, "out").await;
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let bases: Vec<String> = apps.iter().map(|a| a.base.clone()).collect();
+    let readers = attach_each(&http, &ids, &seen, |i| bases[i % 2].clone(), Duration::from_secs(120)).await;
+    until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
+
+    pg.stop();
+    let stopped = Instant::now();
+    for (i, base) in bases.iter().enumerate() {
+        let r = tokio::time::timeout(Duration::from_secs(60), http.post(format!("{base}/v1/runs?wait=false")).json(&body(100 + i, "out")).send())
+            .await
+            .expect("POST answered")
+            .unwrap();
+        let retry_after = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(r.status(), 503, "replica r{i} while the database is down: {:?}", r.text().await);
+        assert!(retry_after.is_some_and(|s| s.parse::<u64>().is_ok_and(|n| n > 0)), "r{i}: no Retry-After");
+    }
+    // Longer than a lease: every lease has expired when the database is back.
+    let lease = Duration::from_secs(LEASE_SEC.parse().unwrap());
+    tokio::time::sleep((lease * 2).saturating_sub(stopped.elapsed())).await;
+    pg.restart();
+
+    for r in readers {
+        tokio::time::timeout(Duration::from_secs(150), r).await.expect("a stream hung").unwrap();
+    }
+    // Admission recovers on both replicas by itself.
+    for (i, base) in bases.iter().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let r = http.post(format!("{base}/v1/runs?wait=false")).json(&body(200 + i, "out")).send().await.unwrap();
+            if r.status() == 202 {
+                break;
+            }
+            assert_eq!(r.status(), 503, "r{i}: {:?}", r.text().await);
+            assert!(Instant::now() < deadline, "r{i}: admission did not recover within 60 s of the database's return");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    // Every run the clients saw end has that one end in the store, once (bounded: ends the
+    // database missed are stored in the background).
+    let pool = sqlx::PgPool::connect(&pg.url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let unfinished: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id = ANY($1) AND finished_at IS NULL").bind(&ids).fetch_one(&pool).await.unwrap();
+        if unfinished == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{unfinished} runs still unfinished in the store 90 s after the database came back");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // Give a wrong takeover the time to happen (a few takeover looks) before judging.
+    tokio::time::sleep(lease * 2).await;
+    let terminals: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT run_id, name, data FROM events WHERE run_id = ANY($1) AND name IN ('final', 'error') ORDER BY run_id, id").bind(&ids).fetch_all(&pool).await.unwrap();
+    let mut per_run: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    for (id, name, data) in terminals {
+        per_run.entry(id).or_default().push((name, data));
+    }
+    let mut wrong = Vec::new();
+    for id in &ids {
+        let s = seen[id].lock().unwrap();
+        let Some(client_end) = s.terminal() else {
+            wrong.push(format!("{id}: the client saw no end ({} events, cut {})", s.events.len(), s.cut));
+            continue;
+        };
+        match per_run.get(id).map(Vec::as_slice) {
+            Some([(name, _)]) if *name == client_end.event => {}
+            other => wrong.push(format!("{id}: client saw {}, the store has {other:?}", client_end.event)),
+        }
+    }
+    assert!(wrong.is_empty(), "{} of {N} runs wrong:\n{}", wrong.len(), wrong.join("\n"));
+    let errors = ids.iter().filter(|id| seen[*id].lock().unwrap().terminal().is_some_and(|t| t.event == "error")).count();
+    let claims: i64 = sqlx::query_scalar("SELECT coalesce(sum(claims), 0)::bigint FROM runs WHERE run_id = ANY($1)").bind(&ids).fetch_one(&pool).await.unwrap();
+    eprintln!("database outage of {:.1} s: {} runs final, {errors} ended by the store's failure, {claims} claims", lease.as_secs_f64() * 2.0, N - errors);
+    assert!(errors > 0, "no run was in flight when the database stopped");
+    let requests = gw.stats().requests_received;
+    assert_eq!(requests.get("agent").copied(), Some(N as u64 + 2), "agent requests (no run started twice): {requests:?}");
+    for app in &mut apps {
+        assert!(app.running(), "a replica exited while the database was down: {}", app.log());
+    }
     pool.close().await;
 }
