@@ -411,3 +411,26 @@ pub fn prepared(plan: &BranchPlan) -> Prepared {
 pub fn published(plan: &BranchPlan) -> Published {
     Published { relay: json!({"branch": plan.branch(), "commitCount": 1, "pushed": true, "pushedCommits": 1}) }
 }
+
+/// A registry under test whose supervisor is `probe`: `max_runs`, `max_starting` start slots, the
+/// connection `connected` (its status handle returned, for tests that change it), `workspace` for
+/// branch runs. Not started: a test may add shards first.
+pub fn test_registry(
+    probe: &Probe,
+    max_runs: usize,
+    max_starting: usize,
+    connected: bool,
+    workspace: Option<Arc<dyn Workspace>>,
+) -> (crate::registry::Registry, crate::supervisor::StatusHandle) {
+    let status: crate::supervisor::StatusHandle =
+        Arc::new(std::sync::RwLock::new(crate::supervisor::GatewayStatus { connected, ..crate::supervisor::GatewayStatus::default() }));
+    let session = crate::session::SessionConfig {
+        recovery_window: Duration::from_secs(30),
+        abort_grace: Duration::from_secs(30),
+        request_timeout: Duration::from_secs(7),
+        outbound_headers: crate::session::OutboundHeadersMode::Auto,
+    };
+    let metrics = crate::metrics::Metrics::new(&prometheus::Registry::new()).expect("metrics");
+    let cfg = crate::registry::RegistryConfig { max_runs, max_starting, session };
+    (crate::registry::Registry::new(cfg, metrics, status.clone(), probe.gateway(), workspace), status)
+}

@@ -6,10 +6,8 @@
 use super::*;
 use crate::messages::{ExternalRun, InFlight};
 use crate::run::{CancelReason, RunSpec, RunStatus};
-use crate::session::OutboundHeadersMode;
-use crate::supervisor::GatewayStatus;
 use crate::testkit::*;
-use std::sync::{Mutex, RwLock};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// What an external run's actor was told, in order.
@@ -57,15 +55,7 @@ impl Handler<Finish> for ExternalProbe {
 
 fn registry(max_runs: usize, connected: bool) -> (Addr<Registry>, Probe) {
     let probe = Probe::start();
-    let status: StatusHandle = Arc::new(RwLock::new(GatewayStatus { connected, ..GatewayStatus::default() }));
-    let session = SessionConfig {
-        recovery_window: Duration::from_secs(30),
-        abort_grace: Duration::from_secs(30),
-        request_timeout: Duration::from_secs(7),
-        outbound_headers: OutboundHeadersMode::Auto,
-    };
-    let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
-    let reg = Registry::new(RegistryConfig { max_runs, max_starting: 0, session }, metrics, status, probe.gateway(), None).start();
+    let reg = test_registry(&probe, max_runs, 0, connected, None).0.start();
     (reg, probe)
 }
 

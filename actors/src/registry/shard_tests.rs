@@ -6,12 +6,9 @@
 use super::*;
 use crate::messages::{Call, InFlight};
 use crate::run::{CancelReason, RunEvent, RunSpec, RunStatus};
-use crate::session::OutboundHeadersMode;
-use crate::supervisor::GatewayStatus;
 use crate::testkit::*;
 use clawmux_protocol::methods::name;
 use std::collections::HashMap;
-use std::sync::RwLock;
 use std::time::Duration;
 
 const SHARDS: usize = 2;
@@ -24,17 +21,9 @@ struct Sharded {
 
 fn sharded() -> Sharded {
     let probe = Probe::start();
-    let status: StatusHandle = Arc::new(RwLock::new(GatewayStatus { connected: true, ..GatewayStatus::default() }));
-    let session = SessionConfig {
-        recovery_window: Duration::from_secs(30),
-        abort_grace: Duration::from_secs(30),
-        request_timeout: Duration::from_secs(7),
-        outbound_headers: OutboundHeadersMode::Auto,
-    };
-    let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
     let arbiters: Vec<Arbiter> = (0..SHARDS).map(|_| Arbiter::new()).collect();
     let handles = arbiters.iter().map(Arbiter::handle).collect();
-    let reg = Registry::new(RegistryConfig { max_runs: 100, max_starting: 0, session }, metrics, status, probe.gateway(), None).with_shards(handles).start();
+    let reg = test_registry(&probe, 100, 0, true, None).0.with_shards(handles).start();
     reg.do_send(Link(Some(up("A", false))));
     Sharded { reg, probe, arbiters }
 }

@@ -5,24 +5,13 @@
 use super::*;
 use crate::messages::{Call, InFlight};
 use crate::run::{CancelReason, RunEvent, RunSpec, RunStatus};
-use crate::session::OutboundHeadersMode;
-use crate::supervisor::GatewayStatus;
 use crate::testkit::*;
 use clawmux_protocol::methods::name;
-use std::sync::RwLock;
 use std::time::Duration;
 
 fn registry(max_starting: usize) -> (Addr<Registry>, Probe) {
     let probe = Probe::start();
-    let status: StatusHandle = Arc::new(RwLock::new(GatewayStatus { connected: true, ..GatewayStatus::default() }));
-    let session = SessionConfig {
-        recovery_window: Duration::from_secs(30),
-        abort_grace: Duration::from_secs(30),
-        request_timeout: Duration::from_secs(7),
-        outbound_headers: OutboundHeadersMode::Auto,
-    };
-    let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
-    let reg = Registry::new(RegistryConfig { max_runs: 100, max_starting, session }, metrics, status, probe.gateway(), None).start();
+    let reg = test_registry(&probe, 100, max_starting, true, None).0.start();
     reg.do_send(Link(Some(up("A", false))));
     (reg, probe)
 }

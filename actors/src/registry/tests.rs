@@ -7,12 +7,9 @@ use super::*;
 use crate::branch::Workspace;
 use crate::messages::{Call, InFlight};
 use crate::run::{CancelReason, Checkpoint, RunEvent, RunSpec, RunStatus};
-use crate::session::OutboundHeadersMode;
-use crate::supervisor::GatewayStatus;
 use crate::testkit::*;
 use clawmux_protocol::methods::name;
 use serde_json::json;
-use std::sync::RwLock;
 use std::time::Duration;
 
 /// A registry under test and the probe that plays its supervisor.
@@ -24,15 +21,8 @@ struct World {
 
 fn world(max_runs: usize, workspace: Option<Arc<dyn Workspace>>) -> World {
     let probe = Probe::start();
-    let status: StatusHandle = Arc::new(RwLock::new(GatewayStatus { connected: true, ..GatewayStatus::default() }));
-    let session = SessionConfig {
-        recovery_window: Duration::from_secs(30),
-        abort_grace: Duration::from_secs(30),
-        request_timeout: Duration::from_secs(7),
-        outbound_headers: OutboundHeadersMode::Auto,
-    };
-    let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
-    let reg = Registry::new(RegistryConfig { max_runs, max_starting: 0, session }, metrics, status.clone(), probe.gateway(), workspace).start();
+    let (reg, status) = test_registry(&probe, max_runs, 0, true, workspace);
+    let reg = reg.start();
     reg.do_send(Link(Some(up("A", false))));
     World { reg, probe, status }
 }
