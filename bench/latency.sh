@@ -7,6 +7,8 @@
 #   bench/latency.sh [CONCURRENCY] [RUNS]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 C="${1:-1000}"; RUNS="${2:-3000}"
 # BENCH_STORE_URL (memory:; e.g. sqlite:///tmp/x.db) is the store clawmux writes to.
 # BENCH_NICE=1 runs the load driver and the replay gateway at nice 19, so that clawmux gets the CPU
@@ -14,7 +16,6 @@ C="${1:-1000}"; RUNS="${2:-3000}"
 NICE=""; [ "${BENCH_NICE:-0}" = 1 ] && NICE="nice -n 19"
 cargo build --release --locked -q
 BIN="$PWD/target/release/clawmux"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 GW_PORT="$(free_port)"; CM_PORT="$(free_port)"
 GW_PID=""; CM_PID=""
@@ -32,7 +33,6 @@ for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$CM_PORT/readyz" >/dev/nul
 LOAD_TIMES="$( { timeout 300 $NICE "$BIN" load --target "http://127.0.0.1:$CM_PORT" --runs "$RUNS" --concurrency "$C" --timeout-sec 60 \
   --deadline-sec 240 --no-progress --json > /tmp/clawmux-latency-load.json || echo "the load driver says not every run ended final (details below)" >&2; times; } | tail -1)"
 # CPU (user + system, seconds) of clawmux and of the replay gateway, clawmux's peak RSS, from /proc.
-cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"; }
 CPU_SEC="$(cpu_of "$CM_PID")"; GW_CPU_SEC="$(cpu_of "$GW_PID")"
 LOAD_CPU_SEC="$(echo "$LOAD_TIMES" | awk '{ n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } print n }')"
 PEAK_RSS_KB="$(awk '/^VmHWM/ {print $2}' "/proc/$CM_PID/status")"

@@ -14,6 +14,8 @@
 # Everything started is stopped by PID on exit; every wait is bounded.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 REPO="$(pwd)"
 BIN="${BENCH_BIN:-$REPO/target/release/clawmux}"
 N="${MEM_RUNS:-2000}"
@@ -23,17 +25,8 @@ WORK="$(mktemp -d /tmp/clawmux-mem.XXXXXX)"
 [ -x "$BIN" ] || { echo "bench/memory.sh: no binary at $BIN (cargo build --release, or BENCH_BIN)" >&2; exit 2; }
 
 GW_PID=""; CM_PID=""; LOAD_PID=""
-stop_pid() {
-  local p="$1"
-  [ -n "$p" ] || return 0
-  kill -TERM "$p" 2>/dev/null || return 0
-  for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }; sleep 0.1; done
-  kill -KILL "$p" 2>/dev/null || true
-  wait "$p" 2>/dev/null || true
-}
 cleanup() { stop_pid "$LOAD_PID"; stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
 trap cleanup EXIT INT TERM
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 wait_http() { for _ in $(seq 1 $(( $2 * 10 ))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
 rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
 metric() { curl -fsS "http://127.0.0.1:$CM_PORT/metrics" 2>/dev/null | awk -v m="$1" '$1 == m {print int($2)}' | head -1; }

@@ -14,11 +14,12 @@
 # recorded run, 20 deltas) and the replicas on 127.0.0.1 free ports; stops everything by PID.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 C="${REPLICA_C:-1000}"; RUNS="${REPLICA_RUNS:-2000}"; LEVELS="${REPLICA_LEVELS:-1 2 3}"; XR_RUNS="${XR_RUNS:-50}"
 cargo build --release --locked -q
 BIN="$PWD/target/release/clawmux"
 WORK="$(mktemp -d /tmp/clawmux-replicas.XXXXXX)"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 GW_PID=""; CM_PIDS=""
 stop_all() { for p in $CM_PIDS $GW_PID; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; CM_PIDS=""; }
@@ -29,7 +30,6 @@ tests/support/postgres.sh start "$WORK/pg" >/dev/null
 # shellcheck disable=SC1091
 . "$WORK/pg/env"
 PG_URL="$CLAWMUX_TEST_PG_URL"
-cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 # Every process of the test cluster: the postmaster and its children (backends, WAL writer, ...).
 pg_cpu() { local t=0 p; for p in $PG_PID $(pgrep -P "$PG_PID" || true); do t="$(echo "$t + $(cpu_of "$p")" | bc -l)"; done; echo "$t"; }
 psql_url() { PGPASSWORD="$(cat "$WORK/pg/password")" "$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)/psql" -h 127.0.0.1 -p "$PG_PORT" -U clawmux -d clawmux -qAt -c "$1"; }

@@ -24,6 +24,8 @@
 # every run's events); it runs once (not 3 times) with a deadline and the memory guard above.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 REPO="$(pwd)"
 
 REPS="${BENCH_REPS:-3}"
@@ -49,18 +51,9 @@ say() { printf '\n== %s\n' "$*" >&2; }
 die() { printf 'bench/run.sh: %s\n' "$*" >&2; exit 1; }
 
 GW_PID=""; CM_PID=""
-stop_pid() { # PID: TERM, wait up to 10 s, then KILL
-  local p="$1"
-  [ -n "$p" ] || return 0
-  kill -TERM "$p" 2>/dev/null || return 0
-  for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }; sleep 0.1; done
-  kill -KILL "$p" 2>/dev/null || true
-  wait "$p" 2>/dev/null || true
-}
 cleanup() { stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
 trap cleanup EXIT INT TERM
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 wait_http() { # URL SECONDS
   for _ in $(seq 1 $(( $2 * 10 ))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.1; done
   return 1

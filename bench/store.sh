@@ -21,6 +21,8 @@
 # BENCH_OUT (BENCHMARKS.md). Every step is bounded; everything started is stopped by PID.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 REPO="$(pwd)"
 C="${BENCH_C:-1000}"; RUNS="${BENCH_RUNS:-3000}"; REPS="${BENCH_REPS:-2}"; RESTART_RUNS="${BENCH_RESTART_RUNS:-1000}"
 LAT_SPEED="${BENCH_LAT_SPEED:-0.1}"; LAT_RUNS="${BENCH_LAT_RUNS:-2000}"
@@ -32,12 +34,8 @@ STARTED_AT="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 say() { printf '\n== %s\n' "$*" >&2; }
 die() { printf 'bench/store.sh: %s\n' "$*" >&2; exit 1; }
 GW_PID=""; CM_PID=""
-stop_pid() { local p="$1"; [ -n "$p" ] || return 0; kill -TERM "$p" 2>/dev/null || return 0
-  for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }; sleep 0.1; done
-  kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }
 cleanup() { stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
 trap cleanup EXIT INT TERM
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 wait_http() { for _ in $(seq 1 $(( $2 * 20 ))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.05; done; return 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 CLK_TCK="$(getconf CLK_TCK)"

@@ -10,6 +10,8 @@
 # so that two builds compare on the same machine load. Everything started is stopped by PID.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=bench/lib.sh
+. bench/lib.sh
 REPO="$(pwd)"
 BINS="${BENCH_BINS:-${BENCH_BIN:-$REPO/target/release/clawmux}}"
 C="${SYS_C:-1000}"
@@ -20,17 +22,8 @@ DEADLINE="${SYS_DEADLINE:-300}"
 WORK="$(mktemp -d /tmp/clawmux-sys.XXXXXX)"
 
 GW_PID=""; CM_PID=""
-stop_pid() {
-  local p="$1"
-  [ -n "$p" ] || return 0
-  kill -TERM "$p" 2>/dev/null || return 0
-  for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }; sleep 0.1; done
-  kill -KILL "$p" 2>/dev/null || true
-  wait "$p" 2>/dev/null || true
-}
 cleanup() { stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
 trap cleanup EXIT INT TERM
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 wait_http() { for _ in $(seq 1 $(( $2 * 10 ))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 hwm_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
