@@ -16,7 +16,7 @@ mod child;
 mod own_postgres;
 
 use child::{attach, read_stream, Clawmux, Seen};
-use own_postgres::OwnPostgres;
+use own_postgres::{server_url, OwnPostgres};
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -26,20 +26,6 @@ use tokio::time::Instant;
 
 const GW_TOKEN: &str = "pg-gw-token";
 
-/// The test server's URL, or `None` (skip) unless PostgreSQL is required.
-fn server_url(test: &str) -> Option<String> {
-    match std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) {
-        Some(u) => Some(u),
-        None => {
-            assert!(
-                !std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"),
-                "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set (tests/support/postgres.sh start DIR)"
-            );
-            eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
-            None
-        }
-    }
-}
 
 fn password_of(url: &str) -> String {
     reqwest::Url::parse(url).unwrap().password().unwrap_or_default().to_owned()

@@ -29,14 +29,7 @@ const GW_TOKEN: &str = "replicas-gw-token";
 const LEASE_SEC: &str = "3";
 
 async fn database(test: &str) -> Option<String> {
-    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
-        assert!(
-            !std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"),
-            "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set (tests/support/postgres.sh start DIR)"
-        );
-        eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
-        return None;
-    };
+    let server = own_postgres::server_url(test)?;
     Some(clawmux::store::postgres::create_test_database(&server, "cmx_replicas").await.unwrap())
 }
 
@@ -403,9 +396,7 @@ async fn pg_two_replicas_racing_runs_of_one_session_key_never_interleave_them_at
 /// not store must not be taken over and continued by the other replica once the database is back).
 #[actix_rt::test]
 async fn pg_a_database_outage_longer_than_a_lease_under_two_replicas_hangs_no_run_and_ends_none_twice() {
-    if std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()).is_none() {
-        assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
-        eprintln!("SKIP: no CLAWMUX_TEST_PG_URL");
+    if own_postgres::server_url("pg_a_database_outage").is_none() {
         return;
     }
     // Directly under the temp dir: the server's own user must reach its directory.

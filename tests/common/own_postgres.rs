@@ -4,6 +4,22 @@
 
 use std::path::{Path, PathBuf};
 
+/// The test server's URL (`CLAWMUX_TEST_PG_URL`), or `None`: the test is skipped, unless
+/// `CLAWMUX_REQUIRE_PG=1`, which fails it instead.
+pub fn server_url(test: &str) -> Option<String> {
+    match std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) {
+        Some(u) => Some(u),
+        None => {
+            assert!(
+                !std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"),
+                "{test}: CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set (tests/support/postgres.sh start DIR)"
+            );
+            eprintln!("SKIP {test}: no CLAWMUX_TEST_PG_URL");
+            None
+        }
+    }
+}
+
 /// A PostgreSQL of the test's own (tests/support/postgres.sh start DIR), stopped on drop.
 pub struct OwnPostgres {
     dir: PathBuf,
