@@ -102,6 +102,17 @@ async fn a_runs_llm_calls_come_from_the_audit_log_scoped_like_the_run() {
             (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
         }
     };
+    // A call's audit record is written by the audit thread after its answer ended (an fsync
+    // each): wait for both runs' records (bounded) before looking at them. Seen under load: the
+    // list was read before the last two records were on disk.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts = [get(&admin, "run-a").await.1, get(&admin, "run-b").await.1].map(|v| v["calls"].as_array().map_or(0, Vec::len));
+        if counts == [1, 2] || tokio::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (status, a) = get(&admin, "run-a").await;
     assert_eq!(status, 200, "{a}");
     assert_eq!(a["proxy"], true);
