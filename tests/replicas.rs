@@ -488,3 +488,63 @@ async fn pg_a_database_outage_longer_than_a_lease_under_two_replicas_hangs_no_ru
     }
     pool.close().await;
 }
+
+/// A run the admitting replica stores for another one (its session key runs there) is answered
+/// like a run of its own: `?wait=true` waits for its end (it was `202` at once before), and a
+/// caller that asked for `onDisconnect: abort` cancels it by going away (it ran on before).
+#[actix_rt::test]
+async fn pg_a_run_stored_for_another_replica_is_waited_for_and_its_callers_disconnect_aborts_it() {
+    let Some(url) = database("pg_assigned_wait_and_disconnect").await else { return };
+    let gw = gateway_at(1.0);
+    let http = http();
+    let apps = replicas_n(&gw, &url, &http, 2).await;
+    let (b0, b1) = (apps[0].base.clone(), apps[1].base.clone());
+    let run = |tag: &str, on_disconnect: &str| {
+        json!({"message": format!("<{tag}> [track:long]"), "billingAccountId": "acct-w", "stateKey": "shared-conversation", "onDisconnect": on_disconnect})
+    };
+    // r0 runs the conversation; the next runs of it posted to r1 are r0's to run.
+    let first = post_run(&http, &b0, &run("first", "continue")).await;
+    // Waits on r1 for a run r0 runs.
+    let waited = {
+        let (http, b1, body) = (http.clone(), b1.clone(), run("waited", "continue"));
+        tokio::spawn(async move {
+            let r = http.post(format!("{b1}/v1/runs")).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    // A caller on r1 who asked for abort-on-disconnect streams the third run, then goes away
+    // while it still waits for its turn.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runs").fetch_one(&pool).await.unwrap() < 2 {
+        assert!(Instant::now() < deadline, "the waited run was not admitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let resp = http.post(format!("{b1}/v1/runs")).header("accept", "text/event-stream").json(&run("gone", "abort")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let gone: String = sqlx::query_scalar("SELECT run_id FROM runs WHERE spec::jsonb->>'message' LIKE '<gone>%'").fetch_one(&pool).await.unwrap();
+    let owner: String = sqlx::query_scalar("SELECT owner FROM runs WHERE run_id = $1").bind(&gone).fetch_one(&pool).await.unwrap();
+    assert_eq!(owner, "r0", "the third run is the session key's owner's");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(resp);
+
+    let (status, doc) = tokio::time::timeout(Duration::from_secs(60), waited).await.expect("the waiting POST answered").unwrap();
+    assert_eq!(status, 200, "?wait=true on the replica that did not run it: {doc}");
+    assert_eq!(doc["status"], "ok", "{doc}");
+    assert!(doc["content"].as_str().unwrap().starts_with("<waited> [track:long] | "), "{doc}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        let doc: Value = http.get(format!("{b0}/v1/runs/{gone}")).send().await.unwrap().json().await.unwrap();
+        if doc["status"] != "queued" && doc["status"] != "running" {
+            break doc["status"].as_str().unwrap().to_owned();
+        }
+        assert!(Instant::now() < deadline, "the run whose caller went away is still {}", doc["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status, "aborted", "the caller went away with onDisconnect: abort");
+    // It never reached the gateway: it was cancelled while it waited for its turn.
+    assert!(!gw.runs().iter().any(|r| r.message.contains("<gone>")), "the aborted run was started");
+    let first_doc: Value = http.get(format!("{b1}/v1/runs/{first}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(first_doc["status"], "ok", "{first_doc}");
+    pool.close().await;
+}

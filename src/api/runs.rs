@@ -212,8 +212,10 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
         Submitted::New { log, admitted } => (log, admitted),
         Submitted::Existing(view) => return respond(&req, &state, view, wait_false, false).await,
         Submitted::Elsewhere(view) => {
+            // Served from the store like any run another replica owns: its stream, `?wait=true`
+            // and `onDisconnect: abort` (recorded in the store for the owner) as for a run of ours.
             tracing::info!(run_id = %view.run_id(), "run admitted for the replica that runs its session key");
-            return respond(&req, &state, view, wait_false, false).await;
+            return respond(&req, &state, view, wait_false, abort_on_disconnect).await;
         }
     };
     tracing::info!(run_id = %log.run_id, session_key = %log.doc().session_key, ?admitted, "run admitted");
@@ -231,12 +233,16 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
 
 /// Answers a POST for a run: SSE, 202 at once, or the document at the end.
 async fn respond(req: &HttpRequest, state: &web::Data<AppState>, view: RunView, wait_false: bool, arm: bool) -> Result<HttpResponse, ApiError> {
-    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: arm };
+    let guard = DisconnectGuard::new(state, &view, arm);
     if wants_sse(req) {
         return sse_response(req, state, view, 0, guard).await;
     }
     let log = match (&view, wait_false) {
         (RunView::Live(log), false) => log.clone(),
+        (RunView::Stored(row), false) if row.finished_at_ms.is_none() => {
+            let run_id = row.run_id.clone();
+            return wait_elsewhere(state, &run_id, view, guard).await;
+        }
         _ => {
             let mut g = guard;
             g.disarm();
@@ -244,20 +250,74 @@ async fn respond(req: &HttpRequest, state: &web::Data<AppState>, view: RunView, 
             return Ok(HttpResponse::build(status).json(view.doc()));
         }
     };
-    // Dropping this future (the caller went away) drops the guard, which cancels the run.
+    wait_live(state, log, guard).await
+}
+
+/// Waits for the end of a run live here; dropping this future (the caller went away) drops the
+/// guard, which cancels the run when the caller asked for that.
+async fn wait_live(state: &web::Data<AppState>, log: std::sync::Arc<crate::store::RunLog>, mut guard: DisconnectGuard) -> Result<HttpResponse, ApiError> {
     let mut stopping = state.stopping.clone();
     tokio::select! {
         () = log.finished() => {}
         _ = stopping.wait_for(|s| *s) => {
             // Handed off: the run goes on in the next process; this caller gets its state now.
-            let mut g = guard;
-            g.disarm();
+            guard.disarm();
             return Ok(HttpResponse::Accepted().json(log.doc()));
         }
     }
-    let mut g = guard;
-    g.disarm();
+    guard.disarm();
     Ok(HttpResponse::Ok().json(log.doc()))
+}
+
+/// Waits for the end of a run another replica owns (PostgreSQL store), woken by the store's
+/// notifications of its events (a terminal event is one), re-reading at least every
+/// `FALLBACK_POLL`. Without a shared store (no follower) the run cannot be live elsewhere: its
+/// document is answered at once, as before.
+async fn wait_elsewhere(state: &web::Data<AppState>, run_id: &str, mut view: RunView, mut guard: DisconnectGuard) -> Result<HttpResponse, ApiError> {
+    // Subscribed before the reads below: an end stored in between wakes the wait.
+    let Some(mut notified) = state.store.follow(run_id) else {
+        guard.disarm();
+        return Ok(HttpResponse::Accepted().json(view.doc()));
+    };
+    let mut stopping = state.stopping.clone();
+    loop {
+        if view.is_finished() {
+            guard.disarm();
+            return Ok(HttpResponse::Ok().json(view.doc()));
+        }
+        if let RunView::Live(log) = &view {
+            // Taken over by this replica meanwhile.
+            let log = log.clone();
+            return wait_live(state, log, guard).await;
+        }
+        tokio::select! {
+            _ = stopping.wait_for(|s| *s) => {
+                guard.disarm();
+                return Ok(HttpResponse::Accepted().json(view.doc()));
+            }
+            r = notified.changed() => {
+                if r.is_err() {
+                    // No notifier (cannot happen while this receiver lives): poll, never spin.
+                    tokio::time::sleep(crate::store::follow::FALLBACK_POLL).await;
+                }
+            }
+            () = tokio::time::sleep(crate::store::follow::FALLBACK_POLL) => {}
+        }
+        notified.borrow_and_update();
+        view = match state.store.view(run_id).await {
+            Ok(Some(v)) => v,
+            // Gone (its admission was undone) or the store is out of reach: not the caller's
+            // disconnect, so nothing is cancelled; the caller learns why.
+            Ok(None) => {
+                guard.disarm();
+                return Err(ApiError::not_found(run_id));
+            }
+            Err(e) => {
+                guard.disarm();
+                return Err(store_unavailable(e));
+            }
+        };
+    }
 }
 
 /// The run, if `principal` may see it: a run of another tenant's account is `404`, exactly like
@@ -349,7 +409,7 @@ pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state:
         return Err(ApiError::unavailable("clawmux is shutting down; re-attach to the next instance"));
     }
     // Re-attaching never cancels on disconnect: only the caller that started the run decides that.
-    let guard = DisconnectGuard { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), armed: false };
+    let guard = DisconnectGuard::new(&state, &view, false);
     sse_response(&req, &state, view, after, guard).await
 }
 

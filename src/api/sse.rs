@@ -33,14 +33,24 @@ pub struct SseEvent {
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
 
 /// Cancels the run when a caller that asked for `onDisconnect: abort` goes away before the end.
+/// A run live here is cancelled through the registry; a run this replica does not own (it was
+/// stored for the replica that runs its session or branch key, or its owner died and it awaits
+/// takeover) gets an abort recorded in the store, which its owner carries out at its next renewal,
+/// like `POST …/abort` on a non-owner.
 pub(crate) struct DisconnectGuard {
     pub(crate) run_id: String,
     pub(crate) view: RunView,
-    pub(crate) registry: Addr<Registry>,
-    pub(crate) armed: bool,
+    registry: Addr<Registry>,
+    store: Arc<crate::store::RunStore>,
+    armed: bool,
 }
 
 impl DisconnectGuard {
+    /// A guard for `view`; `armed`: the caller asked for `onDisconnect: abort`.
+    pub(crate) fn new(state: &AppState, view: &RunView, armed: bool) -> Self {
+        Self { run_id: view.run_id().to_owned(), view: view.clone(), registry: state.registry.clone(), store: state.store.clone(), armed }
+    }
+
     pub(crate) fn disarm(&mut self) {
         self.armed = false;
     }
@@ -48,9 +58,20 @@ impl DisconnectGuard {
 
 impl Drop for DisconnectGuard {
     fn drop(&mut self) {
-        if self.armed && !self.view.is_finished() {
-            tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
-            self.registry.do_send(Cancel { run_id: self.run_id.clone(), reason: CancelReason::ClientGone });
+        if !self.armed || self.view.is_finished() {
+            return;
+        }
+        tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
+        match &self.view {
+            RunView::Live(_) => self.registry.do_send(Cancel { run_id: self.run_id.clone(), reason: CancelReason::ClientGone }),
+            RunView::Stored(_) => {
+                let (store, run_id) = (self.store.clone(), self.run_id.clone());
+                actix_web::rt::spawn(async move {
+                    if let Err(e) = store.request_abort(&run_id).await {
+                        tracing::error!(%run_id, error = %e, "cannot record the abort of a run its disconnected caller asked to cancel");
+                    }
+                });
+            }
         }
     }
 }
