@@ -184,9 +184,19 @@ impl Admission {
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
-            // Its owner starts it after the earlier runs of its keys (its limits are
-            // counted there, without the checks, as for a run taken over).
-            Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
+            // Its owner starts it after the earlier runs of its keys. The store counted its
+            // account's live runs and admissions per minute over every replica; its token budget
+            // is checked here, as for a run of this replica.
+            Insert::Assigned(view) => {
+                let refused = match self.budgets.admit(&account, &run_id).await {
+                    Ok(Ok(())) => return Ok(Submitted::Elsewhere(view)),
+                    Ok(Err(refusal)) => Refused::Limit(refusal),
+                    Err(e) => Refused::Store(e),
+                };
+                self.store.forget(&run_id).await;
+                return Err(refused);
+            }
+            Insert::Limited { message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
             Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
         };

@@ -114,13 +114,19 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), replica = %cfg.replica_id, "run store open");
+    // Before anything else starts: a port in use stops startup with one line naming it.
+    let api_listener = listen_on(cfg.listen, "CLAWMUX_LISTEN")?;
+    let proxy_listener = match cfg.llm_upstream_url {
+        Some(_) => Some(listen_on(cfg.proxy_listen, "CLAWMUX_PROXY_LISTEN")?),
+        None => None,
+    };
     // Before anything is admitted: every run this process stores is its own.
     let lease = crate::lease::lease_of(&cfg);
     store.set_lease(&lease);
     spawn_heartbeat(store.clone(), cfg.replica_id.clone());
     // Without the LLM proxy nothing counts tokens: token budgets refuse their runs (fail-closed).
     let metered = cfg.llm_upstream_url.is_some();
-    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer(), metered).await.map_err(|e| std::io::Error::other(e.0))?;
+    let budgets = crate::tenants::budget::Budgets::load(store.tenants(), store.writer(), metered, store.shared()).await.map_err(|e| std::io::Error::other(e.0))?;
     let tenants = Arc::new(crate::tenants::Tenants {
         store: store.tenants(),
         budgets: budgets.clone(),
@@ -132,15 +138,14 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         st.device_id = sup.device.as_ref().map(|d| d.device_id().to_owned());
     }
     let registry_cfg = RegistryConfig { max_runs: sup.max_runs, max_starting: cfg.max_starting, session: sup.session() };
-    let supervisor = Supervisor::new(sup, metrics.clone(), status.clone()).start();
     if cfg.api_token.is_none() {
         tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");
     }
-    let listen = cfg.listen;
     let (proxy, attributions, proxy_state) = match &cfg.llm_upstream_url {
         Some(upstream) => {
             let attributions = Arc::new(crate::attribution::Attributions::new());
-            let (addr, handle, proxy_state) = start_proxy(&cfg, upstream, attributions.clone(), budgets.clone(), &registry)?;
+            let listener = proxy_listener.ok_or_else(|| std::io::Error::other("the proxy's listener was not bound"))?;
+            let (addr, handle, proxy_state) = start_proxy(&cfg, listener, upstream, attributions.clone(), budgets.clone(), &registry)?;
             tracing::info!(%addr, upstream = %upstream, "LLM attribution proxy listening");
             (Some((addr, handle)), Some(attributions), Some(proxy_state))
         }
@@ -180,6 +185,9 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     let relay = workspace.is_some();
     // The session actors' threads: the supervisor's thread decodes and routes every frame; each
     // run's own work (its deltas, its store writes, its SSE fan-out) happens on its shard.
+    // Started after every step that can fail: an actor started but never polled panics in actix
+    // when the runtime is dropped on the way out of a failed start.
+    let supervisor = Supervisor::new(sup, metrics.clone(), status.clone()).start();
     let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
     let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
         .with_shards(shards.iter().map(actix::Arbiter::handle).collect())
@@ -252,7 +260,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         // up to two keep-alive periods (30 s) later for a quiet SSE stream, never for a JSON wait.
         .h1_allow_half_closed(false)
         .shutdown_timeout(5)
-        .bind(listen)?;
+        .listen(api_listener)?;
     let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound address"))?;
     let server = server.run();
     let handle = server.handle();
@@ -297,9 +305,23 @@ pub(crate) async fn continue_runs(state: &web::Data<AppState>, stored: Vec<(Arc<
     resumed
 }
 
-/// Starts the LLM attribution proxy on `cfg.proxy_listen`.
+/// A listening socket on `addr` (as actix binds one: address reuse, a backlog for bursts of
+/// thousands of connections); its error names the address and `setting`.
+fn listen_on(addr: SocketAddr, setting: &str) -> std::io::Result<std::net::TcpListener> {
+    let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({setting}): {e}"));
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }.map_err(named)?;
+    socket.set_reuseaddr(true).map_err(named)?;
+    socket.bind(addr).map_err(named)?;
+    socket.listen(LISTEN_BACKLOG).and_then(tokio::net::TcpListener::into_std).map_err(named)
+}
+
+/// Pending connections a listener holds (actix's own default): a burst of POSTs is not refused.
+const LISTEN_BACKLOG: u32 = 2048;
+
+/// Starts the LLM attribution proxy on `listener` (`cfg.proxy_listen`).
 fn start_proxy(
     cfg: &Config,
+    listener: std::net::TcpListener,
     upstream: &str,
     attributions: Arc<crate::attribution::Attributions>,
     budgets: Arc<crate::tenants::budget::Budgets>,
@@ -332,7 +354,7 @@ fn start_proxy(
         // A gateway stalled between connecting and sending its request (a busy Node event loop)
         // must not get actix's 5 s `408`: OpenClaw retries it with a rewritten prompt.
         .client_request_timeout(Duration::from_secs(60))
-        .bind(cfg.proxy_listen)?;
+        .listen(listener)?;
     let addr = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no bound proxy address"))?;
     let server = server.run();
     let handle = server.handle();

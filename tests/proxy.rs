@@ -170,9 +170,7 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
     let _ = std::fs::remove_dir_all(dir);
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
+use common::free_port;
 
 #[actix_rt::test]
 async fn the_audit_log_survives_killing_clawmux_mid_stream() {
@@ -255,4 +253,37 @@ async fn the_audit_log_survives_killing_clawmux_mid_stream() {
     assert!(!logs.contains(&key), "the upstream key leaked into the log");
     gw.stop().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A port already in use (the API's or the proxy's) stops `serve` with one line naming the
+/// address and its setting, and no panic (it used to panic in actix on the way out: an actor
+/// started before the failing bind was dropped unpolled).
+#[test]
+fn a_port_in_use_stops_startup_with_one_line_naming_it() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let dir = temp_dir("port-in-use");
+    for setting in ["CLAWMUX_LISTEN", "CLAWMUX_PROXY_LISTEN"] {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"));
+        cmd.arg("serve")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", &dir)
+            .env("CLAWMUX_GATEWAY_URL", "ws://127.0.0.1:9")
+            .env("CLAWMUX_STORE_URL", "memory:")
+            .env("CLAWMUX_DEVICE_IDENTITY", "off")
+            .env("CLAWMUX_LLM_UPSTREAM_URL", "http://127.0.0.1:9")
+            .env("CLAWMUX_AUDIT_DIR", dir.join("audit"))
+            .env("CLAWMUX_LISTEN", "127.0.0.1:0")
+            .env("CLAWMUX_PROXY_LISTEN", "127.0.0.1:0")
+            .env(setting, &addr)
+            .env("RUST_BACKTRACE", "0");
+        let out = cmd.output().expect("clawmux runs");
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{setting}: {log}");
+        assert!(!log.contains("panicked"), "{setting}: {log}");
+        let last = log.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
+        assert_eq!(last, format!("clawmux: cannot listen on {addr} ({setting}): Address already in use (os error 98)"), "{log}");
+    }
+    drop(taken);
 }

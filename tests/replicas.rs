@@ -548,3 +548,104 @@ async fn pg_a_run_stored_for_another_replica_is_waited_for_and_its_callers_disco
     assert_eq!(first_doc["status"], "ok", "{first_doc}");
     pool.close().await;
 }
+
+/// An account's limits hold across replicas: live runs and admissions per minute are counted by
+/// the database in the admitting transaction (a burst split over two replicas admits exactly the
+/// limit, not the limit per replica), and a token budget spent through one replica's proxy refuses
+/// the account's next run on the other (its spend is read from the store, not from a copy it
+/// loaded before).
+#[actix_rt::test]
+async fn pg_account_limits_and_token_budgets_hold_across_replicas() {
+    let Some(url) = database("pg_account_limits_across_replicas").await else { return };
+    let dir = common::temp_dir("replica-limits");
+    let llm = common::FakeLlm::start(&dir.join("llm"));
+    let gw = gateway_at(1.0);
+    gw.set_paused(true); // admitted runs stay live: they count toward the concurrency cap
+    let http = http();
+    let upstream = llm.url();
+    let proxies: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", child::free_port())).collect();
+    let mut apps = Vec::new();
+    for (i, proxy) in proxies.iter().enumerate() {
+        let (id, audit) = (format!("l{i}"), dir.join(format!("audit-{i}")).display().to_string());
+        let mut app = Clawmux::new(
+            &gw.url(),
+            GW_TOKEN,
+            &[
+                ("CLAWMUX_DEVICE_IDENTITY", "off"),
+                ("CLAWMUX_STORE_URL", &url),
+                ("CLAWMUX_REPLICA_ID", &id),
+                ("CLAWMUX_RUN_LEASE_SEC", LEASE_SEC),
+                ("CLAWMUX_LLM_UPSTREAM_URL", &upstream),
+                ("CLAWMUX_PROXY_LISTEN", proxy),
+                ("CLAWMUX_AUDIT_DIR", &audit),
+            ],
+        );
+        app.start(&http).await;
+        apps.push(app);
+    }
+    let bases: Vec<String> = apps.iter().map(|a| a.base.clone()).collect();
+    // Set on each replica (each keeps the limits it was told; the store has them once).
+    let limits = [("acct-conc", json!({"maxConcurrent": 6})), ("acct-rate", json!({"maxRunsPerMinute": 9})), ("acct-tok", json!({"maxTokens": 25, "periodSec": 86400}))];
+    for base in &bases {
+        for (account, l) in &limits {
+            let r = http.put(format!("{base}/v1/admin/accounts/{account}/limits")).json(l).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{:?}", r.text().await);
+        }
+    }
+
+    // 40 runs of each account, posted at once, alternating between the replicas.
+    let posts: Vec<(usize, &str)> = (0..80).map(|i| (i, if i % 2 == 0 { "acct-conc" } else { "acct-rate" })).collect();
+    let answers: Vec<(&str, u16, Option<u64>)> = futures_util::future::join_all(posts.iter().map(|(i, account)| {
+        let (http, base) = (http.clone(), bases[(i / 2) % 2].clone());
+        let body = json!({"message": format!("<lim-{i}>"), "billingAccountId": account, "onDisconnect": "continue"});
+        async move {
+            let r = http.post(format!("{base}/v1/runs?wait=false")).json(&body).send().await.unwrap();
+            let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
+            (*account, r.status().as_u16(), retry)
+        }
+    }))
+    .await;
+    for (account, admitted) in [("acct-conc", 6), ("acct-rate", 9)] {
+        let statuses: Vec<u16> = answers.iter().filter(|a| a.0 == account).map(|a| a.1).collect();
+        let ok = statuses.iter().filter(|s| **s == 202).count();
+        let limited = statuses.iter().filter(|s| **s == 429).count();
+        assert_eq!((ok, limited), (admitted, 40 - admitted), "{account} over two replicas: {statuses:?}");
+        assert!(answers.iter().filter(|a| a.0 == account && a.1 == 429).all(|a| a.2.is_some_and(|r| r >= 1)), "{account}: 429 without Retry-After");
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE billing_account_id IN ('acct-conc', 'acct-rate')").fetch_one(&pool).await.unwrap();
+    assert_eq!(stored, 15, "refused runs left nothing behind");
+
+    // Token budget: l1 loads the account's spend (its first run), then a run on l0 spends past the
+    // cap through l0's proxy; l1 must refuse the account's next run.
+    let first = post_run(&http, &bases[1], &json!({"message": "<tok-1>", "billingAccountId": "acct-tok", "onDisconnect": "continue"})).await;
+    let (trace, traceparent) = common::new_traceparent();
+    let r = http
+        .post(format!("{}/v1/runs?wait=false", bases[0]))
+        .header("traceparent", traceparent)
+        .json(&json!({"message": "<tok-2>", "billingAccountId": "acct-tok", "onDisconnect": "continue"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    for n in 0..2 {
+        let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+        let r = http
+            .post(format!("http://{}/v1/chat/completions", proxies[0]))
+            .header("traceparent", format!("00-{trace}-{span}-01"))
+            .json(&common::chat_body(&format!("TOKCALL{n} budget test padding text.."), true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "call {n} starts under the cap");
+        assert!(r.text().await.unwrap().contains("[DONE]"));
+    }
+    let r = http.post(format!("{}/v1/runs?wait=false", bases[1])).json(&json!({"message": "<tok-3>", "billingAccountId": "acct-tok"})).send().await.unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!((status, body["error"]["code"].as_str()), (402, Some("budget_exceeded")), "the other replica's spend counts: {body}");
+    let first_doc: Value = http.get(format!("{}/v1/runs/{first}", bases[0])).send().await.unwrap().json().await.unwrap();
+    assert_eq!(first_doc["status"], "running", "the account's earlier run goes on: {first_doc}");
+    gw.set_paused(false);
+    pool.close().await;
+}

@@ -84,9 +84,7 @@ impl Drop for Mount {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use common::free_port;
 
 /// `clawmux serve` as a child process on a store file.
 struct Clawmux {

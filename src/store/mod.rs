@@ -346,6 +346,14 @@ pub enum Applied {
         /// Admission order.
         seq: i64,
     },
+    /// Not stored: the run would take its billing account past its live-run or per-minute limit,
+    /// counted over every replica sharing the store (stores that count them: PostgreSQL).
+    Limited {
+        /// A sentence a person can act on.
+        message: String,
+        /// Seconds until a retry can succeed.
+        retry_after_sec: u64,
+    },
     /// Not stored: the run belongs to another replica now (it took the run over after this one's
     /// lease expired). The writer stops writing for the run.
     Fenced,
@@ -445,6 +453,12 @@ pub trait Store: Send + Sync + 'static {
     /// instead of after the lease. A no-op for stores without leases.
     async fn release(&self, _lease: &Lease) -> Result<u64, StoreError> {
         Ok(0)
+    }
+    /// True when several processes share the store: per-account limits are then counted by the
+    /// store itself at admission ([`Applied::Limited`]) and spend is read from it, not from this
+    /// process's memory.
+    fn shared(&self) -> bool {
+        false
     }
     /// Records an abort for the run's owner (posted to a process that does not own it); false
     /// when the run is finished or unknown. Stores without leases: false (every run is local).

@@ -353,16 +353,29 @@ fn branch_lock(key: &str) -> String {
     format!("branch:{key}")
 }
 
-/// Takes the advisory locks of the session and branch keys of the batch's new runs (in one order: batches of
-/// two replicas never wait on each other crosswise), so that admissions of one key on two
-/// replicas, and a takeover of its runs, see each other (see `insert_owned`, `claim`).
-async fn lock_session_keys(tx: &mut Tx<'_>, batch: &[Write]) -> Result<(), sqlx::Error> {
+/// The advisory lock name of a billing account with live-run or per-minute limits (never a
+/// session key, which starts with `agent:`, nor a branch key's `branch:` name).
+fn account_lock(account: &str) -> String {
+    format!("account:{account}")
+}
+
+/// Takes the advisory locks of the batch's new runs, in one order (batches of two replicas never
+/// wait on each other crosswise): their session and branch keys (replicas: admissions of one key
+/// on two replicas, and a takeover of its runs, see each other; see `insert_owned`, `claim`), and
+/// their billing accounts that have limits (two replicas never both admit the run that crosses
+/// one; see `over_limit`).
+async fn lock_keys(tx: &mut Tx<'_>, batch: &[Write], session_keys: bool, limited: &HashMap<String, AccountLimits>) -> Result<(), sqlx::Error> {
     let mut keys: Vec<String> = Vec::new();
     for w in batch {
         if let Write::Insert(row) = w {
-            keys.push(row.session_key.clone());
-            if let Some(b) = &row.spec.branch {
-                keys.push(branch_lock(&b.key));
+            if session_keys {
+                keys.push(row.session_key.clone());
+                if let Some(b) = &row.spec.branch {
+                    keys.push(branch_lock(&b.key));
+                }
+            }
+            if limited.contains_key(&row.billing_account_id) {
+                keys.push(account_lock(&row.billing_account_id));
             }
         }
     }
@@ -407,15 +420,81 @@ async fn fence(tx: &mut Tx<'_>, batch: &[Write], lease: &Lease) -> Result<HashSe
     Ok(rows.into_iter().filter(|(_, owner)| owner.as_deref() != Some(lease.replica.as_str())).map(|(id, _)| id).collect())
 }
 
+/// An account's live-run and per-minute limits.
+#[derive(Debug, Clone, Copy)]
+struct AccountLimits {
+    max_concurrent: Option<i64>,
+    max_runs_per_minute: Option<i64>,
+}
+
+/// The limits of the billing accounts of the batch's new runs that have any.
+async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMap<String, AccountLimits>, sqlx::Error> {
+    let mut accounts: Vec<&str> = batch
+        .iter()
+        .filter_map(|w| match w {
+            Write::Insert(row) => Some(row.billing_account_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    if accounts.is_empty() {
+        return Ok(HashMap::new());
+    }
+    accounts.sort_unstable();
+    accounts.dedup();
+    let rows: Vec<(String, Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT billing_account_id, max_concurrent, max_runs_per_minute FROM account_limits \
+         WHERE billing_account_id = ANY($1) AND (max_concurrent IS NOT NULL OR max_runs_per_minute IS NOT NULL)",
+    )
+    .bind(&accounts)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(rows.into_iter().map(|(a, c, m)| (a, AccountLimits { max_concurrent: c, max_runs_per_minute: m })).collect())
+}
+
+/// The window the per-minute limit counts admissions in.
+const MINUTE_MS: i64 = 60_000;
+
+/// After `row` was inserted (it counts itself): why it takes its account past a limit, if it
+/// does. Counted over every replica's runs (the account's advisory lock is held, so no other
+/// admission of the account is between the count and the commit). The minute is judged by the
+/// admitting replicas' clocks (`created_at`), as the run documents show it.
+async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) -> Result<Option<Applied>, sqlx::Error> {
+    let since = row.created_at_ms.saturating_sub(MINUTE_MS);
+    let (live, recent, oldest): (i64, i64, Option<i64>) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE created_at >= $2), \
+           min(created_at) FILTER (WHERE created_at >= $2) \
+         FROM runs WHERE billing_account_id = $1 AND (finished_at IS NULL OR created_at >= $2)",
+    )
+    .bind(&row.billing_account_id)
+    .bind(since)
+    .fetch_one(&mut **tx)
+    .await?;
+    let account = &row.billing_account_id;
+    if let Some(max) = l.max_concurrent.filter(|max| live > *max) {
+        return Ok(Some(Applied::Limited {
+            message: format!("billing account {account:?} has {max} runs in flight, its limit; retry when one ends"),
+            retry_after_sec: 1,
+        }));
+    }
+    if let Some(max) = l.max_runs_per_minute.filter(|max| recent > *max) {
+        let wait_ms = oldest.map_or(MINUTE_MS, |t| t.saturating_add(MINUTE_MS).saturating_sub(row.created_at_ms));
+        let wait = u64::try_from(wait_ms.clamp(1, MINUTE_MS)).unwrap_or(1).div_ceil(1000).max(1);
+        return Ok(Some(Applied::Limited {
+            message: format!("billing account {account:?} started {max} runs in the last minute, its limit; retry in {wait} s"),
+            retry_after_sec: wait,
+        }));
+    }
+    Ok(None)
+}
+
 impl PgStore {
     async fn apply_tx(&self, batch: &[Write]) -> Result<Vec<Applied>, sqlx::Error> {
         let mut tx = self.write_pool.begin().await?;
         let lease = self.lease.get();
+        let limited = limits_of(&mut tx, batch).await?;
+        lock_keys(&mut tx, batch, lease.is_some(), &limited).await?;
         let fenced = match lease {
-            Some(l) => {
-                lock_session_keys(&mut tx, batch).await?;
-                fence(&mut tx, batch, l).await?
-            }
+            Some(l) => fence(&mut tx, batch, l).await?,
             None => HashSet::new(),
         };
         let mut out = Vec::with_capacity(batch.len());
@@ -432,7 +511,17 @@ impl PgStore {
             out.push(match w {
                 Write::Insert(row) => {
                     events.flush(&mut tx, &mut notify).await?;
-                    insert(&mut tx, row, lease).await?
+                    let applied = insert(&mut tx, row, lease).await?;
+                    match (&applied, limited.get(&row.billing_account_id)) {
+                        (Applied::Inserted { .. } | Applied::Assigned { .. }, Some(l)) => match over_limit(&mut tx, row, *l).await? {
+                            Some(refused) => {
+                                sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(&row.run_id).execute(&mut *tx).await?;
+                                refused
+                            }
+                            None => applied,
+                        },
+                        _ => applied,
+                    }
                 }
                 Write::Append { run_id, .. } | Write::Fail { run_id, .. } if fenced.contains(run_id.as_str()) => Applied::Fenced,
                 Write::Append { run_id, event, patch, webhook } => {
@@ -514,6 +603,10 @@ impl PgStore {
 impl Store for PgStore {
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    fn shared(&self) -> bool {
+        true
     }
 
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {

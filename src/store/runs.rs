@@ -31,6 +31,14 @@ pub enum Insert {
     /// Stored for the replica that owns the earlier runs of its session or branch key (see
     /// [`Applied::Assigned`]): it runs there, this process serves it from the store.
     Assigned(RunView),
+    /// Not stored: the account's live-run or per-minute limit, counted by the store over every
+    /// replica (see [`Applied::Limited`]).
+    Limited {
+        /// A sentence a person can act on.
+        message: String,
+        /// Seconds until a retry can succeed.
+        retry_after_sec: u64,
+    },
 }
 
 /// A run, live in this process or only stored.
@@ -207,10 +215,16 @@ impl RunStore {
                 // Swept between the two reads: the caller may start it again.
                 None => Err(StoreError(format!("run {run_id:?} vanished from the store; retry"))),
             },
+            Applied::Limited { message, retry_after_sec } => Ok(Insert::Limited { message, retry_after_sec }),
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
             Applied::Done | Applied::Fenced => Err(StoreError("the run store did not say how the admission went".to_owned())),
         }
+    }
+
+    /// True when several processes share the store (see [`super::Store::shared`]).
+    pub fn shared(&self) -> bool {
+        self.backend.shared()
     }
 
     /// Forgets a run whose admission failed after it was stored, so the caller can retry its id.

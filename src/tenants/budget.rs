@@ -69,14 +69,19 @@ pub struct Budgets {
     accounts: DashMap<String, Account>,
     /// True when the LLM proxy counts every call's tokens; without it a token budget cannot hold.
     metered: bool,
+    /// True when replicas share the store: live runs and admissions per minute are counted by the
+    /// store at admission (over every replica), and spend is read from the store (other replicas
+    /// add to it), never from this process's memory alone.
+    shared: bool,
     /// Ends a run whose budget is spent (wired to the registry's cancel); resolves once the run's
     /// session has the cancel in its mailbox.
     cancel: OnceLock<Cancel>,
 }
 
 impl Budgets {
-    /// Loads every account's limits; `metered`: an LLM proxy counts the tokens.
-    pub async fn load(store: Arc<dyn TenantStore>, writer: Writer, metered: bool) -> Result<Arc<Self>, StoreError> {
+    /// Loads every account's limits; `metered`: an LLM proxy counts the tokens; `shared`: replicas
+    /// share the store (see the field).
+    pub async fn load(store: Arc<dyn TenantStore>, writer: Writer, metered: bool, shared: bool) -> Result<Arc<Self>, StoreError> {
         let limits = DashMap::new();
         for (a, l) in store.all_limits().await? {
             if !metered && l.max_tokens.is_some() {
@@ -84,7 +89,7 @@ impl Budgets {
             }
             limits.insert(a, l);
         }
-        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), metered, cancel: OnceLock::new() }))
+        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), metered, shared, cancel: OnceLock::new() }))
     }
 
     /// Re-reads every account's limits (the CLI changes them in the store of a running clawmux).
@@ -118,6 +123,12 @@ impl Budgets {
         let l = self.limits(account);
         let (Some(_), Some(period)) = (l.max_tokens, l.period_sec) else { return Ok(None) };
         let w = window(period, now_ms());
+        if self.shared {
+            // Other replicas' proxies add to the stored spend: what this one has queued is
+            // stored first, then the store's sum is the account's.
+            self.writer.flush().await;
+            return Ok(Some((self.store.spend(account, w.0).await?, w)));
+        }
         let key = (account.to_owned(), w.0);
         if let Some(s) = self.spend.get(&key) {
             return Ok(Some((*s, w)));
@@ -149,6 +160,11 @@ impl Budgets {
                     retry_after_sec: secs_until(end),
                 }));
             }
+        }
+        if self.shared {
+            // Live runs and admissions per minute: counted by the store in the admission's own
+            // transaction, over every replica (`Applied::Limited`).
+            return Ok(Ok(()));
         }
         // Checked and counted under the account's entry lock: a burst is counted exactly.
         let mut a = self.accounts.entry(account.to_owned()).or_default();
@@ -214,7 +230,9 @@ impl Budgets {
         let l = self.limits(account);
         let Some(period) = l.period_sec.filter(|_| l.max_tokens.is_some()) else { return };
         let (start, _) = window(period, now_ms());
-        if let Some(mut s) = self.spend.get_mut(&(account.to_owned(), start)) {
+        if self.shared {
+            // Read back from the store (see `spent`): no copy here to keep up to date.
+        } else if let Some(mut s) = self.spend.get_mut(&(account.to_owned(), start)) {
             *s = s.saturating_add(tokens);
         }
         self.writer.submit(Write::Spend { account: account.to_owned(), window_start_ms: start, tokens }, None);
@@ -243,7 +261,7 @@ mod tests {
     async fn budgets(account: &str, limits: Limits) -> Arc<Budgets> {
         let store = Arc::new(MemoryStore::new());
         let writer = Writer::start(store.clone(), StoreMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-        let b = Budgets::load(store, writer, true).await.expect("load");
+        let b = Budgets::load(store, writer, true, false).await.expect("load");
         b.set_limits(account, limits).await.expect("limits");
         b
     }

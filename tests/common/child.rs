@@ -10,10 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// A port nothing listens on right now (the restarted process must get the same one).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
+pub use crate::common::free_port;
 
 /// clawmux as a child process, on a fixed port and store: every start uses the same ones.
 pub struct Clawmux {

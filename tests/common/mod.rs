@@ -303,3 +303,23 @@ macro_rules! on_sqlite_and_postgres {
 }
 #[allow(unused_imports)]
 pub(crate) use on_sqlite_and_postgres;
+
+/// A port nothing listens on right now, for a server (often a child process) to bind later, on
+/// every start the same. Taken BELOW the kernel's ephemeral range: a port from `bind(:0)` is an
+/// ephemeral one, which any outgoing connection of another test (a database pool, an HTTP
+/// client) may take as its source port before the server binds it (seen: a replica exiting at
+/// start with "Address already in use"). Random in that range, checked bindable.
+pub fn free_port() -> u16 {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (lo, hi) = (10_000u16, ephemeral_low.max(11_000));
+    for _ in 0..1000 {
+        let port = rand::Rng::gen_range(&mut rand::thread_rng(), lo..hi);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
