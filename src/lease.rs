@@ -4,7 +4,8 @@
 //! ```text
 //! every lease/3: renew ── ONE statement renews every unfinished run of this replica; runs in
 //!                         memory here that another replica owns now are stopped here (no cancel,
-//!                         no writes); aborts posted to other replicas cancel their gateway runs
+//!                         no writes); aborts posted to other replicas cancel their gateway runs;
+//!                         runs suspended while the store was out of reach go on (readopt)
 //! every lease/2 (at most 5 s): take over ── claim runs whose lease expired (row locks: one winner per run),
 //!                         continue each through the restart path, in admission order
 //! ```
@@ -55,6 +56,7 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
                     for run_id in renewed.aborts {
                         abort_here(&s, run_id).await;
                     }
+                    readopt(&s, &l).await;
                 }
                 Err(e) if !failing => {
                     failing = true;
@@ -102,6 +104,24 @@ async fn take_over(state: &web::Data<AppState>, lease: &Lease) {
     let n = claimed.len();
     let continued = crate::server::continue_runs(state, claimed).await;
     tracing::info!(claimed = n, continued, replica = %lease.replica, "took over runs (their owner's lease expired, or another replica admitted them for this one)");
+}
+
+/// The store answers again: continues the runs this replica suspended while it was out of reach
+/// (those no other replica took over meanwhile), through the restart path.
+async fn readopt(state: &web::Data<AppState>, lease: &Lease) {
+    if state.store.suspended() == 0 {
+        return;
+    }
+    let gate = state.admission.takeover_gate();
+    let _exclusive = gate.write().await;
+    match state.store.readopt(lease).await {
+        Ok(runs) => {
+            let n = runs.len();
+            let continued = crate::server::continue_runs(state, runs).await;
+            tracing::info!(runs = n, continued, "the run store answers again: continued the runs suspended here while it was out of reach");
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot take back the runs suspended while the run store was out of reach; trying again at the next renewal"),
+    }
 }
 
 /// An abort posted to another replica, for a run of this one: cancels it like `POST …/abort`.

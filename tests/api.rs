@@ -46,7 +46,7 @@ fn fast() -> ReplayConfig {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().pool_max_idle_per_host(64).build().unwrap()
+    common::http_client(None)
 }
 
 /// A replay gateway and a clawmux in front of it.

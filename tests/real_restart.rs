@@ -75,7 +75,7 @@ impl Run {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("client")
+    common::http_client(Some(Duration::from_secs(300)))
 }
 
 /// Waits (bounded) until `pred` holds for every run's stream.

@@ -14,6 +14,8 @@ mod common;
 mod child;
 #[path = "common/own_postgres.rs"]
 mod own_postgres;
+#[path = "common/tcp_chaos.rs"]
+mod tcp_chaos;
 
 use child::{attach, read_stream, Clawmux, Seen};
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
@@ -62,7 +64,7 @@ async fn replicas_n(gw: &ReplayHandle, url: &str, http: &reqwest::Client, n: usi
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().pool_max_idle_per_host(256).timeout(Duration::from_secs(120)).build().unwrap()
+    common::http_client(Some(Duration::from_secs(120)))
 }
 
 fn body(i: usize, tag: &str) -> Value {
@@ -271,9 +273,11 @@ async fn pg_any_replica_serves_any_run_and_an_abort_posted_to_another_replica_re
     let answer: Value = r.json().await.unwrap();
     assert_eq!(answer["aborted"], true, "{answer}");
     reader.await.unwrap();
-    let s = follower.lock().unwrap();
-    let t = s.terminal().unwrap_or_else(|| panic!("no terminal event: {:?}", s.events));
-    assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("aborted")), "{t:?}");
+    {
+        let s = follower.lock().unwrap();
+        let t = s.terminal().unwrap_or_else(|| panic!("no terminal event: {:?}", s.events));
+        assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("aborted")), "{t:?}");
+    }
     let doc: Value = http.get(format!("{}/v1/runs/{run}", bases[1])).send().await.unwrap().json().await.unwrap();
     assert_eq!(doc["status"], "aborted", "{doc}");
     let gw_run = gw.runs().into_iter().find(|r| r.message.contains("<abort-1000>")).expect("the gateway ran it");
@@ -392,8 +396,10 @@ async fn pg_two_replicas_racing_runs_of_one_session_key_never_interleave_them_at
 
 /// The database goes away for longer than a lease while two replicas stream runs, then comes back:
 /// no stream hangs, admission answers `503` + `Retry-After` on both replicas meanwhile and
-/// recovers by itself, and no run ends twice or is started twice (a run whose end its owner could
-/// not store must not be taken over and continued by the other replica once the database is back).
+/// recovers by itself, and no run is lost, ended twice or started twice: each replica suspends its
+/// runs while the store is out of reach (their gateway runs go on, their streams end without a
+/// terminal event) and continues them once it answers; clients re-attach and see each run end
+/// once, `final`, as the store has it.
 #[actix_rt::test]
 async fn pg_a_database_outage_longer_than_a_lease_under_two_replicas_hangs_no_run_and_ends_none_twice() {
     if own_postgres::server_url("pg_a_database_outage").is_none() {
@@ -426,6 +432,7 @@ async fn pg_a_database_outage_longer_than_a_lease_under_two_replicas_hangs_no_ru
     // Longer than a lease: every lease has expired when the database is back.
     let lease = Duration::from_secs(LEASE_SEC.parse().unwrap());
     tokio::time::sleep((lease * 2).saturating_sub(stopped.elapsed())).await;
+    let cut_during_outage = ids.iter().filter(|id| seen[*id].lock().unwrap().cut > 0).count();
     pg.restart();
 
     for r in readers {
@@ -444,49 +451,66 @@ async fn pg_a_database_outage_longer_than_a_lease_under_two_replicas_hangs_no_ru
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
-    // Every run the clients saw end has that one end in the store, once (bounded: ends the
-    // database missed are stored in the background).
+    reattach_until_ended(&http, &ids, &seen, |i| bases[(i + 1) % 2].clone()).await;
     let pool = sqlx::PgPool::connect(&pg.url).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let unfinished: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id = ANY($1) AND finished_at IS NULL").bind(&ids).fetch_one(&pool).await.unwrap();
-        if unfinished == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{unfinished} runs still unfinished in the store 90 s after the database came back");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
     // Give a wrong takeover the time to happen (a few takeover looks) before judging.
     tokio::time::sleep(lease * 2).await;
-    let terminals: Vec<(String, String, String)> =
-        sqlx::query_as("SELECT run_id, name, data FROM events WHERE run_id = ANY($1) AND name IN ('final', 'error') ORDER BY run_id, id").bind(&ids).fetch_all(&pool).await.unwrap();
-    let mut per_run: HashMap<String, Vec<(String, String)>> = HashMap::new();
-    for (id, name, data) in terminals {
-        per_run.entry(id).or_default().push((name, data));
-    }
-    let mut wrong = Vec::new();
-    for id in &ids {
-        let s = seen[id].lock().unwrap();
-        let Some(client_end) = s.terminal() else {
-            wrong.push(format!("{id}: the client saw no end ({} events, cut {})", s.events.len(), s.cut));
-            continue;
-        };
-        match per_run.get(id).map(Vec::as_slice) {
-            Some([(name, _)]) if *name == client_end.event => {}
-            other => wrong.push(format!("{id}: client saw {}, the store has {other:?}", client_end.event)),
-        }
-    }
+    let wrong = ends_as_seen(&pool, &ids, &seen).await;
     assert!(wrong.is_empty(), "{} of {N} runs wrong:\n{}", wrong.len(), wrong.join("\n"));
-    let errors = ids.iter().filter(|id| seen[*id].lock().unwrap().terminal().is_some_and(|t| t.event == "error")).count();
     let claims: i64 = sqlx::query_scalar("SELECT coalesce(sum(claims), 0)::bigint FROM runs WHERE run_id = ANY($1)").bind(&ids).fetch_one(&pool).await.unwrap();
-    eprintln!("database outage of {:.1} s: {} runs final, {errors} ended by the store's failure, {claims} claims", lease.as_secs_f64() * 2.0, N - errors);
-    assert!(errors > 0, "no run was in flight when the database stopped");
+    eprintln!("database outage of {:.1} s: every run final; {cut_during_outage} streams cut by it, {claims} claims", lease.as_secs_f64() * 2.0);
+    assert!(cut_during_outage > 0, "no run was in flight when the database stopped");
     let requests = gw.stats().requests_received;
     assert_eq!(requests.get("agent").copied(), Some(N as u64 + 2), "agent requests (no run started twice): {requests:?}");
     for app in &mut apps {
         assert!(app.running(), "a replica exited while the database was down: {}", app.log());
     }
     pool.close().await;
+}
+
+/// Re-attaches every run whose client has not seen its end yet (on `base_of(i)`, with
+/// `Last-Event-ID`) until each has, bounded.
+async fn reattach_until_ended(http: &reqwest::Client, ids: &[String], seen: &Streams, base_of: impl Fn(usize) -> String) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let open = ids.iter().filter(|id| seen[*id].lock().unwrap().terminal().is_none()).count();
+        if open == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{open} runs never ended for their clients");
+        for r in attach_each(http, ids, seen, &base_of, Duration::from_secs(60)).await {
+            r.await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What is wrong with the runs' ends: each must have exactly one terminal event in the store, the
+/// very one its client saw (name, id and data), and the client's whole stream must be right
+/// (ids without gap or repeat, its own text, ending `final`: no run is ended by an outage).
+async fn ends_as_seen(pool: &sqlx::PgPool, ids: &[String], seen: &Streams) -> Vec<String> {
+    let terminals: Vec<(String, String, i64, String)> = sqlx::query_as("SELECT run_id, name, id, data FROM events WHERE run_id = ANY($1) AND name IN ('final', 'error') ORDER BY run_id, id")
+        .bind(ids)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let mut wrong = Vec::new();
+    for id in ids {
+        let stored: Vec<&(String, String, i64, String)> = terminals.iter().filter(|t| &t.0 == id).collect();
+        let s = seen[id].lock().unwrap();
+        let Some(client) = s.terminal() else {
+            wrong.push(format!("{id}: the client saw no end ({} events, cut {})", s.events.len(), s.cut));
+            continue;
+        };
+        match stored.as_slice() {
+            [(_, name, eid, data)] if *name == client.event && u64::try_from(*eid).ok() == Some(client.id) && serde_json::from_str::<Value>(data).ok().as_ref() == Some(&client.data) => {}
+            other => wrong.push(format!("{id}: client saw {} {} (id {}), the store has {other:?}", client.event, client.data, client.id)),
+        }
+        if let Some(p) = s.problems() {
+            wrong.push(format!("{id}: {}", p.chars().take(300).collect::<String>()));
+        }
+    }
+    wrong
 }
 
 /// A run the admitting replica stores for another one (its session key runs there) is answered
@@ -647,5 +671,109 @@ async fn pg_account_limits_and_token_budgets_hold_across_replicas() {
     let first_doc: Value = http.get(format!("{}/v1/runs/{first}", bases[0])).send().await.unwrap().json().await.unwrap();
     assert_eq!(first_doc["status"], "running", "the account's earlier run goes on: {first_doc}");
     gw.set_paused(false);
+    pool.close().await;
+}
+
+/// A network partition between ONE replica and the database (the other still reaches it), for
+/// longer than a lease, while both stream runs: the partitioned replica's runs are taken over by
+/// the other and end exactly once; what every client sees in the end (re-attaching to the
+/// reachable replica with `Last-Event-ID` whenever its stream ends without a terminal event) is
+/// that one end, and no run is started twice on the gateway.
+#[actix_rt::test]
+async fn pg_a_partition_between_one_replica_and_the_database_ends_each_run_once_as_its_clients_see_it() {
+    let Some(url) = database("pg_partition_one_replica").await else { return };
+    let db_addr: std::net::SocketAddr = {
+        let u = reqwest::Url::parse(&url).unwrap();
+        format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
+    };
+    let relay = tcp_chaos::ChaosRelay::start(db_addr).await.unwrap();
+    let relayed_url = {
+        let mut u = reqwest::Url::parse(&url).unwrap();
+        u.set_port(Some(relay.addr.port())).unwrap();
+        u.to_string()
+    };
+    const N: usize = 20;
+    let gw = gateway_at(0.3);
+    let http = http();
+    let mut apps = Vec::new();
+    for (id, store) in [("p0", &relayed_url), ("p1", &url)] {
+        let mut app = Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", store), ("CLAWMUX_REPLICA_ID", id), ("CLAWMUX_RUN_LEASE_SEC", LEASE_SEC)]);
+        app.start(&http).await;
+        apps.push(app);
+    }
+    let bases: Vec<String> = apps.iter().map(|a| a.base.clone()).collect();
+    let ids = post_round_robin(&http, &apps, N, "part").await;
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let readers = attach_each(&http, &ids, &seen, |i| bases[i % 2].clone(), Duration::from_secs(120)).await;
+    until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
+
+    // p0 loses the database: its connections are reset, new ones refused, for two leases.
+    relay.refuse(true);
+    relay.cut_all();
+    let lease = Duration::from_secs(LEASE_SEC.parse().unwrap());
+    tokio::time::sleep(lease * 2).await;
+    relay.refuse(false);
+    for r in readers {
+        tokio::time::timeout(Duration::from_secs(150), r).await.expect("a stream hung").unwrap();
+    }
+    // Every client that has not seen an end re-attaches on p1 until it does (bounded).
+    reattach_until_ended(&http, &ids, &seen, |_| bases[1].clone()).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let wrong = ends_as_seen(&pool, &ids, &seen).await;
+    let claims: i64 = sqlx::query_scalar("SELECT coalesce(sum(claims), 0)::bigint FROM runs").fetch_one(&pool).await.unwrap();
+    eprintln!("partition of one replica for {:.0} s: {claims} claims", (lease * 2).as_secs_f64());
+    assert!(wrong.is_empty(), "{} of {N} runs wrong:\n{}", wrong.len(), wrong.join("\n"));
+    let requests = gw.stats().requests_received;
+    assert_eq!(requests.get("agent").copied(), Some(N as u64), "agent requests (no run started twice): {requests:?}");
+    for app in &mut apps {
+        assert!(app.running(), "a replica exited during the partition: {}", app.log());
+    }
+    pool.close().await;
+}
+
+/// A short network blip between the ONLY replica and the database (shorter than a lease): its runs
+/// are suspended while the store is out of reach and the replica itself continues them when it
+/// answers again (no other replica could take them over): each ends once, `final`, as its client
+/// sees it, and the gateway never started one twice.
+#[actix_rt::test]
+async fn pg_after_a_short_database_blip_the_only_replica_continues_its_suspended_runs() {
+    let Some(url) = database("pg_blip_readopt").await else { return };
+    let db_addr: std::net::SocketAddr = {
+        let u = reqwest::Url::parse(&url).unwrap();
+        format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
+    };
+    let relay = tcp_chaos::ChaosRelay::start(db_addr).await.unwrap();
+    let mut relayed = reqwest::Url::parse(&url).unwrap();
+    relayed.set_port(Some(relay.addr.port())).unwrap();
+    const N: usize = 10;
+    let gw = gateway_at(0.3);
+    let http = http();
+    let mut app = Clawmux::new(
+        &gw.url(),
+        GW_TOKEN,
+        &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", relayed.as_str()), ("CLAWMUX_REPLICA_ID", "b0"), ("CLAWMUX_RUN_LEASE_SEC", "10")],
+    );
+    app.start(&http).await;
+    let ids = post_round_robin(&http, std::slice::from_ref(&app), N, "blip").await;
+    let seen: Streams = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let base = app.base.clone();
+    let readers = attach_each(&http, &ids, &seen, |_| base.clone(), Duration::from_secs(120)).await;
+    until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
+    relay.refuse(true);
+    relay.cut_all();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    relay.refuse(false);
+    for r in readers {
+        tokio::time::timeout(Duration::from_secs(150), r).await.expect("a stream hung").unwrap();
+    }
+    reattach_until_ended(&http, &ids, &seen, |_| base.clone()).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let wrong = ends_as_seen(&pool, &ids, &seen).await;
+    assert!(wrong.is_empty(), "{} of {N} runs wrong:\n{}", wrong.len(), wrong.join("\n"));
+    let cut = ids.iter().filter(|id| seen[*id].lock().unwrap().cut > 0).count();
+    assert!(cut > 0, "no stream was cut by the blip: it tested nothing");
+    assert!(app.log().contains("continued the runs suspended here"), "the replica did not continue its suspended runs: {}", app.log());
+    let requests = gw.stats().requests_received;
+    assert_eq!(requests.get("agent").copied(), Some(N as u64), "agent requests (no run started twice): {requests:?}");
     pool.close().await;
 }

@@ -137,7 +137,7 @@ fn check_gateway_ran_each_once(gw: &ReplayHandle, n: usize) {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().pool_max_idle_per_host(256).build().unwrap()
+    common::http_client(None)
 }
 
 async fn case_kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing(kind: &str) {

@@ -213,7 +213,7 @@ fn assert_refused_in_one_line(code: i32, log: &str, store: &Path, what: &str) {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder().pool_max_idle_per_host(128).build().unwrap()
+    common::http_client(None)
 }
 
 /// Creates a store at `store` the way clawmux does (a command that opens it and exits).

@@ -266,6 +266,11 @@ async fn wait_live(state: &web::Data<AppState>, log: std::sync::Arc<crate::store
         }
     }
     guard.disarm();
+    if log.is_lost() {
+        // Stopped here without an end (another replica took it over, or the store is out of
+        // reach): it goes on; the caller gets its state now, as after a handoff.
+        return Ok(HttpResponse::Accepted().json(log.doc()));
+    }
     Ok(HttpResponse::Ok().json(log.doc()))
 }
 

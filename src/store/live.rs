@@ -201,6 +201,10 @@ pub struct RunLog {
     /// Stops the run's session actor WITHOUT cancelling its gateway run when another replica
     /// took the run over (it continues the gateway run).
     on_lost: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Suspends every run of this replica when the shared store is out of reach, instead of
+    /// ending this one (stores shared by replicas: another replica, or this one once the store
+    /// answers again, continues them).
+    on_store_down: OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// `clawmux_frame_to_client_seconds`, observed when a delta becomes visible.
     latency: Option<prometheus::Histogram>,
     /// Where an end the store cannot take is noted (durable stores only).
@@ -242,6 +246,7 @@ impl RunLog {
             on_failure: OnceLock::new(),
             on_end: OnceLock::new(),
             on_lost: OnceLock::new(),
+            on_store_down: OnceLock::new(),
             latency,
             notes,
         })
@@ -277,6 +282,12 @@ impl RunLog {
         let _ = self.on_lost.set(hook);
     }
 
+    /// What suspends this replica's runs when the shared store is out of reach (see
+    /// [`Self::suspend`]); without it (a store of one process) the run ends `internal` instead.
+    pub fn on_store_down(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_store_down.set(hook);
+    }
+
     /// True once another replica owns the run ([`Self::lose`]).
     pub fn is_lost(&self) -> bool {
         self.lock().lost
@@ -289,6 +300,38 @@ impl RunLog {
     /// its session actor stops WITHOUT cancelling the gateway run (the new owner continues it).
     /// Returns false when the run had already ended or was lost before.
     pub fn lose(&self) -> bool {
+        if !self.stop_here() {
+            return false;
+        }
+        tracing::warn!(run_id = %self.run_id, "another replica took this run over (this one's lease expired); stopping it here without cancelling it");
+        self.release_billing();
+        true
+    }
+
+    /// The shared store is out of reach (replicas): the run stops here exactly as when it is
+    /// lost (no cancel, no more writes, streams end without a terminal event), except that its
+    /// LLM calls stay attributed: its gateway run goes on, and so do its calls. Whoever continues
+    /// it once the store answers (this replica, or another that took it over) attributes it
+    /// afresh (see [`Self::release_billing`]). False when it had already ended or stopped.
+    pub fn suspend(&self) -> bool {
+        if !self.stop_here() {
+            return false;
+        }
+        tracing::warn!(run_id = %self.run_id, "the run store is out of reach: suspending this run here without cancelling it; it goes on once the store answers");
+        true
+    }
+
+    /// The run's LLM calls are no longer attributed to this log (it ended elsewhere or continues
+    /// with a new log).
+    pub fn release_billing(&self) {
+        if let Some((billing, registry)) = self.billing.get() {
+            registry.unregister(&billing.trace_id, &billing.run_id);
+        }
+    }
+
+    /// What [`Self::lose`] and [`Self::suspend`] share; false when the run had already ended or
+    /// stopped here.
+    fn stop_here(&self) -> bool {
         {
             let mut st = self.lock();
             if st.lost || st.finished_at.is_some() {
@@ -297,15 +340,11 @@ impl RunLog {
             st.lost = true;
             st.closed = true;
         }
-        tracing::warn!(run_id = %self.run_id, "another replica took this run over (this one's lease expired); stopping it here without cancelling it");
         if let Some(hook) = self.on_lost.get() {
             hook();
         }
         if let Some(hook) = self.on_end.get() {
             hook();
-        }
-        if let Some((billing, registry)) = self.billing.get() {
-            registry.unregister(&billing.trace_id, &billing.run_id);
         }
         // Waiters (`?wait=true`) stop waiting here, and live feeds end (no terminal event: the
         // run's end is the new owner's).
@@ -461,8 +500,17 @@ impl RunLog {
         }
     }
 
-    /// The store failed this run: end it with an error that says why, and cancel it.
+    /// The store failed this run: end it with an error that says why, and cancel it. On a store
+    /// shared by replicas that is out of reach, this replica's runs are suspended instead (see
+    /// [`Self::suspend`]): none is ended by a database or network outage.
     fn fail(&self, e: &StoreError) {
+        if self.writer.store_down() {
+            if let Some(suspend_all) = self.on_store_down.get() {
+                tracing::warn!(run_id = %self.run_id, error = %e, "the run store is out of reach; suspending this replica's runs");
+                suspend_all();
+                return;
+            }
+        }
         let (write, event) = {
             let mut st = self.lock();
             // A lost run's end is its new owner's: ending it here would write over its events.

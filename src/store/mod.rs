@@ -448,6 +448,12 @@ pub trait Store: Send + Sync + 'static {
     async fn renew(&self, _lease: &Lease, _live: &[String]) -> Result<Renewed, StoreError> {
         Ok(Renewed::default())
     }
+    /// Takes back `run_ids`, runs of this process it suspended while the store was out of
+    /// reach, renewing their leases: those it still owns and that are unfinished, in admission
+    /// order (the others were taken over meanwhile, or ended). Stores without leases: none.
+    async fn readopt(&self, _lease: &Lease, _run_ids: &[String]) -> Result<Vec<RunRow>, StoreError> {
+        Ok(Vec::new())
+    }
     /// Gives up the leases of this process's unfinished runs (a handoff shutdown: they were
     /// suspended and their writes flushed), so that other processes take them over at once
     /// instead of after the lease. A no-op for stores without leases.

@@ -748,6 +748,18 @@ impl Store for PgStore {
         Ok(out)
     }
 
+    async fn readopt(&self, lease: &Lease, run_ids: &[String]) -> Result<Vec<RunRow>, StoreError> {
+        // Row locks: a takeover claiming one of them at this moment either commits first (the
+        // owner is then no longer this replica) or waits for this statement.
+        let sql = format!(
+            "UPDATE runs SET lease_until = {DB_NOW_MS} + $2::bigint WHERE owner = $1 AND run_id = ANY($3) AND finished_at IS NULL RETURNING *"
+        );
+        let rows = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).bind(run_ids).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        let mut rows = self.decode_rows(rows);
+        rows.sort_by_key(|r| r.seq);
+        Ok(rows)
+    }
+
     async fn release(&self, lease: &Lease) -> Result<u64, StoreError> {
         // Expired, not ownerless: the same id starting again still counts them as its own.
         let r = sqlx::query("UPDATE runs SET lease_until = 0 WHERE owner = $1 AND finished_at IS NULL")

@@ -99,6 +99,11 @@ pub struct RunStore {
     notes: Option<Arc<EndNotes>>,
     /// Followers of runs live on other replicas (stores shared by replicas only).
     follow: Option<Arc<super::follow::Follow>>,
+    /// Runs suspended here while the shared store was out of reach (see [`RunStore::suspend_all`]),
+    /// with their logs (their LLM calls stay attributed until they go on).
+    suspended: DashMap<String, Arc<RunLog>>,
+    /// This store, for the hooks its logs are given.
+    me: std::sync::Weak<RunStore>,
 }
 
 impl RunStore {
@@ -159,7 +164,19 @@ impl RunStore {
         follow: Option<Arc<super::follow::Follow>>,
     ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow })
+        Arc::new_cyclic(|me| Self {
+            backend,
+            tenants,
+            writer,
+            live: DashMap::new(),
+            retention,
+            url,
+            latency,
+            notes,
+            follow,
+            suspended: DashMap::new(),
+            me: me.clone(),
+        })
     }
 
     /// Keys, limits, spend and the webhook outbox of the same store.
@@ -202,7 +219,7 @@ impl RunStore {
         match self.writer.apply(Write::Insert(Box::new(row.clone()))).await? {
             Applied::Inserted { seq } => {
                 row.seq = seq;
-                let log = RunLog::new(row, Vec::new(), self.writer.clone(), self.latency.clone(), self.notes.clone());
+                let log = self.new_log(row, Vec::new());
                 self.live.insert(log.run_id.clone(), log.clone());
                 Ok(Insert::New(log))
             }
@@ -225,6 +242,73 @@ impl RunStore {
     /// True when several processes share the store (see [`super::Store::shared`]).
     pub fn shared(&self) -> bool {
         self.backend.shared()
+    }
+
+    /// A run's log; on a store shared by replicas, one whose store failure suspends this
+    /// replica's runs instead of ending it.
+    fn new_log(&self, row: RunRow, events: Vec<StoredEvent>) -> Arc<RunLog> {
+        let log = RunLog::new(row, events, self.writer.clone(), self.latency.clone(), self.notes.clone());
+        if self.backend.shared() {
+            let me = self.me.clone();
+            log.on_store_down(Box::new(move || {
+                if let Some(store) = me.upgrade() {
+                    store.suspend_all();
+                }
+            }));
+        }
+        log
+    }
+
+    /// The shared store is out of reach: every live run of this replica is suspended (stopped
+    /// here without cancelling its gateway run, its streams ended without a terminal event, see
+    /// [`RunLog::suspend`]) and remembered. Nothing of them could be stored anyway, and stopping
+    /// all of them keeps each session key's runs together: none starts while an earlier one of
+    /// its key still runs on the gateway. Once the store answers again, this replica continues
+    /// them ([`Self::readopt`]) unless another replica took them over meanwhile (their leases
+    /// expired).
+    pub fn suspend_all(&self) {
+        let ids: Vec<String> = self.live.iter().filter(|l| !l.is_finished() && !l.is_lost()).map(|l| l.key().clone()).collect();
+        let mut n = 0;
+        for id in ids {
+            let Some((_, log)) = self.live.remove(&id) else { continue };
+            // Before the log stops: none of its writes still queued may land later.
+            self.writer.hold(&id);
+            if log.suspend() {
+                self.suspended.insert(id, log);
+                n += 1;
+            } else {
+                self.writer.release(&id);
+            }
+        }
+        if n > 0 {
+            tracing::warn!(runs = n, "the run store is out of reach: suspended this replica's runs (their gateway runs go on); they continue once it answers");
+        }
+    }
+
+    /// Runs suspended here and not continued yet.
+    pub fn suspended(&self) -> usize {
+        self.suspended.len()
+    }
+
+    /// The store answers again: takes back the suspended runs this replica still owns (another
+    /// replica may have taken some over meanwhile), as live logs in admission order, for the
+    /// restart path to continue. Their old logs stop attributing their LLM calls (the new ones
+    /// do). On an error they stay suspended for the next attempt.
+    pub async fn readopt(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let ids: Vec<String> = self.suspended.iter().map(|e| e.key().clone()).collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = self.backend.readopt(lease, &ids).await?;
+        // Whatever their old logs queued is dropped by now; the new logs' writes go through.
+        self.writer.flush().await;
+        for id in &ids {
+            if let Some((_, old)) = self.suspended.remove(id) {
+                old.release_billing();
+            }
+            self.writer.release(id);
+        }
+        self.logs_of(rows).await
     }
 
     /// Forgets a run whose admission failed after it was stored, so the caller can retry its id.
@@ -294,7 +378,7 @@ impl RunStore {
         let mut out = Vec::new();
         for row in rows {
             let events = self.backend.events(&row.run_id, 0).await?;
-            let log = RunLog::new(row.clone(), events, self.writer.clone(), self.latency.clone(), self.notes.clone());
+            let log = self.new_log(row.clone(), events);
             self.live.insert(row.run_id.clone(), log.clone());
             out.push((log, row));
         }

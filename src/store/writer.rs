@@ -10,6 +10,7 @@
 
 use super::{Applied, Store, StoreError, Write};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
@@ -70,6 +71,14 @@ impl StoreMetrics {
 #[derive(Clone)]
 pub struct Writer {
     tx: mpsc::UnboundedSender<Job>,
+    /// True from a batch that failed because the store itself was out of reach ([`Store::unreachable`])
+    /// until a batch commits again: a write's failure then says nothing about the write, and
+    /// runs on a store shared by replicas are suspended rather than ended.
+    down: Arc<AtomicBool>,
+    /// Runs whose writes are dropped (answered [`Applied::Fenced`], never applied): runs
+    /// suspended while the store was out of reach. Writes they queued before that must not land
+    /// once it answers again: the run goes on from what the store has, under a new log.
+    held: Arc<dashmap::DashSet<String>>,
 }
 
 impl Writer {
@@ -77,11 +86,30 @@ impl Writer {
     /// stored events never wait behind the actors' work, nor the actors behind a commit.
     pub fn start(store: Arc<dyn Store>, metrics: StoreMetrics) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
+        let down = Arc::new(AtomicBool::new(false));
+        let held = Arc::new(dashmap::DashSet::new());
         let arbiter = actix::Arbiter::new();
-        if !arbiter.spawn(run(store, metrics, rx)) {
+        if !arbiter.spawn(run(store, metrics, rx, down.clone(), held.clone())) {
             tracing::error!("the run store's writer thread did not start");
         }
-        Self { tx }
+        Self { tx, down, held }
+    }
+
+    /// Drops every write of `run_id` from now on, queued ones included, until [`Self::release`].
+    pub fn hold(&self, run_id: &str) {
+        self.held.insert(run_id.to_owned());
+    }
+
+    /// Applies `run_id`'s writes again. Call it after a [`Self::flush`]: the writes queued while it
+    /// was held are gone by then.
+    pub fn release(&self, run_id: &str) {
+        self.held.remove(run_id);
+    }
+
+    /// True when the last batch failed because the store was out of reach (a completion sees the
+    /// state of its own batch: completions run before the next batch).
+    pub fn store_down(&self) -> bool {
+        self.down.load(Ordering::Acquire)
     }
 
     /// Queues a write; `done` runs once it is applied. Never blocks.
@@ -112,7 +140,15 @@ impl Writer {
     }
 }
 
-async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::UnboundedReceiver<Job>) {
+/// The run a write adds to (`None`: an admission, spend, a deletion).
+fn run_of_write(w: &Write) -> Option<&str> {
+    match w {
+        Write::Append { run_id, .. } | Write::Fail { run_id, .. } => Some(run_id),
+        Write::Insert(_) | Write::Spend { .. } | Write::Delete { .. } => None,
+    }
+}
+
+async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::UnboundedReceiver<Job>, down: Arc<AtomicBool>, held: Arc<dashmap::DashSet<String>>) {
     let mut jobs = Vec::new();
     while rx.recv_many(&mut jobs, MAX_BATCH).await > 0 {
         let mut writes = Vec::with_capacity(jobs.len());
@@ -120,6 +156,11 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
         let mut flushes = Vec::new();
         for job in jobs.drain(..) {
             match job {
+                Job::Write(w, d) if run_of_write(&w).is_some_and(|r| held.contains(r)) => {
+                    if let Some(d) = d {
+                        d(Ok(Applied::Fenced));
+                    }
+                }
                 Job::Write(w, d) => {
                     writes.push(w);
                     dones.push(d);
@@ -155,6 +196,8 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
                     out
                 }
             };
+            let failed = results.iter().any(Result::is_err);
+            down.store(failed && store.unreachable(), Ordering::Release);
             metrics.batch_size.observe(writes.len() as f64);
             metrics.commit_seconds.observe(started.elapsed().as_secs_f64());
             for (result, done) in results.into_iter().zip(dones) {
@@ -325,6 +368,89 @@ mod tests {
         assert_eq!(results.len(), runs.len());
         assert!(results.iter().all(|(_, r)| r.is_err()));
         assert_eq!(probe.batches.lock().expect("batches").len(), 2, "the batch was retried write by write");
+    }
+
+    /// A waiter of a batch the store failed learns whether the store was out of reach (its run
+    /// is then suspended on a shared store, not ended) or the write failed (a full disk); a batch
+    /// that commits clears it.
+    #[actix_rt::test]
+    async fn the_waiters_of_a_failed_batch_know_whether_the_store_was_out_of_reach() {
+        let failing = Arc::new(AtomicBool::new(true));
+        let f = failing.clone();
+        let probe = Arc::new(Probe {
+            batches: Mutex::default(),
+            hold: Mutex::new(None),
+            holding: AtomicBool::new(false),
+            fails: Box::new(move |_| f.load(Ordering::SeqCst)),
+            down: AtomicBool::new(true),
+        });
+        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        let told = |run: &str| {
+            let (tx, rx) = oneshot::channel();
+            let w = writer.clone();
+            writer.submit(
+                write(run),
+                Some(Box::new(move |r| {
+                    let _ = tx.send((r.is_ok(), w.store_down()));
+                })),
+            );
+            rx
+        };
+        assert_eq!(told("a").await.expect("told"), (false, true), "out of reach");
+        probe.down.store(false, Ordering::SeqCst);
+        assert_eq!(told("b").await.expect("told"), (false, false), "a write the store refused");
+        failing.store(false, Ordering::SeqCst);
+        probe.down.store(true, Ordering::SeqCst);
+        assert_eq!(told("c").await.expect("told"), (true, false), "committed");
+    }
+
+    /// A held run's writes, those already queued included, are dropped (answered `Fenced`),
+    /// others' go through; once released (after a flush), its writes are applied again.
+    #[actix_rt::test]
+    async fn a_held_runs_writes_are_dropped_queued_ones_included_until_released() {
+        let runs: Vec<String> = ["a", "held", "b", "held"].iter().map(|s| (*s).to_owned()).collect();
+        let (release, hold) = std::sync::mpsc::channel();
+        let probe = Arc::new(Probe {
+            batches: Mutex::default(),
+            hold: Mutex::new(Some(hold)),
+            holding: AtomicBool::new(false),
+            fails: Box::new(|_| false),
+            down: AtomicBool::new(false),
+        });
+        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        let first = {
+            let writer = writer.clone();
+            tokio::spawn(async move { writer.apply(write("first")).await })
+        };
+        while !probe.holding.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // Queued behind the commit under way, then held.
+        let told: Vec<_> = runs
+            .iter()
+            .map(|r| {
+                let (tx, rx) = oneshot::channel();
+                writer.submit(
+                    write(r),
+                    Some(Box::new(move |res| {
+                        let _ = tx.send(res);
+                    })),
+                );
+                rx
+            })
+            .collect();
+        writer.hold("held");
+        release.send(()).expect("release");
+        let _ = first.await.expect("first");
+        let mut results = Vec::new();
+        for rx in told {
+            results.push(rx.await.expect("told").expect("no error"));
+        }
+        assert_eq!(results, [Applied::Done, Applied::Fenced, Applied::Done, Applied::Fenced]);
+        assert_eq!(probe.batches.lock().expect("batches")[1], ["a", "b"], "the held run's writes never reached the store");
+        writer.flush().await;
+        writer.release("held");
+        assert_eq!(writer.apply(write("held")).await.expect("applied"), Applied::Done);
     }
 
     #[actix_rt::test]

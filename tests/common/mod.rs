@@ -323,3 +323,17 @@ pub fn free_port() -> u16 {
     }
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
+
+/// The tests' HTTP client (`timeout`: per request). Pooled connections idle for 2 s are dropped,
+/// before the server's keep-alive (actix: 5 s) closes them: a request sent on a connection the
+/// server is closing at that moment fails (`IncompleteMessage`; seen in a replicas test that
+/// waited 6 s between two requests).
+pub fn http_client(timeout: Option<Duration>) -> reqwest::Client {
+    let b = reqwest::Client::builder().pool_max_idle_per_host(256).pool_idle_timeout(Duration::from_secs(2));
+    match timeout {
+        Some(t) => b.timeout(t),
+        None => b,
+    }
+    .build()
+    .expect("http client")
+}
