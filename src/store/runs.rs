@@ -9,9 +9,13 @@ use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
-use super::{now_ms, Applied, EventName, Lease, ListQuery, Renewed, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
+use super::{
+    now_ms, AbortReason, Applied, CallKey, EventName, Lease, ListQuery, LiveRun, Renewed, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl,
+    StoredEvent, UsageShares, Write,
+};
+use crate::attribution::Usage;
 use dashmap::DashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// How long a finished run's log stays in memory (re-attaching clients are served from it; after
@@ -31,6 +35,8 @@ pub enum Insert {
     /// Stored for the replica that owns the earlier runs of its session or branch key (see
     /// [`Applied::Assigned`]): it runs there, this process serves it from the store.
     Assigned(RunView),
+    /// Not stored: this unfinished run has the same trace id (see [`Applied::TraceInUse`]).
+    TraceInUse(String),
 }
 
 /// A run, live in this process or only stored.
@@ -91,6 +97,8 @@ pub struct RunStore {
     notes: Option<Arc<EndNotes>>,
     /// Followers of runs live on other replicas (stores shared by replicas only).
     follow: Option<Arc<super::follow::Follow>>,
+    /// This process's replica id (set with its lease).
+    me: OnceLock<String>,
 }
 
 impl RunStore {
@@ -151,7 +159,7 @@ impl RunStore {
         follow: Option<Arc<super::follow::Follow>>,
     ) -> Arc<Self> {
         let writer = Writer::start(backend.clone(), metrics);
-        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow })
+        Arc::new(Self { backend, tenants, writer, live: DashMap::new(), retention, url, latency, notes, follow, me: OnceLock::new() })
     }
 
     /// Keys, limits, spend and the webhook outbox of the same store.
@@ -209,6 +217,7 @@ impl RunStore {
             },
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
+            Applied::TraceInUse { run_id } => Ok(Insert::TraceInUse(run_id)),
             Applied::Done | Applied::Fenced => Err(StoreError("the run store did not say how the admission went".to_owned())),
         }
     }
@@ -241,7 +250,82 @@ impl RunStore {
 
     /// Makes this process the owner of the runs it admits; see [`Store::set_lease`].
     pub fn set_lease(&self, lease: &Lease) {
+        let _ = self.me.set(lease.replica.clone());
         self.backend.set_lease(lease);
+    }
+
+    /// True when other processes share the store (PostgreSQL): a live run may be another's.
+    pub fn is_shared(&self) -> bool {
+        self.follow.is_some()
+    }
+
+    /// The unfinished run an LLM call names; see [`Store::live_run`].
+    pub async fn live_run(&self, key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
+        self.backend.live_run(key).await
+    }
+
+    /// A run's usage by process; see [`Store::usage_shares`].
+    pub async fn usage_shares(&self, run_id: &str, stored: Option<Usage>) -> Result<UsageShares, StoreError> {
+        self.backend.usage_shares(run_id, stored).await
+    }
+
+    /// Which of `run_ids` have ended; see [`Store::ended`].
+    pub async fn ended(&self, run_ids: &[String]) -> Result<Vec<String>, StoreError> {
+        self.backend.ended(run_ids).await
+    }
+
+    /// A run's LLM calls as every replica recorded them; see [`Store::llm_calls`].
+    pub async fn llm_calls(&self, run_id: &str, limit: usize) -> Result<Option<(Vec<crate::audit::LlmCall>, bool)>, StoreError> {
+        self.backend.llm_calls(run_id, limit).await
+    }
+
+    /// Listens for what other replicas tell this one (stores shared by replicas; a no-op for the
+    /// others): `ended` hears of each run whose end another replica stored, `abort` is woken when an
+    /// abort is posted for a run of this one; usage shares reach the live runs' documents here.
+    pub fn on_notes(self: &Arc<Self>, ended: Box<dyn Fn(&str) + Send + Sync>, abort: Arc<tokio::sync::Notify>) {
+        let Some(follow) = &self.follow else { return };
+        let me = self.me.get().cloned().unwrap_or_default();
+        let (weak, mine) = (Arc::downgrade(self), me.clone());
+        let share = Box::new(move |n: super::pg_shares::ShareNote| {
+            // This process's own share is in its counters already.
+            if n.replica == mine {
+                return;
+            }
+            if let Some(log) = weak.upgrade().and_then(|s| s.live.get(&n.run_id).map(|l| l.clone())) {
+                log.note_share(&n.replica, n.usage);
+            }
+        });
+        let weak = Arc::downgrade(self);
+        let missed = Box::new(move || {
+            if let (Some(store), Ok(rt)) = (weak.upgrade(), tokio::runtime::Handle::try_current()) {
+                rt.spawn(async move { store.resync_shares().await });
+            }
+        });
+        let abort = Box::new(move |owner: &str| {
+            if owner == me {
+                abort.notify_one();
+            }
+        });
+        follow.on_notes(super::follow::Notes { ended, share, abort, missed });
+    }
+
+    /// Reads the other replicas' shares of this process's live runs again (notifications of them
+    /// may have been missed).
+    async fn resync_shares(&self) {
+        let logs: Vec<Arc<RunLog>> = self.live.iter().filter(|l| !l.is_finished() && !l.is_lost()).map(|l| l.clone()).collect();
+        for log in logs {
+            match self.backend.usage_shares(&log.run_id, log.stored_usage()).await {
+                Ok(shares) => {
+                    for (replica, share) in shares.others {
+                        log.note_share(&replica, share);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the usage shares of this replica's runs again; their documents show them once notified");
+                    return;
+                }
+            }
+        }
     }
 
     /// Renews this process's leases; see [`Store::renew`].
@@ -265,13 +349,15 @@ impl RunStore {
     }
 
     /// Records an abort for the run's owner (another replica); see [`Store::request_abort`].
-    pub async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
-        self.backend.request_abort(run_id).await
+    pub async fn request_abort(&self, run_id: &str, reason: AbortReason) -> Result<bool, StoreError> {
+        self.backend.request_abort(run_id, reason).await
     }
 
     /// Takes over the runs whose owner's lease expired (see [`Store::claim`]), as live logs in
     /// admission order, for the restart path to continue.
     pub async fn take_over(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        // This process's own usage shares are stored before they are read for the runs it takes.
+        self.writer.flush().await;
         let rows = self.backend.claim(lease, false).await?;
         self.logs_of(rows).await
     }
