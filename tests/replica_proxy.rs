@@ -232,6 +232,14 @@ async fn pg_a_replica_forwards_the_calls_of_a_run_another_owns_billed_to_it_once
     assert_eq!(call(&http, &other.proxy, None, &p3).await.0, 409, "a token of an ended run was accepted");
 
     // The cut call counts (it was forwarded), with no tokens (the upstream reports them at the end).
+    let cut_id = llm.entries().into_iter().find(|e| e["last_user"].as_str().is_some_and(|u| u.contains("XATTRCUT"))).unwrap()["id"].clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // The upstream notices the cut at its next chunk (one a second).
+    while !llm.entries().iter().any(|e| e["event"] == "stream_end" && e["id"] == cut_id) {
+        assert!(Instant::now() < deadline, "the upstream never saw the stream end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(llm.entries().iter().any(|e| e["event"] == "stream_end" && e["id"] == cut_id && e["completed"] == false), "the stream was not cut");
     let bill = upstream_bill(&llm, "run-x");
     assert_eq!(bill.2, 23);
     let d = until_usage(&http, &other.app.base, "run-x", bill).await;
