@@ -286,7 +286,7 @@ async fn pg_doctor_reports_the_store_without_its_password() {
     let (out, ok) = doctor(&gw, &url).await;
     app.kill_9();
     assert!(ok, "{out}");
-    assert!(out.contains("OK, postgres kind, reachable, schema version 4, 0 unfinished"), "{out}");
+    assert!(out.contains("OK, postgres kind, reachable, schema version 5, 0 unfinished"), "{out}");
     let seen = out.lines().find(|l| l.contains("replica-doctor-7")).unwrap_or_else(|| panic!("the replica is not listed:\n{out}"));
     assert!(seen.contains("last heartbeat") && seen.contains("s ago"), "{seen}");
     // doctor itself is no replica: only the serving process is listed.
