@@ -13,7 +13,7 @@
 
 use crate::attribution::{Attributions, RunBilling, Usage};
 use crate::request::{self, ValidRun};
-use crate::store::{CheckpointRecord, Insert, RunLog, RunRow, RunStore, RunView, SpecRecord, StoreError};
+use crate::store::{CheckpointRecord, Insert, RunLog, RunRow, RunStore, RunView, SpecRecord, StoreError, UsageShares};
 use crate::tenants::budget::{Budgets, Refusal};
 use actix::Addr;
 use clawmux_actors::branch::{BranchPlan, Workspace, WorkspaceError};
@@ -199,6 +199,8 @@ impl Admission {
             Insert::Limited { message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
             Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
+            // A live run of another replica has the trace id (the store's constraint said so).
+            Insert::TraceInUse(owner) => return Err(Refused::TraceInUse { owner }),
         };
         if let (Some(plan), Some(workspace)) = (&spec.branch, &self.workspace) {
             if let Err(refused) = check_branch(workspace.as_ref(), plan, key_field).await {
@@ -216,7 +218,7 @@ impl Admission {
             self.store.forget(&run_id).await;
             return Err(refused);
         }
-        match self.hand_over(&log, spec, None, if_busy).await {
+        match self.hand_over(&log, spec, None, if_busy, UsageShares::default()).await {
             Ok(admitted) => Ok(Submitted::New { log, admitted }),
             Err(e) => {
                 self.budgets.release(&account, &run_id);
@@ -235,13 +237,20 @@ impl Admission {
             return Err(Refused::Invalid("an ephemeral run's container does not survive a restart of clawmux; it was removed".to_owned()));
         }
         let resume = resume_of(row, log);
+        // Its usage continues from this process's stored share; the other replicas' shares (a
+        // shared store: calls their proxies forwarded, an old owner's) count in its documents.
+        let shares = match self.attributions {
+            Some(_) => self.store.usage_shares(&row.run_id, row.usage).await.map_err(Refused::Store)?,
+            None => UsageShares::default(),
+        };
         // A continued run counts as live for its account's limits, without the checks.
         self.budgets.resume(&spec.billing_account_id, &spec.run_id);
-        self.hand_over(log, spec, Some(resume), IfBusy::Enqueue).await
+        self.hand_over(log, spec, Some(resume), IfBusy::Enqueue, shares).await
     }
 
-    /// Makes a stored run attributable and hands it to the registry.
-    async fn hand_over(&self, log: &Arc<RunLog>, spec: RunSpec, resume: Option<Resume>, if_busy: IfBusy) -> Result<Admitted, Refused> {
+    /// Makes a stored run attributable (its usage continuing from `shares`) and hands it to the
+    /// registry.
+    async fn hand_over(&self, log: &Arc<RunLog>, spec: RunSpec, resume: Option<Resume>, if_busy: IfBusy, shares: UsageShares) -> Result<Admitted, Refused> {
         let trace_id = spec.traceparent.trace_id().to_owned();
         {
             let (budgets, account, run_id) = (self.budgets.clone(), spec.billing_account_id.clone(), spec.run_id.clone());
@@ -254,12 +263,14 @@ impl Admission {
             if let Some(t) = &spec.attribution_token {
                 billing = billing.with_token(t.clone());
             }
-            if let Some(usage) = log.stored_usage() {
-                billing = billing.with_usage(usage);
-            }
-            let billing = Arc::new(billing);
-            if let Err(owner) = attributions.register(billing.clone()) {
-                return Err(Refused::TraceInUse { owner });
+            // A run this process forwarded calls of as another replica's (taken over now) keeps
+            // those counters: `register` gives them back.
+            let billing = match attributions.register(Arc::new(billing.with_usage(shares.mine))) {
+                Ok(b) => b,
+                Err(owner) => return Err(Refused::TraceInUse { owner }),
+            };
+            for (replica, share) in &shares.others {
+                billing.note_share(replica, *share);
             }
             let (b, a) = (self.budgets.clone(), spec.billing_account_id.clone());
             log.set_billing(billing.clone(), attributions.clone(), Some(Box::new(move |tokens| b.record(&a, tokens))));

@@ -5,10 +5,17 @@
 //! removed when its terminal event is emitted: an LLM call whose trace id belongs to no live run is
 //! refused by the proxy (fail-closed). Two live runs can never share a trace id: the second is
 //! refused at admission, otherwise its calls could not be told apart.
+//!
+//! With a store shared by replicas the registry also holds REMOTE runs: live runs another replica
+//! owns whose calls this proxy forwarded (found through the store, see [`crate::remote_runs`]), until
+//! they end. A process has one [`RunBilling`] per run, whichever role it has: a takeover adopts
+//! the remote entry as its own run (its counters are this process's share of the run's usage),
+//! so no two counters of one process ever write the same share.
 
 use dashmap::DashMap;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The billing identity of a run and the usage of its LLM calls so far.
 #[derive(Debug)]
@@ -38,6 +45,9 @@ pub struct RunBilling {
     pub revoked: tokio_util::sync::CancellationToken,
     /// Told the totals after every change, so the run store keeps them across restarts.
     on_usage: std::sync::OnceLock<UsageHook>,
+    /// The other replicas' shares of the run's usage (a store shared by replicas), by replica id:
+    /// the run's usage is this process's totals plus these.
+    others: Mutex<HashMap<String, Usage>>,
 }
 
 /// The run store's hook for usage totals.
@@ -79,7 +89,33 @@ impl RunBilling {
             token: None,
             revoked: tokio_util::sync::CancellationToken::new(),
             on_usage: std::sync::OnceLock::new(),
+            others: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn others(&self) -> MutexGuard<'_, HashMap<String, Usage>> {
+        self.others.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Another replica's share of the run's usage (absolute totals, which only grow: a share heard
+    /// out of order, or read while a newer one was notified, never lowers what is known).
+    pub fn note_share(&self, replica: &str, share: Usage) {
+        let mut others = self.others();
+        let known = others.entry(replica.to_owned()).or_default();
+        *known = Usage {
+            input_tokens: known.input_tokens.max(share.input_tokens),
+            output_tokens: known.output_tokens.max(share.output_tokens),
+            llm_calls: known.llm_calls.max(share.llm_calls),
+        };
+    }
+
+    /// The run's usage as this process knows it: its own totals plus the other replicas' shares.
+    pub fn run_totals(&self) -> Usage {
+        self.others().values().fold(self.totals(), |a, b| Usage {
+            input_tokens: a.input_tokens.saturating_add(b.input_tokens),
+            output_tokens: a.output_tokens.saturating_add(b.output_tokens),
+            llm_calls: a.llm_calls.saturating_add(b.llm_calls),
+        })
     }
 
     /// Continues the totals of a run resumed after a restart.
@@ -150,8 +186,45 @@ impl RunBilling {
 /// Live runs by trace id (protocol 4) and by attribution token (protocol 3).
 #[derive(Debug, Default)]
 pub struct Attributions {
+    /// Runs of this process.
     by_trace: DashMap<String, Arc<RunBilling>>,
+    /// Runs of this process, by protocol-3 token.
     by_token: DashMap<String, Arc<RunBilling>>,
+    /// Runs other replicas own whose calls this process forwards, until they end.
+    remote: Remote,
+    /// Held while an entry moves or is made (a remote run added, adopted, demoted): one process
+    /// has one set of counters per run. Lookups never take it.
+    moves: Mutex<()>,
+}
+
+/// The runs of other replicas in the registry.
+#[derive(Debug, Default)]
+struct Remote {
+    /// By trace id.
+    by_trace: DashMap<String, Arc<RunBilling>>,
+    /// By attribution token.
+    by_token: DashMap<String, Arc<RunBilling>>,
+    /// By run id: what the revocation (the run ended) and a takeover (adopted) find.
+    by_run: DashMap<String, Arc<RunBilling>>,
+}
+
+impl Remote {
+    fn insert(&self, b: &Arc<RunBilling>) {
+        self.by_trace.insert(b.trace_id.clone(), b.clone());
+        if let Some(t) = &b.token {
+            self.by_token.insert(t.clone(), b.clone());
+        }
+        self.by_run.insert(b.run_id.clone(), b.clone());
+    }
+
+    fn remove(&self, run_id: &str) -> Option<Arc<RunBilling>> {
+        let (_, b) = self.by_run.remove(run_id)?;
+        self.by_trace.remove_if(&b.trace_id, |_, x| Arc::ptr_eq(x, &b));
+        if let Some(t) = &b.token {
+            self.by_token.remove_if(t, |_, x| Arc::ptr_eq(x, &b));
+        }
+        Some(b)
+    }
 }
 
 /// The marker the proxy looks for in a request body (see `clawmux_actors::run::attribution_prompt`).
@@ -190,31 +263,58 @@ impl Attributions {
         Self::default()
     }
 
-    /// Registers a live run; refuses when another live run already owns the trace id.
-    pub fn register(&self, billing: Arc<RunBilling>) -> Result<(), String> {
-        match self.by_trace.entry(billing.trace_id.clone()) {
-            dashmap::mapref::entry::Entry::Occupied(o) => return Err(o.get().run_id.clone()),
-            dashmap::mapref::entry::Entry::Vacant(v) => {
-                v.insert(billing.clone());
-            }
+    fn moving(&self) -> MutexGuard<'_, ()> {
+        self.moves.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers a live run of this process; refuses when another live run already owns the trace
+    /// id. `billing` is used unless this process already forwards the run's calls as a remote run
+    /// (a takeover): that entry becomes the run's, with its counters (the returned one).
+    pub fn register(&self, billing: Arc<RunBilling>) -> Result<Arc<RunBilling>, String> {
+        let _moving = self.moving();
+        if let Some(b) = self.by_trace.get(&billing.trace_id) {
+            return Err(b.run_id.clone());
         }
+        let billing = self.remote.remove(&billing.run_id).unwrap_or(billing);
+        self.by_trace.insert(billing.trace_id.clone(), billing.clone());
         if let Some(t) = &billing.token {
             self.by_token.insert(t.clone(), billing.clone());
         }
-        Ok(())
+        Ok(billing)
     }
 
-    /// The live run owning an attribution token.
+    /// Adds a run another replica owns, found in the store, and returns the entry its calls count
+    /// in: this process's own entry of the run when it has one (a takeover or another lookup got
+    /// there first), else `billing`.
+    pub fn add_remote(&self, billing: Arc<RunBilling>) -> Arc<RunBilling> {
+        let _moving = self.moving();
+        if let Some(b) = self.by_trace.get(&billing.trace_id).filter(|b| b.run_id == billing.run_id) {
+            return b.clone();
+        }
+        if let Some(b) = self.remote.by_run.get(&billing.run_id) {
+            return b.clone();
+        }
+        self.remote.insert(&billing);
+        billing
+    }
+
+    /// The live run owning an attribution token (this process's, else a remote one).
     pub fn lookup_token(&self, token: &str) -> Option<Arc<RunBilling>> {
-        self.by_token.get(token).map(|b| b.clone())
+        self.by_token.get(token).or_else(|| self.remote.by_token.get(token)).map(|b| b.clone())
     }
 
-    /// The live run owning `trace_id`.
+    /// The live run owning `trace_id` (this process's, else a remote one).
     pub fn lookup(&self, trace_id: &str) -> Option<Arc<RunBilling>> {
-        self.by_trace.get(trace_id).map(|b| b.clone())
+        self.by_trace.get(trace_id).or_else(|| self.remote.by_trace.get(trace_id)).map(|b| b.clone())
     }
 
-    /// Forgets a run (it ended). Only removes the entry if it still belongs to `run_id`.
+    /// True when `billing` is a run of this process (not a remote one).
+    pub fn is_local(&self, billing: &Arc<RunBilling>) -> bool {
+        self.by_trace.get(&billing.trace_id).is_some_and(|b| Arc::ptr_eq(&b, billing))
+    }
+
+    /// Forgets a run of this process (it ended). Only removes the entry if it still belongs to
+    /// `run_id`.
     pub fn unregister(&self, trace_id: &str, run_id: &str) {
         if let Some((_, b)) = self.by_trace.remove_if(trace_id, |_, b| b.run_id == run_id) {
             if let Some(t) = &b.token {
@@ -224,12 +324,33 @@ impl Attributions {
         }
     }
 
-    /// Number of live runs.
+    /// A remote run ended: its calls are refused from now on and its streams in flight are cut. A
+    /// run of this process is left alone (its own end unregisters it).
+    pub fn revoke_remote(&self, run_id: &str) -> bool {
+        let removed = {
+            let _moving = self.moving();
+            self.remote.remove(run_id)
+        };
+        match removed {
+            Some(b) => {
+                b.revoked.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The remote runs (their ends are looked for in the store).
+    pub fn remote_runs(&self) -> Vec<String> {
+        self.remote.by_run.iter().map(|e| e.key().clone()).collect()
+    }
+
+    /// Number of live runs of this process.
     pub fn len(&self) -> usize {
         self.by_trace.len()
     }
 
-    /// True when no run is live.
+    /// True when no run of this process is live.
     pub fn is_empty(&self) -> bool {
         self.by_trace.is_empty()
     }
@@ -243,7 +364,7 @@ mod tests {
     fn a_trace_id_belongs_to_one_running_run() {
         let a = Attributions::new();
         a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("first");
-        assert_eq!(a.register(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t1"))), Err("r1".to_owned()));
+        assert_eq!(a.register(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t1"))).map(|b| b.run_id.clone()), Err("r1".to_owned()));
         assert_eq!(a.lookup("t1").map(|b| b.run_id.clone()).as_deref(), Some("r1"));
         a.unregister("t1", "r2");
         assert!(a.lookup("t1").is_some(), "only the owner can unregister");
@@ -264,6 +385,45 @@ mod tests {
         a.unregister("t1", "r1");
         assert!(a.lookup_token(&tok).is_none());
         assert!(b.revoked.is_cancelled());
+    }
+
+    #[test]
+    fn a_remote_run_is_found_until_it_ends_and_a_takeover_adopts_its_counters() {
+        let a = Attributions::new();
+        let tok = new_token();
+        let remote = Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1").with_token(tok.clone()));
+        let got = a.add_remote(remote.clone());
+        assert!(Arc::ptr_eq(&got, &remote));
+        // A second lookup of the same run (a race) gets the entry that is there: one set of counters.
+        let again = a.add_remote(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1")));
+        assert!(Arc::ptr_eq(&again, &remote));
+        assert!(a.lookup("t1").is_some_and(|b| Arc::ptr_eq(&b, &remote)) && a.lookup_token(&tok).is_some());
+        assert!(!a.is_local(&remote) && a.is_empty(), "a remote run is not this process's");
+        assert_eq!(a.remote_runs(), ["r1"]);
+        remote.count_call();
+
+        // Taken over here: the new owner's registration gets the remote entry, counters and all.
+        let adopted = a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("adopted");
+        assert!(Arc::ptr_eq(&adopted, &remote) && a.is_local(&adopted) && a.remote_runs().is_empty());
+        assert_eq!(adopted.totals().llm_calls, 1);
+        assert!(!a.revoke_remote("r1") && !adopted.revoked.is_cancelled(), "an end notified for a run of this process is its own business");
+        a.unregister("t1", "r1");
+        assert!(adopted.revoked.is_cancelled());
+
+        // A remote run that ends is revoked: its streams are cut, its calls refused.
+        let other = a.add_remote(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t2").with_token(new_token())));
+        assert!(a.revoke_remote("r2") && other.revoked.is_cancelled());
+        assert!(a.lookup("t2").is_none() && a.remote_runs().is_empty());
+    }
+
+    #[test]
+    fn the_run_usage_is_this_process_totals_plus_the_other_shares_which_never_go_back() {
+        let b = RunBilling::new("r1", "acct", "g", "s", "t1").with_usage(Usage { input_tokens: 10, output_tokens: 1, llm_calls: 1 });
+        b.note_share("r-b", Usage { input_tokens: 5, output_tokens: 2, llm_calls: 2 });
+        b.note_share("r-b", Usage { input_tokens: 4, output_tokens: 2, llm_calls: 1 });
+        b.note_share("r-c", Usage { input_tokens: 1, output_tokens: 0, llm_calls: 1 });
+        assert_eq!(b.totals(), Usage { input_tokens: 10, output_tokens: 1, llm_calls: 1 });
+        assert_eq!(b.run_totals(), Usage { input_tokens: 16, output_tokens: 3, llm_calls: 4 });
     }
 
     #[test]

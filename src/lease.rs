@@ -4,8 +4,9 @@
 //! ```text
 //! every lease/3: renew ── ONE statement renews every unfinished run of this replica; runs in
 //!                         memory here that another replica owns now are stopped here (no cancel,
-//!                         no writes); aborts posted to other replicas cancel their gateway runs;
-//!                         runs suspended while the store was out of reach go on (readopt)
+//!                         no writes); aborts posted to other replicas cancel their gateway runs
+//!                         (at once when the store says one was posted: `clawmux_abort`); runs
+//!                         suspended while the store was out of reach go on (readopt)
 //! every lease/2 (at most 5 s): take over ── claim runs whose lease expired (row locks: one winner per run),
 //!                         continue each through the restart path, in admission order
 //! ```
@@ -16,7 +17,7 @@
 //! workspace step already under way (it may publish once more: its relay result is then dropped).
 
 use crate::api::AppState;
-use crate::store::Lease;
+use crate::store::{AbortReason, Lease};
 use actix_web::web;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,8 +30,9 @@ pub fn lease_of(cfg: &crate::config::Config) -> Lease {
     Lease { replica: cfg.replica_id.clone(), ms: i64::try_from(cfg.run_lease_sec.saturating_mul(1000)).unwrap_or(i64::MAX) }
 }
 
-/// Starts the renewal and takeover loops (stores shared by replicas only).
-pub fn spawn(state: web::Data<AppState>, lease: Lease) {
+/// Starts the renewal and takeover loops (stores shared by replicas only); `aborts` wakes the
+/// renewal when an abort is posted for a run of this replica.
+pub fn spawn(state: web::Data<AppState>, lease: Lease, aborts: Arc<tokio::sync::Notify>) {
     let period = Duration::from_millis(u64::try_from(lease.ms).unwrap_or(10_000));
     let (s, l) = (state.clone(), lease.clone());
     actix::spawn(async move {
@@ -38,7 +40,12 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failing = false;
         loop {
-            every.tick().await;
+            tokio::select! {
+                _ = every.tick() => {}
+                // Another replica's proxy stopped a run of this one (its budget is spent): the run
+                // must end now, before the gateway fails it on the refused call.
+                () = aborts.notified() => {}
+            }
             if *s.stopping.borrow() {
                 // Shutting down: a handoff releases the leases at the end (renewing them then
                 // would hold the suspended runs back from the other replicas).
@@ -53,8 +60,8 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease) {
                     for run_id in &renewed.lost {
                         s.store.lose(run_id);
                     }
-                    for run_id in renewed.aborts {
-                        abort_here(&s, run_id).await;
+                    for (run_id, reason) in renewed.aborts {
+                        abort_here(&s, run_id, reason).await;
                     }
                     readopt(&s, &l).await;
                 }
@@ -124,9 +131,14 @@ async fn readopt(state: &web::Data<AppState>, lease: &Lease) {
     }
 }
 
-/// An abort posted to another replica, for a run of this one: cancels it like `POST …/abort`.
-async fn abort_here(state: &web::Data<AppState>, run_id: String) {
+/// An abort posted to another replica, for a run of this one: cancels it like `POST …/abort`, or
+/// like its own proxy does when the run's budget is spent.
+async fn abort_here(state: &web::Data<AppState>, run_id: String, reason: AbortReason) {
     use clawmux_actors::CancelReason;
-    let cancel = clawmux_actors::messages::Cancel { run_id, reason: CancelReason::Api };
+    let reason = match reason {
+        AbortReason::Api => CancelReason::Api,
+        AbortReason::BudgetExceeded => CancelReason::BudgetExceeded,
+    };
+    let cancel = clawmux_actors::messages::Cancel { run_id, reason };
     let _ = tokio::time::timeout(Duration::from_secs(5), state.registry.send(cancel)).await;
 }

@@ -19,7 +19,9 @@
 //!   - [`ephemeral`]: ephemeral runs: one hardened, network-less container per run, its LLM calls
 //!     through a per-run unix socket served by the [`proxy`].
 //!   - [`proxy`]: the LLM attribution proxy (trace id → live run → billing headers, fail-closed);
-//!     [`attribution`] is its registry of live runs, [`audit`] its durable call log.
+//!     [`attribution`] is its registry of live runs, [`audit`] its durable call log, [`remote_runs`]
+//!     finds the runs of other replicas in a shared store (any replica's proxy forwards any run's
+//!     calls).
 //!   - [`server`]: wiring, the restart path (continuing stored runs) and shutdown (hand off or
 //!     cancel); [`lease`]: run ownership among replicas on PostgreSQL (renewal, takeover).
 //!   - [`relay`]: the host-side git relay (container worktrees, format-patch → am → push → PR),
@@ -57,3 +59,4 @@ pub mod server;
 pub mod store;
 pub mod tenants;
 pub mod ui;
+pub mod remote_runs;

@@ -11,9 +11,16 @@
 //! `402`) from a provider as an auth or billing failure of its API key and disables that key for
 //! about a minute, for EVERY run of every tenant (observed on 2026.9.6: a late call of an ended run
 //! locked all accounts out). A `409` fails only the call that made it.
+//!
+//! With a store shared by replicas, a call of a run another replica owns is forwarded too (see
+//! [`crate::remote_runs`]). When the store cannot say whose a call is (it is down), the call is answered
+//! `503` with `Retry-After`, never forwarded unattributed: OpenClaw 2026.9.6 takes a `503` as its
+//! provider being overloaded, retries the call with backoff (up to 90 s) and does NOT mark the key
+//! as failing (its auth-profile policy skips `overloaded`), so no other tenant is affected.
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::audit::{AuditLog, AuditRecord};
+use crate::store::{CallKey, StoreError};
 use crate::config::Secret;
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -141,7 +148,8 @@ pub struct ProxyMetrics {
     pub calls: IntCounterVec,
     /// Tokens reported by the upstream, by kind (`input`, `output`).
     pub tokens: IntCounterVec,
-    /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`).
+    /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`,
+    /// `store_unavailable`: the shared store could not say whose the call is).
     pub refusals: IntCounterVec,
     /// Time from forwarding a call to the upstream's response headers.
     pub upstream_latency: Histogram,
@@ -175,7 +183,7 @@ impl ProxyMetrics {
         for k in ["input", "output"] {
             m.tokens.with_label_values(&[k]);
         }
-        for r in ["no_traceparent", "unknown_trace", "unknown_token", "ambiguous_token", "body_too_large", "budget_exceeded"] {
+        for r in ["no_traceparent", "unknown_trace", "unknown_token", "ambiguous_token", "body_too_large", "budget_exceeded", "store_unavailable"] {
             m.refusals.with_label_values(&[r]);
         }
         registry.register(Box::new(m.calls.clone()))?;
@@ -204,6 +212,10 @@ pub struct ProxyState {
     /// Per-account budgets: a call that would start after its account's budget is spent is
     /// refused, and its run ends `budget_exceeded`.
     pub budgets: Option<Arc<crate::tenants::budget::Budgets>>,
+    /// The runs of other replicas (a store shared by replicas): their calls are forwarded too.
+    pub remote: Option<Arc<crate::remote_runs::RemoteRuns>>,
+    /// Where the audit records also go so that every replica lists them (a shared store).
+    pub shared_audit: Option<crate::store::writer::Writer>,
 }
 
 /// Hands audit records to a writer thread (appends block on `fsync`, never the event loop).
@@ -272,6 +284,26 @@ fn refuse(state: &ProxyState, reason: &'static str, message: String) -> HttpResp
         .json(serde_json::json!({"error": {"code": "attribution_refused", "type": "attribution_refused", "message": message}}))
 }
 
+/// The store could not say whose a call is: not forwarded (never unattributed), retried by the
+/// gateway (see the module's doc for why `503`).
+fn unavailable(state: &ProxyState, e: &StoreError) -> HttpResponse {
+    state.metrics.refusals.with_label_values(&["store_unavailable"]).inc();
+    tracing::warn!(error = %e, "LLM call refused: the run store cannot say which run it belongs to");
+    HttpResponse::build(StatusCode::SERVICE_UNAVAILABLE).insert_header(("retry-after", "1")).json(serde_json::json!({"error": {
+        "code": "attribution_unavailable", "type": "attribution_unavailable",
+        "message": "clawmux cannot attribute this call to a run right now; retry shortly"}}))
+}
+
+/// The live run `key` names: this process's registry (its own runs, the remote runs it found
+/// before), else the shared store's (a run another replica owns).
+async fn find(state: &ProxyState, key: CallKey, local: Option<Arc<RunBilling>>) -> Result<Option<Arc<RunBilling>>, StoreError> {
+    match (local, &state.remote) {
+        (Some(b), _) => Ok(Some(b)),
+        (None, Some(remote)) => remote.find(&key).await,
+        (None, None) => Ok(None),
+    }
+}
+
 fn now_rfc3339() -> String {
     time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
 }
@@ -299,6 +331,9 @@ impl CallFinisher {
             input_tokens = ?rec.input_tokens, output_tokens = ?rec.output_tokens, latency_ms = rec.latency_ms,
             "LLM call"
         );
+        if let Some(w) = &self.state.shared_audit {
+            w.submit(crate::store::Write::LlmCall(Box::new(rec.clone())), None);
+        }
         self.state.audit.write(rec);
         let _ = &self.billing;
     }
@@ -385,23 +420,27 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
             return refuse(&state, "unknown_trace", format!("run {} has ended; its LLM socket forwards no more calls", run.run_id))
         }
         (Some(run), _) => Some(run),
-        (None, Some(trace)) => match state.attributions.lookup(&trace) {
-            Some(b) => Some(b),
-            None if is_model_list => None,
-            None => {
+        // The model list is not a run's call: no store lookup for it.
+        (None, Some(trace)) if is_model_list => state.attributions.lookup(&trace),
+        (None, Some(trace)) => match find(&state, CallKey::Trace(trace.clone()), state.attributions.lookup(&trace)).await {
+            Ok(Some(b)) => Some(b),
+            Ok(None) => {
                 return refuse(&state, "unknown_trace", format!("trace id {trace} belongs to no live clawmux run; LLM calls are only forwarded for live runs"))
             }
+            Err(e) => return unavailable(&state, &e),
         },
         (None, None) if is_model_list => None,
         (None, None) => {
             let tokens = crate::attribution::tokens_in(&body);
-            let owners: Vec<Arc<RunBilling>> = tokens.iter().filter_map(|t| state.attributions.lookup_token(t)).collect();
-            match (tokens.len(), owners.len()) {
-                (0, _) => {
+            match tokens.as_slice() {
+                [] => {
                     return refuse(&state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned())
                 }
-                (1, 1) => owners.into_iter().next(),
-                (1, _) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
+                [token] => match find(&state, CallKey::Token(token.clone()), state.attributions.lookup_token(token)).await {
+                    Ok(Some(b)) => Some(b),
+                    Ok(None) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
+                    Err(e) => return unavailable(&state, &e),
+                },
                 _ => return refuse(&state, "ambiguous_token", "the call names several attribution tokens; refusing to guess".to_owned()),
             }
         }
@@ -442,7 +481,11 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
 
     if let Some(budgets) = &state.budgets {
         if !budgets.allow_call(&billing.billing_account_id).await {
-            budgets.exceeded(&billing.run_id).await;
+            match &state.remote {
+                // Another replica's run: its owner ends it (the cancel must come from there).
+                Some(remote) if !state.attributions.is_local(&billing) => remote.stop_for_budget(&billing.run_id).await,
+                _ => budgets.exceeded(&billing.run_id).await,
+            }
             return refuse(
                 &state,
                 "budget_exceeded",

@@ -145,12 +145,14 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         Some(upstream) => {
             let attributions = Arc::new(crate::attribution::Attributions::new());
             let listener = proxy_listener.ok_or_else(|| std::io::Error::other("the proxy's listener was not bound"))?;
-            let (addr, handle, proxy_state) = start_proxy(&cfg, listener, upstream, attributions.clone(), budgets.clone(), &registry)?;
+            let (addr, handle, proxy_state) = start_proxy(&cfg, listener, upstream, attributions.clone(), budgets.clone(), &store, &registry)?;
             tracing::info!(%addr, upstream = %upstream, "LLM attribution proxy listening");
             (Some((addr, handle)), Some(attributions), Some(proxy_state))
         }
         None => (None, None, None),
     };
+    // The runs of other replicas whose LLM calls this proxy forwards (a shared store).
+    let remote = proxy_state.as_ref().and_then(|p| p.remote.clone());
     let ephemeral = match agents.has_ephemeral() {
         false => None,
         true => {
@@ -233,9 +235,25 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         tenants,
         stopping,
     });
+    let aborts = Arc::new(tokio::sync::Notify::new());
+    if state.store.is_shared() {
+        // Before the runs are continued: an end another replica stores from now on is heard.
+        let told = remote.clone();
+        state.store.on_notes(
+            Box::new(move |run_id| {
+                if let Some(r) = &told {
+                    r.ended(run_id);
+                }
+            }),
+            aborts.clone(),
+        );
+        if let Some(r) = &remote {
+            r.spawn_revocations();
+        }
+    }
     let resumed = resume(&state, &lease).await;
     if state.store.kind() == "postgres" {
-        crate::lease::spawn(state.clone(), lease);
+        crate::lease::spawn(state.clone(), lease, aborts);
     }
     let sweeper = state.clone();
     actix::spawn(async move {
@@ -325,6 +343,7 @@ fn start_proxy(
     upstream: &str,
     attributions: Arc<crate::attribution::Attributions>,
     budgets: Arc<crate::tenants::budget::Budgets>,
+    store: &Arc<RunStore>,
     registry: &prometheus::Registry,
 ) -> std::io::Result<(SocketAddr, actix_web::dev::ServerHandle, web::Data<crate::proxy::ProxyState>)> {
     let audit = crate::audit::AuditLog::open(&cfg.audit_dir, cfg.audit_max_bytes)
@@ -336,6 +355,10 @@ fn start_proxy(
         .pool_idle_timeout(Duration::from_secs(60))
         .build()
         .map_err(std::io::Error::other)?;
+    // Shared by replicas: the calls of their runs are forwarded here too, and every replica lists
+    // the calls this one forwarded.
+    let shared = store.is_shared();
+    let remote = shared.then(|| crate::remote_runs::RemoteRuns::new(store.clone(), attributions.clone(), budgets.clone()));
     let state = web::Data::new(crate::proxy::ProxyState {
         attributions,
         upstream: upstream.to_owned(),
@@ -344,6 +367,8 @@ fn start_proxy(
         audit: crate::proxy::AuditSink::start(Arc::new(audit)),
         metrics,
         budgets: Some(budgets),
+        remote,
+        shared_audit: shared.then(|| store.writer()),
     });
     let shared = state.clone();
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))

@@ -370,7 +370,8 @@ fn stored_row(i: usize) -> RunRow {
             model: None,
             graph_id: "g".into(),
             timeout_ms: 600_000,
-            traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+            // Its own: two unfinished runs may not share a trace id.
+            traceparent: format!("00-{:032x}-b7ad6b7169203331-01", i + 1),
             attribution_token: None,
             branch: None,
             abort_on_disconnect: false,

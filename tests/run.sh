@@ -46,14 +46,15 @@ say "the run store on a real PostgreSQL"
 # `postgres` user, on 127.0.0.1 on a free port, stopped by PID (tests/support/postgres.sh). The
 # backend suite's pg_ cases, the history, tenant and restart tests (a database each), kill -9 + restart of clawmux
 # on it, three replicas on one database (takeover after kill -9, streams from any replica, aborts to the owner,
-# session-key FIFO; branch_runs: two replicas never work on one branch key at once),
+# session-key FIFO; branch_runs: two replicas never work on one branch key at once), any replica's LLM
+# proxy forwarding any run's calls (replica_proxy: billing headers, usage once, revocation, budgets),
 # and the fault test, which starts (and stops, and starts) a PostgreSQL of its own through the same script.
 PG_DIR="$(mktemp -d /tmp/clawmux-pg.XXXXXX)"
 trap 'tests/support/postgres.sh stop "$PG_DIR" >/dev/null 2>&1 || true; rm -rf "$PG_DIR"' EXIT INT TERM
 PG_ENV="$(tests/support/postgres.sh start "$PG_DIR")"  # an assignment: a failed start stops the script
 eval "$PG_ENV"
 CLAWMUX_TEST_PG_URL="$CLAWMUX_TEST_PG_URL" CLAWMUX_REQUIRE_PG=1 \
-  cargo test --locked -p clawmux --lib --test postgres --test history --test tenants --test restart --test replicas --test branch_runs -- pg_
+  cargo test --locked -p clawmux --lib --test postgres --test history --test tenants --test restart --test replicas --test branch_runs --test replica_proxy -- pg_
 tests/support/postgres.sh stop "$PG_DIR"
 rm -rf "$PG_DIR"
 trap - EXIT INT TERM
@@ -83,19 +84,22 @@ NETNS_NAME="cmx$$"
 GWC_DIR="$(mktemp -d /tmp/clawmux-gwc.XXXXXX)"
 CHAOS_DIR="$(mktemp -d /tmp/clawmux-gwchaos.XXXXXX)"
 RESTART_DIR="$(mktemp -d /tmp/clawmux-gwrestart.XXXXXX)"
+REPLICAS_DIR="$(mktemp -d /tmp/clawmux-gwreplicas.XXXXXX)"
+REPLICAS_PG="$(mktemp -d /tmp/clawmux-pgreplicas.XXXXXX)"
 COMPOSE_DIR="$(mktemp -d /tmp/clawmux-compose.XXXXXX)"
 cleanup() {
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
   tests/support/compose-stack.sh stop "$COMPOSE_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
-  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR"; do
+  for d in "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$NETNS_DIR" "$CHAOS_DIR" "$RESTART_DIR" "$REPLICAS_DIR"; do
     tests/support/gateway.sh stop "$d" >/dev/null 2>&1 || true
   done
+  tests/support/postgres.sh stop "$REPLICAS_PG" >/dev/null 2>&1 || true
   tests/support/netns.sh down "$NETNS_NAME" >/dev/null 2>&1 || true
   tests/support/litellm.sh stop "$LITELLM_DIR" >/dev/null 2>&1 || true
   # What the test processes left in their temporary directories (tests/common: temp_dir).
   rm -rf "${TMPDIR:-/tmp}/clawmux-tests"
-  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR" "$COMPOSE_DIR"
+  rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR" "$REPLICAS_DIR" "$REPLICAS_PG" "$COMPOSE_DIR"
 }
 trap cleanup EXIT INT TERM
 tests/support/gateway.sh start "$RUN_DIR" v4
@@ -134,6 +138,20 @@ PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" tes
 CLAWMUX_RESTART_GATEWAY_ENV="$RESTART_DIR/env" CLAWMUX_REQUIRE_RESTART_GATEWAY=1 \
   cargo test --locked --test real_restart -- --test-threads=1 proxied_restart_
 tests/support/gateway.sh stop "$RESTART_DIR"
+
+say "two replicas on one PostgreSQL, the real OpenClaw gateway's provider a load-balanced proxy address, one replica killed mid-run"
+# A gateway and a PostgreSQL of their own: the test puts a TCP load balancer on PROXY_PORT (round
+# robin over both replicas' proxies), so the gateway's calls land on either replica; answers of
+# ~10 s (20 words, 0.5 s apart) let it kill -9 a replica while every run streams.
+REPLICAS_PG_ENV="$(tests/support/postgres.sh start "$REPLICAS_PG")"
+PROXY_PORT="$(free_port)"
+PROXY_PORT="$PROXY_PORT" PROVIDER_BASE_URL="http://127.0.0.1:$PROXY_PORT/v1" FAKE_LLM_CHUNKS=20 FAKE_LLM_DELAY=0.5 \
+  tests/support/gateway.sh start "$REPLICAS_DIR" v4
+(eval "$REPLICAS_PG_ENV"; CLAWMUX_TEST_PG_URL="$CLAWMUX_TEST_PG_URL" CLAWMUX_REPLICAS_GATEWAY_ENV="$REPLICAS_DIR/env" \
+  CLAWMUX_REPLICAS_WORDS=20 CLAWMUX_REQUIRE_REPLICAS_GATEWAY=1 \
+  cargo test --locked --test real_replicas -- --test-threads=1 --nocapture proxied_replicas_)
+tests/support/gateway.sh stop "$REPLICAS_DIR"
+tests/support/postgres.sh stop "$REPLICAS_PG"
 
 say "the same conformance suite against the protocol-3 gateway (openclaw@2026.4.12)"
 # Protocol 3 needs the device identity (scopes), attributes LLM calls by the per-run token in

@@ -445,13 +445,14 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
     if !found && matches!(view, RunView::Stored(_)) {
         // Live on another replica (a shared store): recorded for its owner, whose next lease
         // renewal cancels it.
-        let recorded = state.store.request_abort(&run_id).await.map_err(store_unavailable)?;
+        let recorded = state.store.request_abort(&run_id, crate::store::AbortReason::Api).await.map_err(store_unavailable)?;
         return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: recorded }));
     }
     Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }))
 }
 
-/// The run's LLM calls, from the LLM proxy's audit log.
+/// The run's LLM calls, from the LLM proxy's audit log (a store shared by replicas: every replica's
+/// records).
 #[utoipa::path(get, path = "/v1/runs/{run_id}/llm-calls", tag = "runs", security(("bearer" = [])),
     params(("run_id" = String, Path, description = "The run id")),
     responses(
@@ -469,6 +470,10 @@ pub(super) async fn llm_calls(req: HttpRequest, path: web::Path<String>, state: 
     let run_id = view.run_id().to_owned();
     if state.attributions.is_none() {
         return Ok(HttpResponse::Ok().json(LlmCalls { run_id, proxy: false, calls: Vec::new(), truncated: false }));
+    }
+    // A shared store has every replica's records: the calls any replica's proxy forwarded.
+    if let Some((calls, truncated)) = state.store.llm_calls(&run_id, MAX_LLM_CALLS).await.map_err(audit_unavailable)? {
+        return Ok(HttpResponse::Ok().json(LlmCalls { run_id, proxy: true, calls, truncated }));
     }
     let since_ms = created_ms(&view.doc().created_at);
     let dir = state.cfg.audit_dir.clone();

@@ -67,7 +67,7 @@ impl Drop for DisconnectGuard {
             RunView::Stored(_) => {
                 let (store, run_id) = (self.store.clone(), self.run_id.clone());
                 actix_web::rt::spawn(async move {
-                    if let Err(e) = store.request_abort(&run_id).await {
+                    if let Err(e) = store.request_abort(&run_id, crate::store::AbortReason::Api).await {
                         tracing::error!(%run_id, error = %e, "cannot record the abort of a run its disconnected caller asked to cancel");
                     }
                 });

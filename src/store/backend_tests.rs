@@ -10,6 +10,12 @@ use super::{Applied, CheckpointRecord, EventName, ListQuery, NewDelivery, Retent
 use crate::attribution::Usage;
 use std::sync::Arc;
 
+/// A trace id of the run's own (two live runs may not share one), the same for the same run id.
+pub(super) fn trace_of(run_id: &str) -> String {
+    let fnv = |seed: u64| run_id.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("{:016x}{:016x}", fnv(1), fnv(2))
+}
+
 pub(super) fn row(run_id: &str, account: &str, created_at_ms: i64) -> RunRow {
     RunRow {
         seq: 0,
@@ -26,7 +32,7 @@ pub(super) fn row(run_id: &str, account: &str, created_at_ms: i64) -> RunRow {
             model: None,
             graph_id: "g".into(),
             timeout_ms: 60_000,
-            traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+            traceparent: format!("00-{}-b7ad6b7169203331-01", trace_of(run_id)),
             attribution_token: None,
             branch: None,
             abort_on_disconnect: true,

@@ -6,7 +6,11 @@
 //! A lost notification (the listening connection broke and came back) costs latency, never an
 //! event: the listener wakes every follower when it reconnects, and a follower re-reads the store
 //! at least every [`FALLBACK_POLL`] anyway.
+//!
+//! The same connection hears what the LLM proxies of other replicas need ([`Notes`], see
+//! `pg_shares`): runs that ended, usage shares, aborts posted for this replica.
 
+use super::pg_shares::{ShareNote, ABORT, ENDED, USAGE};
 use dashmap::DashMap;
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
@@ -24,6 +28,19 @@ pub const ASSIGNED: &str = "clawmux_assigned";
 /// How often a follower re-reads the store without a notification.
 pub const FALLBACK_POLL: Duration = Duration::from_secs(1);
 
+/// What this process does with the other notifications (set once, when it serves).
+pub struct Notes {
+    /// A run's end was stored: its LLM calls are no longer forwarded here, its streams are cut.
+    pub ended: Box<dyn Fn(&str) + Send + Sync>,
+    /// A replica stored its share of a run's usage (the owner's documents show it).
+    pub share: Box<dyn Fn(ShareNote) + Send + Sync>,
+    /// An abort was posted for a run of the replica named (the owner acts on it at once).
+    pub abort: Box<dyn Fn(&str) + Send + Sync>,
+    /// Notifications may have been missed (the listener reconnected): state kept from them is
+    /// read again.
+    pub missed: Box<dyn Fn() + Send + Sync>,
+}
+
 /// The followers of this process, by run id.
 pub struct Follow {
     /// The store's connections (the listener takes one for itself).
@@ -34,12 +51,20 @@ pub struct Follow {
     started: OnceLock<()>,
     /// This replica's id and what to wake when another replica assigned it a run.
     assigned: Arc<OnceLock<(String, Arc<tokio::sync::Notify>)>>,
+    /// What to do with the other replicas' ends, shares and aborts.
+    notes: Arc<OnceLock<Notes>>,
 }
 
 impl Follow {
     /// Followers over the store's `pool` (nothing runs until the first one).
     pub fn new(pool: PgPool) -> Arc<Self> {
-        Arc::new(Self { pool, runs: Arc::new(DashMap::new()), started: OnceLock::new(), assigned: Arc::new(OnceLock::new()) })
+        Arc::new(Self { pool, runs: Arc::new(DashMap::new()), started: OnceLock::new(), assigned: Arc::new(OnceLock::new()), notes: Arc::new(OnceLock::new()) })
+    }
+
+    /// Starts listening now; `notes` hears of the other replicas' ends, shares and aborts.
+    pub fn on_notes(&self, notes: Notes) {
+        let _ = self.notes.set(notes);
+        self.start();
     }
 
     /// Starts listening now; `wake` is told each time another replica assigns `replica` a run
@@ -51,7 +76,7 @@ impl Follow {
 
     fn start(&self) {
         self.started.get_or_init(|| {
-            tokio::spawn(listen(self.pool.clone(), self.runs.clone(), self.assigned.clone()));
+            tokio::spawn(listen(self.pool.clone(), self.runs.clone(), self.assigned.clone(), self.notes.clone()));
         });
     }
 
@@ -66,13 +91,21 @@ impl Follow {
     }
 }
 
-async fn listen(pool: PgPool, runs: Arc<DashMap<String, watch::Sender<u64>>>, assigned: Arc<OnceLock<(String, Arc<tokio::sync::Notify>)>>) {
+async fn listen(
+    pool: PgPool,
+    runs: Arc<DashMap<String, watch::Sender<u64>>>,
+    assigned: Arc<OnceLock<(String, Arc<tokio::sync::Notify>)>>,
+    notes: Arc<OnceLock<Notes>>,
+) {
     let wake_all = |runs: &DashMap<String, watch::Sender<u64>>| {
         for r in runs.iter() {
             r.send_modify(|n| *n += 1);
         }
         if let Some((_, wake)) = assigned.get() {
             wake.notify_one();
+        }
+        if let Some(n) = notes.get() {
+            (n.missed)();
         }
     };
     let mut failing = false;
@@ -88,7 +121,7 @@ async fn listen(pool: PgPool, runs: Arc<DashMap<String, watch::Sender<u64>>>, as
                 continue;
             }
         };
-        if let Err(e) = listener.listen_all([CHANNEL, ASSIGNED]).await {
+        if let Err(e) = listener.listen_all([CHANNEL, ASSIGNED, ENDED, USAGE, ABORT]).await {
             tracing::warn!(error = %e, "cannot listen for other replicas' events; followers poll the store meanwhile");
             tokio::time::sleep(FALLBACK_POLL).await;
             continue;
@@ -103,6 +136,23 @@ async fn listen(pool: PgPool, runs: Arc<DashMap<String, watch::Sender<u64>>>, as
                         if n.payload() == me {
                             wake.notify_one();
                         }
+                    }
+                }
+                Ok(Some(n)) if n.channel() == ENDED => {
+                    if let Some(notes) = notes.get() {
+                        (notes.ended)(n.payload());
+                    }
+                }
+                Ok(Some(n)) if n.channel() == USAGE => {
+                    // Another process's payload: one that cannot be read is dropped (the share is
+                    // in the store; a document read from there has it).
+                    if let (Some(notes), Ok(share)) = (notes.get(), serde_json::from_str::<ShareNote>(n.payload())) {
+                        (notes.share)(share);
+                    }
+                }
+                Ok(Some(n)) if n.channel() == ABORT => {
+                    if let Some(notes) = notes.get() {
+                        (notes.abort)(n.payload());
                     }
                 }
                 Ok(Some(n)) => {

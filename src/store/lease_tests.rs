@@ -3,7 +3,7 @@
 
 use super::backend_tests::{pg_url, row};
 use super::postgres::PgStore;
-use super::{Applied, EventName, Lease, RunPatch, Store, StoredEvent, Write};
+use super::{AbortReason, Applied, EventName, Lease, RunPatch, Store, StoredEvent, Write};
 use std::collections::{HashMap, HashSet};
 
 async fn open(url: &str, replica: &str, ms: i64) -> (PgStore, Lease) {
@@ -102,8 +102,13 @@ async fn pg_a_replica_that_lost_a_run_is_fenced_told_by_its_renewal_and_aborts_r
     let rb = b.renew(&lb, &["r1".to_owned()]).await.expect("renew");
     assert!(rb.lost.is_empty() && rb.aborts.is_empty(), "{rb:?}");
     // An abort posted to a (not the owner) reaches b's next renewal.
-    assert!(a.request_abort("r1").await.expect("abort"));
-    assert_eq!(b.renew(&lb, &["r1".to_owned()]).await.expect("renew").aborts, ["r1"]);
+    assert!(a.request_abort("r1", AbortReason::Api).await.expect("abort"));
+    assert_eq!(b.renew(&lb, &["r1".to_owned()]).await.expect("renew").aborts, [("r1".to_owned(), AbortReason::Api)]);
+    // A budget stop posted elsewhere says why: the owner ends the run `budget_exceeded`.
+    assert!(matches!(a.apply(&[Write::Insert(Box::new(row("r3", "acct", 3)))]).await.expect("insert")[..], [Applied::Inserted { .. }]));
+    assert!(b.request_abort("r3", AbortReason::BudgetExceeded).await.expect("abort"));
+    assert_eq!(a.renew(&la, &["r3".to_owned()]).await.expect("renew").aborts, [("r3".to_owned(), AbortReason::BudgetExceeded)]);
+    sqlx::query("UPDATE runs SET finished_at = 1 WHERE run_id = 'r3'").execute(&sqlx::PgPool::connect(&url).await.expect("connect")).await.expect("end r3");
     // At start, a replica continues its own runs (a restart under its id) even with a lease that
     // holds; another replica does not take them.
     assert!(a.claim(&la, true).await.expect("claim").is_empty());

@@ -258,18 +258,19 @@ impl RunLog {
 
     /// Ties the run to its billing identity: its LLM calls are attributed until it ends, and the
     /// proxy's totals are stored as they change; `on_tokens` hears of every token the proxy adds
-    /// (the account's budget).
+    /// (the account's budget). A billing identity that already stores its totals (a remote run
+    /// adopted by a takeover) keeps its hook: it is the same one.
     pub fn set_billing(&self, billing: Arc<RunBilling>, registry: Arc<Attributions>, on_tokens: Option<Box<dyn Fn(u64) + Send + Sync>>) {
-        let writer = self.writer.clone();
-        let run_id = self.run_id.clone();
-        billing.on_usage(Box::new(move |usage, tokens| {
-            let patch = RunPatch { usage: Some(usage), ..RunPatch::default() };
-            writer.submit(Write::Append { run_id: run_id.clone(), event: None, patch, webhook: None }, None);
-            if let Some(f) = &on_tokens {
-                f(tokens);
-            }
-        }));
+        billing.on_usage(usage_hook(self.writer.clone(), self.run_id.clone(), on_tokens));
         let _ = self.billing.set((billing, registry));
+    }
+
+    /// Another replica stored its share of this run's usage: the documents this process shows
+    /// count it (the store's own documents sum the shares).
+    pub fn note_share(&self, replica: &str, share: Usage) {
+        if let Some((b, _)) = self.billing.get() {
+            b.note_share(replica, share);
+        }
     }
 
     /// What to do once when the run ends.
@@ -368,7 +369,12 @@ impl RunLog {
     }
 
     fn live_usage(&self) -> Option<Usage> {
-        self.billing.get().map(|(b, _)| b.totals())
+        self.billing.get().map(|(b, _)| b.run_totals())
+    }
+
+    /// The billing identity of the run, once it is live here.
+    pub fn billing(&self) -> Option<Arc<RunBilling>> {
+        self.billing.get().map(|(b, _)| b.clone())
     }
 
     /// The current document (as stored; usage as the proxy counts it now).
@@ -532,7 +538,7 @@ impl RunLog {
                 ..RunPatch::default()
             };
             patch.apply(&mut st.latest);
-            let usage = self.billing.get().map(|(b, _)| b.totals());
+            let usage = self.live_usage();
             let doc = || serde_json::to_string(&RunDoc::from_row(&st.latest, usage)).unwrap_or_default();
             let webhook = st.latest.webhook_url.clone().map(|url| NewDelivery { url, key_id: st.latest.key_id.clone(), body: doc() });
             (Write::Fail { run_id: self.run_id.clone(), event: event.clone(), patch, webhook }, Arc::new(event))
@@ -570,6 +576,17 @@ impl RunLog {
         }
         self.visible.send_modify(|v| v.finished = true);
     }
+}
+
+/// What stores a run's usage as this process's proxy counts it: its share, absolute (see
+/// [`Write::Usage`]); `on_tokens` hears of every token added (the account's budget).
+pub fn usage_hook(writer: Writer, run_id: String, on_tokens: Option<Box<dyn Fn(u64) + Send + Sync>>) -> Box<dyn Fn(Usage, u64) + Send + Sync> {
+    Box::new(move |usage, tokens| {
+        writer.submit(Write::Usage { run_id: run_id.clone(), usage }, None);
+        if let Some(f) = &on_tokens {
+            f(tokens);
+        }
+    })
 }
 
 /// What a run's live clients wake on.

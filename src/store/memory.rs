@@ -142,6 +142,14 @@ impl Store for MemoryStore {
                     *t = t.saturating_add(*tokens);
                     Applied::Done
                 }
+                // One process: its share is the run's usage.
+                Write::Usage { run_id, usage } => {
+                    if let Some(row) = st.runs.get_mut(run_id) {
+                        row.usage = Some(*usage);
+                    }
+                    Applied::Done
+                }
+                Write::LlmCall(_) => Applied::Done,
             });
         }
         Ok(out)

@@ -6,7 +6,8 @@
 //!   backend implements ([`Store`]), selected by `CLAWMUX_STORE_URL` ([`StoreUrl`]).
 //! - [`sqlite`]: the default backend (WAL, one writer connection, migrations in
 //!   `migrations/sqlite/`); [`memory`]: `memory:` (nothing survives a restart); [`postgres`]:
-//!   `postgres://…`, shared by replicas (migrations in `migrations/postgres/`).
+//!   `postgres://…`, shared by replicas (migrations in `migrations/postgres/`); [`pg_shares`]: what
+//!   lets any replica's LLM proxy forward a run's calls (lookups, usage shares, notifications).
 //! - [`writer`]: the group commit: every write goes through one task that applies what has queued
 //!   up in one transaction, then tells each writer it is stored.
 //! - [`notes`]: the ends of runs the store could not record (a full disk), noted outside it so
@@ -28,6 +29,7 @@ pub mod follow;
 pub mod live;
 pub mod memory;
 pub mod notes;
+pub mod pg_shares;
 pub mod postgres;
 pub mod query;
 pub mod runs;
@@ -38,6 +40,8 @@ pub mod writer;
 mod backend_tests;
 #[cfg(test)]
 mod lease_tests;
+#[cfg(test)]
+mod remote_run_tests;
 
 pub use live::{RunDoc, RunLog};
 pub use runs::{Insert, RunStore, RunView};
@@ -45,6 +49,7 @@ pub use runs::{Insert, RunStore, RunView};
 use crate::attribution::Usage;
 use crate::config::Secret;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 /// The name of an SSE event.
@@ -307,6 +312,21 @@ pub enum Write {
         /// The run.
         run_id: String,
     },
+    /// This process's share of a run's usage: the absolute totals of the LLM calls ITS proxy
+    /// forwarded for the run (idempotent: a repeated write changes nothing). Never fenced: a call a
+    /// replica forwarded for a run it does not own (or no longer owns) was made and is billed.
+    /// Shared stores keep one share per process and show their sum as the run's usage; the
+    /// others (one process) keep it as the run's usage.
+    Usage {
+        /// The run.
+        run_id: String,
+        /// This process's totals for it.
+        usage: Usage,
+    },
+    /// An LLM call's audit record. Shared stores keep them, so that `GET /v1/runs/{id}/llm-calls`
+    /// on any replica lists the calls every replica forwarded; the others have the audit log file
+    /// of their one process and drop it.
+    LlmCall(Box<crate::audit::AuditRecord>),
 }
 
 /// A webhook delivery queued with a run's terminal event.
@@ -357,6 +377,13 @@ pub enum Applied {
     /// Not stored: the run belongs to another replica now (it took the run over after this one's
     /// lease expired). The writer stops writing for the run.
     Fenced,
+    /// Not stored: another unfinished run (this one) has the new run's trace id or attribution
+    /// token (shared stores; a single process refuses it in its own registry): the two runs' LLM
+    /// calls could not be told apart.
+    TraceInUse {
+        /// The run that has it.
+        run_id: String,
+    },
 }
 
 /// A store failure, in words that name the store.
@@ -466,11 +493,101 @@ pub trait Store: Send + Sync + 'static {
     fn shared(&self) -> bool {
         false
     }
-    /// Records an abort for the run's owner (posted to a process that does not own it); false
-    /// when the run is finished or unknown. Stores without leases: false (every run is local).
-    async fn request_abort(&self, _run_id: &str) -> Result<bool, StoreError> {
+    /// Records an abort for the run's owner (posted to a process that does not own it), and why;
+    /// false when the run is finished or unknown. Stores without leases: false (every run is
+    /// local).
+    async fn request_abort(&self, _run_id: &str, _reason: AbortReason) -> Result<bool, StoreError> {
         Ok(false)
     }
+    /// The unfinished run an LLM call names, and this process's share of its usage so far: the
+    /// LLM proxy forwards a call of a run another replica owns (shared stores). `None` on the
+    /// others: one process per database, whose own registry knows every live run.
+    async fn live_run(&self, _key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
+        Ok(None)
+    }
+    /// A run's stored usage split into this process's share and the other processes' (shared
+    /// stores, one share per replica); `stored` is the usage its row has. The others have one
+    /// process: all of it is its own.
+    async fn usage_shares(&self, _run_id: &str, stored: Option<Usage>) -> Result<UsageShares, StoreError> {
+        Ok(UsageShares { mine: stored.unwrap_or_default(), others: HashMap::new() })
+    }
+    /// Which of `run_ids` have ended (or are gone): the runs of other replicas whose LLM calls this
+    /// process forwards are revoked with them. Stores without replicas: none (every run is local,
+    /// and ends here).
+    async fn ended(&self, _run_ids: &[String]) -> Result<Vec<String>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// A run's LLM calls as every replica recorded them (at most `limit`; the bool: more were
+    /// left out), oldest first. `None`: the store keeps none (one process: its audit log file
+    /// has them).
+    async fn llm_calls(&self, _run_id: &str, _limit: usize) -> Result<Option<(Vec<crate::audit::LlmCall>, bool)>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// Why an abort was posted for a run's owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// `POST /v1/runs/{id}/abort` on another replica.
+    Api,
+    /// Another replica's LLM proxy found the run's account over its token budget: the run ends
+    /// `budget_exceeded`, as when its owner's proxy finds it.
+    BudgetExceeded,
+}
+
+impl AbortReason {
+    /// As stored (`NULL` for [`AbortReason::Api`], as before the reason was stored).
+    pub fn stored(self) -> Option<&'static str> {
+        match self {
+            AbortReason::Api => None,
+            AbortReason::BudgetExceeded => Some("budget_exceeded"),
+        }
+    }
+
+    /// From the stored value (anything unknown is a plain abort).
+    pub fn parse(stored: Option<&str>) -> Self {
+        match stored {
+            Some("budget_exceeded") => AbortReason::BudgetExceeded,
+            _ => AbortReason::Api,
+        }
+    }
+}
+
+/// What names the run an LLM call belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CallKey {
+    /// The trace id of the call's `traceparent` (protocol 4).
+    Trace(String),
+    /// The attribution token in the call's body (protocol 3).
+    Token(String),
+}
+
+/// An unfinished run as the LLM proxy needs it to forward one of its calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveRun {
+    /// API run id.
+    pub run_id: String,
+    /// Billing account (LiteLLM end user).
+    pub billing_account_id: String,
+    /// Graph id (in the spend logs' metadata).
+    pub graph_id: String,
+    /// Canonical session key (in the spend logs' metadata).
+    pub session_key: String,
+    /// The trace id its calls carry.
+    pub trace_id: String,
+    /// Its protocol-3 attribution token.
+    pub token: Option<String>,
+    /// This process's share of the run's usage so far: its counters continue from there.
+    pub share: Usage,
+}
+
+/// A run's stored usage by process.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UsageShares {
+    /// This process's share (its counters continue from it).
+    pub mine: Usage,
+    /// The other processes' shares, by replica id.
+    pub others: HashMap<String, Usage>,
 }
 
 /// Who owns the runs a process admits, and for how long a renewal holds them.
@@ -487,8 +604,8 @@ pub struct Lease {
 pub struct Renewed {
     /// Runs in memory here that another process owns now (this one was too slow to renew).
     pub lost: Vec<String>,
-    /// Runs of this process with an abort posted to another process.
-    pub aborts: Vec<String>,
+    /// Runs of this process with an abort posted to another process, and why.
+    pub aborts: Vec<(String, AbortReason)>,
 }
 
 /// A clawmux process sharing the store, as its heartbeat row says.

@@ -10,10 +10,14 @@
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
-use super::{Applied, EventName, Lease, ListQuery, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
+use super::pg_shares;
+use super::{
+    AbortReason, Applied, CallKey, EventName, Lease, ListQuery, LiveRun, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError,
+    StoredEvent, UsageShares, Write,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row, Transaction};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -182,8 +186,8 @@ type Tx<'a> = Transaction<'a, Postgres>;
 /// `INSERT` of a run without an owner (a store no replica serves). `$15` and `$16` (owner, lease)
 /// are bound but unused: one list of arguments serves both statements.
 const INSERT_UNOWNED: &str = "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-     checkpoint, content, created_at, key_id, webhook_url, usage, branch_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-     $14, $17) ON CONFLICT DO NOTHING RETURNING seq, NULL::text AS assigned_to";
+     checkpoint, content, created_at, key_id, webhook_url, usage, branch_key, trace_id, attribution_token) VALUES ($1, $2, $3, $4, $5, $6, $7, \
+     $8, $9, $10, $11, $12, $13, $14, $17, $18, $19) ON CONFLICT DO NOTHING RETURNING seq, NULL::text AS assigned_to";
 
 /// `INSERT` of a replica's new run. It is this replica's, unless an unfinished run of its session
 /// key (or of its branch key) belongs to another replica or still waits for its owner to take it
@@ -193,11 +197,11 @@ const INSERT_UNOWNED: &str = "INSERT INTO runs (run_id, idempotency_key, fingerp
 fn insert_owned() -> String {
     format!(
         "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
-           checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until, assigned_at, branch_key) \
+           checkpoint, content, created_at, key_id, webhook_url, usage, owner, lease_until, assigned_at, branch_key, trace_id, attribution_token) \
          SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
            CASE WHEN k.pending THEN COALESCE(k.owner, $15) ELSE $15 END, \
            CASE WHEN k.pending AND k.owner IS DISTINCT FROM $15 THEN k.lease_until ELSE {DB_NOW_MS} + $16::bigint END, \
-           CASE WHEN k.pending THEN {DB_NOW_MS} END, $17 \
+           CASE WHEN k.pending THEN {DB_NOW_MS} END, $17, $18, $19 \
          FROM (SELECT (array_agg(owner ORDER BY seq))[1] AS owner, (array_agg(lease_until ORDER BY seq))[1] AS lease_until, \
                  bool_or(owner IS DISTINCT FROM $15 OR assigned_at IS NOT NULL) AS pending \
                FROM runs WHERE finished_at IS NULL AND (session_key = $6 OR branch_key = $17)) k \
@@ -210,6 +214,8 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<
         Some(_) => insert_owned(),
         None => INSERT_UNOWNED.to_owned(),
     };
+    // Indexed (see `pg_shares`): the LLM proxy of any replica finds the run by them.
+    let trace_id = clawmux_protocol::TraceParent::parse(&row.spec.traceparent).ok().map(|t| t.trace_id().to_owned());
     let inserted: Option<(i64, Option<String>)> = sqlx::query_as(&sql)
     .bind(&row.run_id)
     .bind(&row.idempotency_key)
@@ -228,6 +234,8 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<
     .bind(lease.map(|l| l.replica.clone()))
     .bind(lease.map(|l| l.ms))
     .bind(row.spec.branch.as_ref().map(|b| b.key.clone()))
+    .bind(&trace_id)
+    .bind(&row.spec.attribution_token)
     .fetch_optional(&mut **tx)
     .await?;
     match inserted {
@@ -255,9 +263,23 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<
     Ok(match existing {
         Some(fp) if fp == row.fingerprint => Applied::Existing { run_id: row.run_id.clone() },
         Some(_) => Applied::Conflict,
-        // The winner was deleted between the two statements (its admission failed): the caller
-        // retries.
-        None => return Err(sqlx::Error::Protocol("a conflicting run vanished during admission; retry".to_owned())),
+        None => {
+            // A live run (of any replica) with the same trace id or token: refused, its calls could
+            // not be told apart from the other's.
+            let holder: Option<String> = sqlx::query_scalar(
+                "SELECT run_id FROM runs WHERE finished_at IS NULL AND (trace_id = $1 OR attribution_token = $2) ORDER BY seq LIMIT 1",
+            )
+            .bind(&trace_id)
+            .bind(&row.spec.attribution_token)
+            .fetch_optional(&mut **tx)
+            .await?;
+            match holder {
+                Some(run_id) => Applied::TraceInUse { run_id },
+                // The winner was deleted between the two statements (its admission failed): the
+                // caller retries.
+                None => return Err(sqlx::Error::Protocol("a conflicting run vanished during admission; retry".to_owned())),
+            }
+        }
     })
 }
 
@@ -507,6 +529,9 @@ impl PgStore {
         // Tokens per account and window, added once at the end (in a fixed order: two replicas'
         // batches never wait on each other's spend rows in opposite orders).
         let mut spend: std::collections::BTreeMap<(&str, i64), u64> = Default::default();
+        // This replica's usage shares (the last totals per run) and audit records of LLM calls.
+        let mut shares: BTreeMap<&str, crate::attribution::Usage> = BTreeMap::new();
+        let mut calls: Vec<&crate::audit::AuditRecord> = Vec::new();
         for w in batch {
             out.push(match w {
                 Write::Insert(row) => {
@@ -568,17 +593,39 @@ impl PgStore {
                     events.flush(&mut tx, &mut notify).await?;
                     sqlx::query("DELETE FROM events WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
                     sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
+                    sqlx::query("DELETE FROM run_usage WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
+                    sqlx::query("DELETE FROM llm_calls WHERE run_id = $1").bind(run_id).execute(&mut *tx).await?;
                     pending.remove(run_id.as_str());
+                    shares.remove(run_id.as_str());
+                    Applied::Done
+                }
+                // Not fenced: this replica's proxy forwarded those calls, whoever owns the run.
+                Write::Usage { run_id, usage } => {
+                    shares.insert(run_id.as_str(), *usage);
+                    Applied::Done
+                }
+                Write::LlmCall(record) => {
+                    calls.push(record);
                     Applied::Done
                 }
             });
         }
         events.flush(&mut tx, &mut notify).await?;
+        // One order of row locks for every batch.
+        order.sort_unstable();
+        let mut ended: Vec<&str> = Vec::new();
         for run_id in order {
             if let Some(p) = pending.get(run_id) {
                 update(&mut tx, run_id, p).await?;
+                if p.patch.finished_at_ms.is_some() {
+                    ended.push(run_id);
+                }
             }
         }
+        let me = lease.map_or("", |l| l.replica.as_str());
+        pg_shares::store_shares(&mut tx, me, &shares).await?;
+        pg_shares::store_calls(&mut tx, me, &calls).await?;
+        pg_shares::notify_ended(&mut tx, &ended).await?;
         for ((account, window), tokens) in spend {
             sqlx::query(
                 "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES ($1, $2, $3) \
@@ -621,7 +668,9 @@ impl Store for PgStore {
 
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
         let row = sqlx::query("SELECT * FROM runs WHERE run_id = $1").bind(run_id).fetch_optional(&self.pool).await.map_err(|e| self.err(e))?;
-        Ok(row.map(|r| self.decode_rows(vec![r])).and_then(|mut v| v.pop()))
+        let mut rows = row.map(|r| self.decode_rows(vec![r])).unwrap_or_default();
+        pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
+        Ok(rows.pop())
     }
 
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
@@ -662,7 +711,9 @@ impl Store for PgStore {
         }
         b.push(" ORDER BY seq DESC LIMIT ").push_bind(i64::try_from(q.limit).unwrap_or(i64::MAX));
         let rows = b.build().fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
-        Ok(self.decode_rows(rows))
+        let mut rows = self.decode_rows(rows);
+        pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
+        Ok(rows)
     }
 
     async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
@@ -725,6 +776,7 @@ impl Store for PgStore {
         let rows = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
         let mut rows = self.decode_rows(rows);
         rows.sort_by_key(|r| r.seq);
+        pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
         Ok(rows)
     }
 
@@ -736,14 +788,14 @@ impl Store for PgStore {
         let sql = format!(
             "WITH l AS (SELECT run_id FROM runs WHERE owner = $1 AND finished_at IS NULL FOR NO KEY UPDATE SKIP LOCKED), \
              renewed AS (UPDATE runs r SET lease_until = {DB_NOW_MS} + $2::bigint FROM l WHERE r.run_id = l.run_id) \
-             SELECT run_id, owner IS DISTINCT FROM $1 AS lost FROM runs WHERE run_id = ANY($3) AND finished_at IS NULL \
+             SELECT run_id, owner IS DISTINCT FROM $1 AS lost, abort_reason FROM runs WHERE run_id = ANY($3) AND finished_at IS NULL \
                AND (owner IS DISTINCT FROM $1 OR abort_requested_at IS NOT NULL)"
         );
-        let rows: Vec<(String, bool)> =
+        let rows: Vec<(String, bool, Option<String>)> =
             sqlx::query_as(&sql).bind(&lease.replica).bind(lease.ms).bind(live).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
         let mut out = Renewed::default();
-        for (id, lost) in rows {
-            if lost { out.lost.push(id) } else { out.aborts.push(id) }
+        for (id, lost, reason) in rows {
+            if lost { out.lost.push(id) } else { out.aborts.push((id, AbortReason::parse(reason.as_deref()))) }
         }
         Ok(out)
     }
@@ -770,20 +822,46 @@ impl Store for PgStore {
         Ok(r.rows_affected())
     }
 
-    async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
-        let r = sqlx::query(&format!(
-            "UPDATE runs SET abort_requested_at = COALESCE(abort_requested_at, {DB_NOW_MS}) WHERE run_id = $1 AND finished_at IS NULL"
+    async fn request_abort(&self, run_id: &str, reason: AbortReason) -> Result<bool, StoreError> {
+        let owner: Option<Option<String>> = sqlx::query_scalar(&format!(
+            "UPDATE runs SET abort_requested_at = COALESCE(abort_requested_at, {DB_NOW_MS}), abort_reason = COALESCE(abort_reason, $2) \
+             WHERE run_id = $1 AND finished_at IS NULL RETURNING owner"
         ))
         .bind(run_id)
-        .execute(&self.pool)
+        .bind(reason.stored())
+        .fetch_optional(&self.pool)
         .await
         .map_err(|e| self.err(e))?;
-        Ok(r.rows_affected() > 0)
+        // The owner acts on it at once (its renewal runs when told), not a third of a lease later.
+        if let Some(Some(owner)) = &owner {
+            sqlx::query("SELECT pg_notify($1, $2)").bind(pg_shares::ABORT).bind(owner).execute(&self.pool).await.map_err(|e| self.err(e))?;
+        }
+        Ok(owner.is_some())
+    }
+
+    async fn live_run(&self, key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
+        let me = self.lease.get().map_or("", |l| l.replica.as_str());
+        pg_shares::live_run(&self.pool, key, me).await.map_err(|e| self.err(e))
+    }
+
+    async fn usage_shares(&self, run_id: &str, stored: Option<crate::attribution::Usage>) -> Result<UsageShares, StoreError> {
+        let me = self.lease.get().map_or("", |l| l.replica.as_str());
+        pg_shares::shares_of(&self.pool, run_id, stored, me).await.map_err(|e| self.err(e))
+    }
+
+    async fn ended(&self, run_ids: &[String]) -> Result<Vec<String>, StoreError> {
+        pg_shares::ended(&self.pool, run_ids).await.map_err(|e| self.err(e))
+    }
+
+    async fn llm_calls(&self, run_id: &str, limit: usize) -> Result<Option<(Vec<crate::audit::LlmCall>, bool)>, StoreError> {
+        pg_shares::calls_of(&self.pool, run_id, limit).await.map(Some).map_err(|e| self.err(e))
     }
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
         let rows = sqlx::query("SELECT * FROM runs WHERE finished_at IS NULL ORDER BY seq").fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
-        Ok(self.decode_rows(rows))
+        let mut rows = self.decode_rows(rows);
+        pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
+        Ok(rows)
     }
 
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
@@ -794,7 +872,9 @@ impl Store for PgStore {
         sqlx::query_scalar(
             "WITH doomed AS (SELECT run_id FROM runs WHERE finished_at IS NOT NULL AND (finished_at <= $1 OR run_id IN \
                (SELECT run_id FROM runs WHERE finished_at IS NOT NULL ORDER BY finished_at DESC, seq DESC OFFSET $2))), \
-             gone_events AS (DELETE FROM events WHERE run_id IN (SELECT run_id FROM doomed)) \
+             gone_events AS (DELETE FROM events WHERE run_id IN (SELECT run_id FROM doomed)), \
+             gone_usage AS (DELETE FROM run_usage WHERE run_id IN (SELECT run_id FROM doomed)), \
+             gone_calls AS (DELETE FROM llm_calls WHERE run_id IN (SELECT run_id FROM doomed)) \
              DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id",
         )
         .bind(cutoff)

@@ -9,9 +9,13 @@ use super::postgres::PgStore;
 use super::sqlite::SqliteStore;
 use super::writer::{StoreMetrics, Writer};
 use super::tenants::TenantStore;
-use super::{now_ms, Applied, EventName, Lease, ListQuery, Renewed, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl, StoredEvent, Write};
+use super::{
+    now_ms, AbortReason, Applied, CallKey, EventName, Lease, ListQuery, LiveRun, Renewed, Retention, RunDoc, RunPatch, RunRow, Store, StoreError, StoreUrl,
+    StoredEvent, UsageShares, Write,
+};
+use crate::attribution::Usage;
 use dashmap::DashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// How long a finished run's log stays in memory (re-attaching clients are served from it; after
@@ -39,6 +43,8 @@ pub enum Insert {
         /// Seconds until a retry can succeed.
         retry_after_sec: u64,
     },
+    /// Not stored: this unfinished run has the same trace id (see [`Applied::TraceInUse`]).
+    TraceInUse(String),
 }
 
 /// A run, live in this process or only stored.
@@ -103,7 +109,9 @@ pub struct RunStore {
     /// with their logs (their LLM calls stay attributed until they go on).
     suspended: DashMap<String, Arc<RunLog>>,
     /// This store, for the hooks its logs are given.
-    me: std::sync::Weak<RunStore>,
+    weak_self: std::sync::Weak<RunStore>,
+    /// This process's replica id (set with its lease).
+    me: OnceLock<String>,
 }
 
 impl RunStore {
@@ -175,7 +183,8 @@ impl RunStore {
             notes,
             follow,
             suspended: DashMap::new(),
-            me: me.clone(),
+            weak_self: me.clone(),
+            me: OnceLock::new(),
         })
     }
 
@@ -235,6 +244,7 @@ impl RunStore {
             Applied::Limited { message, retry_after_sec } => Ok(Insert::Limited { message, retry_after_sec }),
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
+            Applied::TraceInUse { run_id } => Ok(Insert::TraceInUse(run_id)),
             Applied::Done | Applied::Fenced => Err(StoreError("the run store did not say how the admission went".to_owned())),
         }
     }
@@ -249,7 +259,7 @@ impl RunStore {
     fn new_log(&self, row: RunRow, events: Vec<StoredEvent>) -> Arc<RunLog> {
         let log = RunLog::new(row, events, self.writer.clone(), self.latency.clone(), self.notes.clone());
         if self.backend.shared() {
-            let me = self.me.clone();
+            let me = self.weak_self.clone();
             log.on_store_down(Box::new(move || {
                 if let Some(store) = me.upgrade() {
                     store.suspend_all();
@@ -339,7 +349,82 @@ impl RunStore {
 
     /// Makes this process the owner of the runs it admits; see [`Store::set_lease`].
     pub fn set_lease(&self, lease: &Lease) {
+        let _ = self.me.set(lease.replica.clone());
         self.backend.set_lease(lease);
+    }
+
+    /// True when other processes share the store (PostgreSQL): a live run may be another's.
+    pub fn is_shared(&self) -> bool {
+        self.follow.is_some()
+    }
+
+    /// The unfinished run an LLM call names; see [`Store::live_run`].
+    pub async fn live_run(&self, key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
+        self.backend.live_run(key).await
+    }
+
+    /// A run's usage by process; see [`Store::usage_shares`].
+    pub async fn usage_shares(&self, run_id: &str, stored: Option<Usage>) -> Result<UsageShares, StoreError> {
+        self.backend.usage_shares(run_id, stored).await
+    }
+
+    /// Which of `run_ids` have ended; see [`Store::ended`].
+    pub async fn ended(&self, run_ids: &[String]) -> Result<Vec<String>, StoreError> {
+        self.backend.ended(run_ids).await
+    }
+
+    /// A run's LLM calls as every replica recorded them; see [`Store::llm_calls`].
+    pub async fn llm_calls(&self, run_id: &str, limit: usize) -> Result<Option<(Vec<crate::audit::LlmCall>, bool)>, StoreError> {
+        self.backend.llm_calls(run_id, limit).await
+    }
+
+    /// Listens for what other replicas tell this one (stores shared by replicas; a no-op for the
+    /// others): `ended` hears of each run whose end another replica stored, `abort` is woken when an
+    /// abort is posted for a run of this one; usage shares reach the live runs' documents here.
+    pub fn on_notes(self: &Arc<Self>, ended: Box<dyn Fn(&str) + Send + Sync>, abort: Arc<tokio::sync::Notify>) {
+        let Some(follow) = &self.follow else { return };
+        let me = self.me.get().cloned().unwrap_or_default();
+        let (weak, mine) = (Arc::downgrade(self), me.clone());
+        let share = Box::new(move |n: super::pg_shares::ShareNote| {
+            // This process's own share is in its counters already.
+            if n.replica == mine {
+                return;
+            }
+            if let Some(log) = weak.upgrade().and_then(|s| s.live.get(&n.run_id).map(|l| l.clone())) {
+                log.note_share(&n.replica, n.usage);
+            }
+        });
+        let weak = Arc::downgrade(self);
+        let missed = Box::new(move || {
+            if let (Some(store), Ok(rt)) = (weak.upgrade(), tokio::runtime::Handle::try_current()) {
+                rt.spawn(async move { store.resync_shares().await });
+            }
+        });
+        let abort = Box::new(move |owner: &str| {
+            if owner == me {
+                abort.notify_one();
+            }
+        });
+        follow.on_notes(super::follow::Notes { ended, share, abort, missed });
+    }
+
+    /// Reads the other replicas' shares of this process's live runs again (notifications of them
+    /// may have been missed).
+    async fn resync_shares(&self) {
+        let logs: Vec<Arc<RunLog>> = self.live.iter().filter(|l| !l.is_finished() && !l.is_lost()).map(|l| l.clone()).collect();
+        for log in logs {
+            match self.backend.usage_shares(&log.run_id, log.stored_usage()).await {
+                Ok(shares) => {
+                    for (replica, share) in shares.others {
+                        log.note_share(&replica, share);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the usage shares of this replica's runs again; their documents show them once notified");
+                    return;
+                }
+            }
+        }
     }
 
     /// Renews this process's leases; see [`Store::renew`].
@@ -363,13 +448,15 @@ impl RunStore {
     }
 
     /// Records an abort for the run's owner (another replica); see [`Store::request_abort`].
-    pub async fn request_abort(&self, run_id: &str) -> Result<bool, StoreError> {
-        self.backend.request_abort(run_id).await
+    pub async fn request_abort(&self, run_id: &str, reason: AbortReason) -> Result<bool, StoreError> {
+        self.backend.request_abort(run_id, reason).await
     }
 
     /// Takes over the runs whose owner's lease expired (see [`Store::claim`]), as live logs in
     /// admission order, for the restart path to continue.
     pub async fn take_over(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        // This process's own usage shares are stored before they are read for the runs it takes.
+        self.writer.flush().await;
         let rows = self.backend.claim(lease, false).await?;
         self.logs_of(rows).await
     }

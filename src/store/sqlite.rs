@@ -329,6 +329,13 @@ impl SqliteStore {
                         tx.prepare_cached("DELETE FROM runs WHERE run_id = ?")?.execute([run_id])?;
                         Applied::Done
                     }
+                    // One process: its share is the run's usage.
+                    Write::Usage { run_id, usage } => {
+                        coalesce(&mut patches, &mut index, run_id, &RunPatch { usage: Some(*usage), ..RunPatch::default() });
+                        Applied::Done
+                    }
+                    // The audit log file of the one process has it.
+                    Write::LlmCall(_) => Applied::Done,
                 });
             }
         }

@@ -140,11 +140,12 @@ impl Writer {
     }
 }
 
-/// The run a write adds to (`None`: an admission, spend, a deletion).
+/// The run whose log a write adds to (`None`: an admission, spend, a deletion, and what the LLM
+/// proxy records for a run: calls that were made and billed, whichever log the run has).
 fn run_of_write(w: &Write) -> Option<&str> {
     match w {
         Write::Append { run_id, .. } | Write::Fail { run_id, .. } => Some(run_id),
-        Write::Insert(_) | Write::Spend { .. } | Write::Delete { .. } => None,
+        Write::Insert(_) | Write::Spend { .. } | Write::Delete { .. } | Write::Usage { .. } | Write::LlmCall(_) => None,
     }
 }
 

@@ -192,6 +192,11 @@ pub struct FakeLlm {
 impl FakeLlm {
     /// Starts it with a fresh log in `dir`.
     pub fn start(dir: &std::path::Path) -> Self {
+        Self::start_with(dir, &[])
+    }
+
+    /// Starts it with a fresh log in `dir` and its `FAKE_LLM_*` settings (e.g. a slower stream).
+    pub fn start_with(dir: &std::path::Path, env: &[(&str, &str)]) -> Self {
         std::fs::create_dir_all(dir).expect("dir");
         let port_file = dir.join("llm.port");
         let log = dir.join("llm-requests.jsonl");
@@ -200,6 +205,7 @@ impl FakeLlm {
             .env("FAKE_LLM_PORT", "0")
             .env("FAKE_LLM_PORT_FILE", &port_file)
             .env("FAKE_LLM_LOG", &log)
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()

@@ -1,0 +1,211 @@
+//! The lookups of the LLM proxy in a shared store, kept cheap: concurrent lookups of one key share
+//! ONE query (a burst of calls of a run costs one), and a key the store did not know is not looked
+//! up again for a while (a burst of calls nobody owns costs one query per [`Misses`] lifetime, in
+//! bounded memory). What was found is not kept here: the caller keeps it as a remote run until the
+//! run ends. A lookup that fails is not kept either: the next call asks the store again.
+
+use crate::store::StoreError;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::OnceCell;
+
+/// The answer a lookup gives, shared by everyone who waited for it.
+type Shared<V> = Arc<OnceCell<Result<Option<V>, StoreError>>>;
+
+/// Keys the store did not know, each until its time is up; at most `max` of them (the oldest go
+/// first: they expire first, every key living equally long).
+#[derive(Debug)]
+pub struct Misses<K> {
+    /// Each key's expiry.
+    until: HashMap<K, Instant>,
+    /// Keys in the order they were missed (with the expiry they had then).
+    order: VecDeque<(K, Instant)>,
+    /// How long a miss is believed.
+    ttl: Duration,
+    /// The most keys kept.
+    max: usize,
+}
+
+impl<K: Eq + Hash + Clone> Misses<K> {
+    /// Misses believed for `ttl`, at most `max` of them.
+    pub fn new(ttl: Duration, max: usize) -> Self {
+        Self { until: HashMap::new(), order: VecDeque::new(), ttl, max: max.max(1) }
+    }
+
+    /// True when `key` was missed less than the lifetime ago.
+    pub fn contains(&self, key: &K, now: Instant) -> bool {
+        self.until.get(key).is_some_and(|t| *t > now)
+    }
+
+    /// Remembers a miss of `key` at `now`.
+    pub fn insert(&mut self, key: K, now: Instant) {
+        while let Some((k, t)) = self.order.front() {
+            if *t > now && self.order.len() < self.max {
+                break;
+            }
+            // Expired, or the oldest of a full cache. A key missed again since has a later expiry
+            // in the map: it stays.
+            if self.until.get(k) == Some(t) {
+                self.until.remove(k);
+            }
+            self.order.pop_front();
+        }
+        let t = now + self.ttl;
+        self.until.insert(key.clone(), t);
+        self.order.push_back((key, t));
+    }
+
+    /// Keys kept (tests).
+    pub fn len(&self) -> usize {
+        self.until.len()
+    }
+
+    /// True when no key is kept.
+    pub fn is_empty(&self) -> bool {
+        self.until.is_empty()
+    }
+}
+
+/// Single-flight lookups with a cache of misses.
+pub struct Resolver<K, V> {
+    /// Lookups under way, by key: whoever comes while one runs waits for its answer.
+    inflight: Mutex<HashMap<K, Shared<V>>>,
+    /// Keys recently not found.
+    misses: Mutex<Misses<K>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<K: Eq + Hash + Clone, V: Clone> Resolver<K, V> {
+    /// Misses believed for `ttl`, at most `max` of them kept.
+    pub fn new(ttl: Duration, max: usize) -> Self {
+        Self { inflight: Mutex::new(HashMap::new()), misses: Mutex::new(Misses::new(ttl, max)) }
+    }
+
+    /// What `lookup` says of `key`, unless a lookup of it is under way (its answer is shared) or
+    /// it was not found less than the lifetime ago (`None` without asking).
+    pub async fn resolve<F, Fut>(&self, key: &K, lookup: F) -> Result<Option<V>, StoreError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Option<V>, StoreError>>,
+    {
+        if lock(&self.misses).contains(key, Instant::now()) {
+            return Ok(None);
+        }
+        let shared = lock(&self.inflight).entry(key.clone()).or_default().clone();
+        // The first caller's lookup runs; the others wait for it (if its caller goes away first,
+        // the next waiter runs its own).
+        let answer = shared.get_or_init(lookup).await.clone();
+        if let Ok(None) = answer {
+            // Remembered before the lookup is forgotten: a caller in between must not ask again.
+            lock(&self.misses).insert(key.clone(), Instant::now());
+        }
+        let mut inflight = lock(&self.inflight);
+        if inflight.get(key).is_some_and(|s| Arc::ptr_eq(s, &shared)) {
+            inflight.remove(key);
+        }
+        answer
+    }
+
+    /// Misses kept (tests).
+    pub fn misses(&self) -> usize {
+        lock(&self.misses).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A store that answers after a while, counting the questions.
+    struct Probe {
+        asked: AtomicUsize,
+        answer: Result<Option<u32>, StoreError>,
+    }
+
+    impl Probe {
+        fn new(answer: Result<Option<u32>, StoreError>) -> Arc<Self> {
+            Arc::new(Self { asked: AtomicUsize::new(0), answer })
+        }
+
+        async fn ask(&self) -> Result<Option<u32>, StoreError> {
+            self.asked.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.answer.clone()
+        }
+    }
+
+    async fn burst(r: &Arc<Resolver<String, u32>>, probe: &Arc<Probe>, key: &str, n: usize) -> Vec<Result<Option<u32>, StoreError>> {
+        let calls = (0..n).map(|_| {
+            let (r, probe, key) = (r.clone(), probe.clone(), key.to_owned());
+            tokio::spawn(async move { r.resolve(&key, || async { probe.ask().await }).await })
+        });
+        futures_util::future::join_all(calls).await.into_iter().map(|j| j.expect("task")).collect()
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_calls_costs_one_lookup() {
+        let r = Arc::new(Resolver::new(Duration::from_secs(1), 100));
+        let found = Probe::new(Ok(Some(7)));
+        let answers = burst(&r, &found, "trace-a", 200).await;
+        assert!(answers.iter().all(|a| *a == Ok(Some(7))), "{answers:?}");
+        assert_eq!(found.asked.load(Ordering::SeqCst), 1, "one query for the burst");
+        // A hit is not kept here (the caller keeps the run): the next call asks again.
+        burst(&r, &found, "trace-a", 1).await;
+        assert_eq!(found.asked.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_miss_is_believed_for_its_lifetime_then_asked_again() {
+        let r = Arc::new(Resolver::new(Duration::from_millis(1500), 100));
+        let unknown = Probe::new(Ok(None));
+        assert!(burst(&r, &unknown, "trace-x", 50).await.iter().all(|a| *a == Ok(None)));
+        assert_eq!(unknown.asked.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        burst(&r, &unknown, "trace-x", 50).await;
+        assert_eq!(unknown.asked.load(Ordering::SeqCst), 1, "a miss is believed for a while");
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        burst(&r, &unknown, "trace-x", 50).await;
+        assert_eq!(unknown.asked.load(Ordering::SeqCst), 2, "an expired miss is asked again, once");
+    }
+
+    #[tokio::test]
+    async fn a_failed_lookup_is_shared_by_its_burst_but_not_kept() {
+        let r = Arc::new(Resolver::new(Duration::from_secs(60), 100));
+        let down = Probe::new(Err(StoreError("the database is down".into())));
+        assert!(burst(&r, &down, "trace-e", 20).await.iter().all(Result::is_err));
+        assert_eq!(down.asked.load(Ordering::SeqCst), 1);
+        burst(&r, &down, "trace-e", 1).await;
+        assert_eq!(down.asked.load(Ordering::SeqCst), 2, "an outage is not remembered as a miss");
+        assert_eq!(r.misses(), 0);
+    }
+
+    #[test]
+    fn misses_are_bounded_and_expire_and_the_oldest_go_first() {
+        let now = Instant::now();
+        let at = |s: u64| now + Duration::from_secs(s);
+        let key = |k: &str| k.to_owned();
+        let mut m = Misses::new(Duration::from_secs(10), 4);
+        for k in ["a", "b", "c"] {
+            m.insert(key(k), now);
+        }
+        // Missed again later: when its first entry expires, the newer one stays.
+        m.insert(key("b"), at(5));
+        m.insert(key("d"), at(11));
+        assert!(m.contains(&key("b"), at(12)), "b was missed again at +5 s");
+        assert!(!m.contains(&key("a"), at(11)) && !m.contains(&key("c"), at(11)));
+        assert_eq!(m.len(), 2, "expired keys are gone");
+        // Full: the oldest goes, even before its time.
+        for k in ["e", "f", "g"] {
+            m.insert(key(k), at(11));
+        }
+        assert_eq!(m.len(), 4);
+        assert!(!m.contains(&key("b"), at(11)) && m.contains(&key("g"), at(11)));
+    }
+}

@@ -1,0 +1,147 @@
+//! Cross-replica attribution: the LLM proxy of any replica sharing a PostgreSQL store forwards the
+//! calls of ANY live run, so a gateway's provider can point at a load-balanced proxy address.
+//!
+//! ```text
+//! call ── trace id / token ──▶ this process's registry (its own runs, and remote runs found before)
+//!                                   │ miss
+//!                                   ▼
+//!                      the store: the UNFINISHED run with that trace id / token (one query per
+//!                      burst; a miss is believed for MISS_TTL)        ──▶ none: refused (409)
+//!                                   │ found                                  store down: 503
+//!                                   ▼
+//!                      a remote run in the registry: forwarded with ITS billing headers, counted
+//!                      in this process's share of its usage, until the run ends
+//! ```
+//! A remote run ends here when its terminal event is stored anywhere: told at once
+//! (`clawmux_ended`), or found by the look every [`REVOKE_POLL`] (a notification lost while the
+//! listener reconnected): its streams in flight are cut and its calls refused, as on its owner.
+//! A takeover here adopts the remote run as this process's own (same counters).
+
+pub mod cache;
+
+use crate::attribution::{Attributions, RunBilling};
+use crate::store::{AbortReason, CallKey, LiveRun, RunStore, StoreError};
+use crate::tenants::budget::Budgets;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a trace id or token the store did not know is not looked up again. Short: a run
+/// admitted just after its trace id was probed is refused at most this long.
+pub const MISS_TTL: Duration = Duration::from_secs(1);
+
+/// The most misses remembered (calls with made-up trace ids cannot grow memory).
+pub const MAX_MISSES: usize = 10_000;
+
+/// How often the remote runs' ends are looked for in the store (besides being told).
+pub const REVOKE_POLL: Duration = Duration::from_secs(1);
+
+/// How long the proxy waits for the owner to end a run whose budget it found spent, before it
+/// answers the refused call anyway.
+const BUDGET_STOP_WAIT: Duration = Duration::from_secs(3);
+
+/// The runs other replicas own, as this process's LLM proxy finds them.
+pub struct RemoteRuns {
+    /// The shared store.
+    store: Arc<RunStore>,
+    /// This process's registry, where the remote runs it found are kept until they end.
+    attributions: Arc<Attributions>,
+    /// A remote run's tokens count toward its account's budget like any other.
+    budgets: Arc<Budgets>,
+    /// One query per burst, misses believed for a while.
+    cache: cache::Resolver<CallKey, Arc<RunBilling>>,
+}
+
+impl RemoteRuns {
+    /// Lookups in `store` (shared by replicas), kept in `attributions`.
+    pub fn new(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>) -> Arc<Self> {
+        Arc::new(Self { store, attributions, budgets, cache: cache::Resolver::new(MISS_TTL, MAX_MISSES) })
+    }
+
+    /// The live run of another replica that `key` names (`None`: no live run has it, fail-closed),
+    /// from then on in this process's registry.
+    pub async fn find(&self, key: &CallKey) -> Result<Option<Arc<RunBilling>>, StoreError> {
+        self.cache
+            .resolve(key, || async {
+                // This process's own writes of the run's share (it may have owned the run before)
+                // are stored before the share is read: its counters continue from there.
+                self.store.flush().await;
+                Ok(self.store.live_run(key).await?.map(|run| self.remote(run)))
+            })
+            .await
+    }
+
+    /// A remote run's entry: its billing identity, counters from this process's stored share,
+    /// stored as they change (never fenced: the calls were forwarded here).
+    fn remote(&self, run: LiveRun) -> Arc<RunBilling> {
+        let mut b = RunBilling::new(&run.run_id, &run.billing_account_id, &run.graph_id, &run.session_key, &run.trace_id).with_usage(run.share);
+        if let Some(t) = run.token {
+            b = b.with_token(t);
+        }
+        let (budgets, account) = (self.budgets.clone(), run.billing_account_id.clone());
+        b.on_usage(crate::store::live::usage_hook(self.store.writer(), run.run_id.clone(), Some(Box::new(move |t| budgets.record(&account, t)))));
+        let b = self.attributions.add_remote(Arc::new(b));
+        tracing::info!(run_id = %b.run_id, "forwarding the LLM calls of a run another replica owns");
+        b
+    }
+
+    /// A remote run's account has spent its budget: its owner is asked to end it
+    /// `budget_exceeded` (woken at once) and this waits, bounded, until the run has ended, so that
+    /// the refusal reaches the gateway after the run's cancel, as on the owner itself.
+    pub async fn stop_for_budget(&self, run_id: &str) {
+        match self.store.request_abort(run_id, AbortReason::BudgetExceeded).await {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::error!(run_id, error = %e, "cannot ask the owner of a run to stop it (its budget is spent); its calls are refused here meanwhile");
+                return;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + BUDGET_STOP_WAIT;
+        let ids = [run_id.to_owned()];
+        while tokio::time::Instant::now() < deadline {
+            if self.store.ended(&ids).await.is_ok_and(|e| !e.is_empty()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        tracing::warn!(run_id, "the owner of a run past its budget did not end it within {BUDGET_STOP_WAIT:?}");
+    }
+
+    /// A run ended (told by the store): revoked if it is a remote run here.
+    pub fn ended(&self, run_id: &str) {
+        if self.attributions.revoke_remote(run_id) {
+            tracing::info!(run_id, "a run another replica owns ended; its LLM calls are no longer forwarded here");
+        }
+    }
+
+    /// Looks for the ends of the remote runs every [`REVOKE_POLL`] (the notification of an end may
+    /// have been lost).
+    pub fn spawn_revocations(self: &Arc<Self>) {
+        let me = self.clone();
+        actix::spawn(async move {
+            let mut every = tokio::time::interval(REVOKE_POLL);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                every.tick().await;
+                let runs = me.attributions.remote_runs();
+                if runs.is_empty() {
+                    continue;
+                }
+                match me.store.ended(&runs).await {
+                    Ok(ended) => {
+                        failing = false;
+                        for run_id in ended {
+                            me.ended(&run_id);
+                        }
+                    }
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(error = %e, "cannot look for the ends of the runs whose LLM calls this replica forwards; told ends still revoke them");
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,180 @@
+//! What the LLM proxy of any replica needs from a shared store (`pg_…`, see backend_tests): the
+//! live run a call names, trace ids unique among live runs, usage shares summed, the calls every
+//! replica recorded, the notifications of ends and shares.
+
+use super::backend_tests::{pg_url, row, trace_of};
+use super::pg_shares::{ShareNote, ENDED, USAGE};
+use super::postgres::PgStore;
+use super::{Applied, CallKey, Lease, RunPatch, RunRow, Store, Write};
+use crate::attribution::Usage;
+use std::time::Duration;
+
+async fn open(url: &str, replica: &str) -> (PgStore, Lease) {
+    let display = super::StoreUrl::parse(url).expect("url").display();
+    let s = PgStore::open(url, &display).await.expect("postgres opens");
+    let lease = Lease { replica: replica.to_owned(), ms: 60_000 };
+    s.set_lease(&lease);
+    (s, lease)
+}
+
+fn with_token(mut r: RunRow, token: &str) -> RunRow {
+    r.spec.attribution_token = Some(token.to_owned());
+    r.spec.graph_id = "sandbox:openclaw".into();
+    r
+}
+
+fn usage(input_tokens: u64, output_tokens: u64, llm_calls: u64) -> Usage {
+    Usage { input_tokens, output_tokens, llm_calls }
+}
+
+fn share(run_id: &str, u: Usage) -> Write {
+    Write::Usage { run_id: run_id.to_owned(), usage: u }
+}
+
+fn finish(run_id: &str) -> Write {
+    let patch = RunPatch { status: Some("ok".into()), finished_at_ms: Some(super::now_ms()), ..RunPatch::default() };
+    Write::Append { run_id: run_id.to_owned(), event: None, patch, webhook: None }
+}
+
+async fn insert(s: &PgStore, r: RunRow) -> Applied {
+    s.apply(&[Write::Insert(Box::new(r))]).await.expect("insert").pop().expect("one result")
+}
+
+#[tokio::test]
+async fn pg_a_call_finds_the_unfinished_run_of_its_trace_id_or_token_with_this_replica_share() {
+    let Some(url) = pg_url("pg_a_call_finds_the_unfinished_run").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    assert!(matches!(insert(&a, with_token(row("r1", "acct-1", 1), "cmx-tok-1")).await, Applied::Inserted { .. }));
+    let by_trace = b.live_run(&CallKey::Trace(trace_of("r1"))).await.expect("lookup").expect("found by trace id");
+    assert_eq!(
+        (by_trace.run_id.as_str(), by_trace.billing_account_id.as_str(), by_trace.graph_id.as_str(), by_trace.token.as_deref()),
+        ("r1", "acct-1", "sandbox:openclaw", Some("cmx-tok-1"))
+    );
+    assert_eq!((by_trace.session_key, by_trace.trace_id, by_trace.share), ("agent:main:clawmux:acct-1.r.r1".to_owned(), trace_of("r1"), Usage::default()));
+    assert_eq!(b.live_run(&CallKey::Token("cmx-tok-1".into())).await.expect("lookup").map(|r| r.run_id), Some("r1".into()));
+    assert_eq!(b.live_run(&CallKey::Trace(trace_of("nobody"))).await.expect("lookup"), None);
+    assert_eq!(b.live_run(&CallKey::Token("cmx-nobody".into())).await.expect("lookup"), None);
+    // b forwarded calls of r1: its share is where its counters continue from.
+    b.apply(&[share("r1", usage(7, 3, 2))]).await.expect("share");
+    assert_eq!(b.live_run(&CallKey::Trace(trace_of("r1"))).await.expect("lookup").map(|r| r.share), Some(usage(7, 3, 2)));
+    assert_eq!(a.live_run(&CallKey::Trace(trace_of("r1"))).await.expect("lookup").map(|r| r.share), Some(Usage::default()));
+    // Finished: no longer anyone's call (fail-closed).
+    a.apply(&[finish("r1")]).await.expect("finish");
+    assert_eq!(b.live_run(&CallKey::Trace(trace_of("r1"))).await.expect("lookup"), None);
+    assert_eq!(b.live_run(&CallKey::Token("cmx-tok-1".into())).await.expect("lookup"), None);
+    assert_eq!(b.ended(&["r1".into(), "gone".into()]).await.expect("ended"), ["r1", "gone"]);
+}
+
+#[tokio::test]
+async fn pg_two_live_runs_may_not_share_a_trace_id_or_token_across_replicas() {
+    let Some(url) = pg_url("pg_two_live_runs_may_not_share_a_trace_id").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    assert!(matches!(insert(&a, with_token(row("r1", "acct", 1), "cmx-t1")).await, Applied::Inserted { .. }));
+    // Another run id, the same trace id, admitted by another replica: refused, naming the holder.
+    let mut same_trace = row("r2", "acct", 2);
+    same_trace.spec.traceparent = row("r1", "acct", 1).spec.traceparent;
+    assert_eq!(insert(&b, same_trace.clone()).await, Applied::TraceInUse { run_id: "r1".into() });
+    assert_eq!(insert(&b, with_token(row("r3", "acct", 3), "cmx-t1")).await, Applied::TraceInUse { run_id: "r1".into() });
+    assert!(b.run("r2").await.expect("read").is_none(), "nothing stored");
+    // The same request again is still the same run (not a conflict of trace ids).
+    assert!(matches!(insert(&b, with_token(row("r1", "acct", 1), "cmx-t1")).await, Applied::Existing { .. }));
+    // Once r1 ended, its trace id is free.
+    a.apply(&[finish("r1")]).await.expect("finish");
+    assert!(matches!(insert(&b, same_trace).await, Applied::Inserted { .. }));
+}
+
+#[tokio::test]
+async fn pg_a_run_usage_is_the_sum_of_every_replica_share_each_written_idempotently() {
+    let Some(url) = pg_url("pg_a_run_usage_is_the_sum_of_every_replica_share").await else { return };
+    let (a, la) = open(&url, "a").await;
+    let (b, lb) = open(&url, "b").await;
+    let mut r = row("r1", "acct", 1);
+    r.usage = Some(Usage::default());
+    assert!(matches!(insert(&a, r).await, Applied::Inserted { .. }));
+    assert_eq!(a.apply(&[share("r1", usage(10, 1, 1))]).await.expect("a's share"), [Applied::Done]);
+    // b does not own r1: its share is stored all the same (its proxy forwarded those calls).
+    assert_eq!(b.apply(&[share("r1", usage(5, 2, 2))]).await.expect("b's share"), [Applied::Done]);
+    // Again, and older totals arriving late: nothing changes (absolute, and counters only grow).
+    b.apply(&[share("r1", usage(5, 2, 2)), share("r1", usage(4, 2, 1))]).await.expect("again");
+    let sum = usage(15, 3, 3);
+    assert_eq!(b.run("r1").await.expect("read").and_then(|r| r.usage), Some(sum));
+    let listed = a.list(&super::ListQuery { limit: 10, ..super::ListQuery::default() }).await.expect("list");
+    assert_eq!(listed.iter().map(|r| r.usage).collect::<Vec<_>>(), [Some(sum)]);
+    assert_eq!(a.unfinished().await.expect("unfinished")[0].usage, Some(sum));
+    let shares = a.usage_shares("r1", None).await.expect("shares");
+    assert_eq!((shares.mine, shares.others.get("b").copied()), (usage(10, 1, 1), Some(usage(5, 2, 2))));
+    // b takes r1 over (a died): its share goes on from where it was, a's stays; the sum is unchanged.
+    sqlx::query("UPDATE runs SET lease_until = 0").execute(&sqlx::PgPool::connect(&url).await.expect("connect")).await.expect("expire");
+    let claimed = b.claim(&lb, false).await.expect("claim");
+    assert_eq!(claimed.iter().map(|r| (r.run_id.as_str(), r.usage)).collect::<Vec<_>>(), [("r1", Some(sum))]);
+    let shares = b.usage_shares("r1", claimed[0].usage).await.expect("shares");
+    assert_eq!((shares.mine, shares.others.get("a").copied()), (usage(5, 2, 2), Some(usage(10, 1, 1))));
+    b.apply(&[share("r1", usage(6, 3, 3)), finish("r1")]).await.expect("b goes on");
+    // a (fenced: it lost the run) still stores its share of a call it had forwarded.
+    assert_eq!(a.apply(&[share("r1", usage(11, 1, 1))]).await.expect("late share"), [Applied::Done]);
+    assert_eq!(b.run("r1").await.expect("read").and_then(|r| r.usage), Some(usage(17, 4, 4)));
+    let _ = la;
+    // A run no proxy forwarded calls for keeps the usage its row has.
+    let mut quiet = row("r2", "acct", 2);
+    quiet.usage = Some(usage(1, 1, 1));
+    insert(&a, quiet).await;
+    assert_eq!(a.run("r2").await.expect("read").and_then(|r| r.usage), Some(usage(1, 1, 1)));
+    assert_eq!(a.usage_shares("r2", Some(usage(1, 1, 1))).await.expect("shares").mine, usage(1, 1, 1), "a row without shares is all its own");
+}
+
+#[tokio::test]
+async fn pg_every_replica_lists_the_calls_any_replica_recorded_and_they_go_with_the_run() {
+    let Some(url) = pg_url("pg_every_replica_lists_the_calls").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    insert(&a, row("r1", "acct", 1)).await;
+    let call = |n: u64| {
+        Write::LlmCall(Box::new(crate::audit::AuditRecord {
+            time: "2026-11-21T00:00:00Z".into(),
+            run_id: "r1".into(),
+            billing_account_id: "acct".into(),
+            model: Some("m".into()),
+            path: "/v1/chat/completions".into(),
+            status: 200,
+            outcome: "ok".into(),
+            latency_ms: n,
+            streamed: true,
+            input_tokens: Some(n),
+            output_tokens: Some(1),
+            upstream_call_id: Some(format!("c{n}")),
+        }))
+    };
+    a.apply(&[call(1)]).await.expect("a's call");
+    b.apply(&[call(2), call(3)]).await.expect("b's calls");
+    let (calls, more) = a.llm_calls("r1", 10).await.expect("read").expect("kept");
+    assert_eq!((calls.iter().map(|c| c.latency_ms).collect::<Vec<_>>(), more), (vec![1, 2, 3], false));
+    let (calls, more) = b.llm_calls("r1", 2).await.expect("read").expect("kept");
+    assert_eq!((calls.len(), more), (2, true));
+    a.apply(&[finish("r1")]).await.expect("finish");
+    let gone = a.sweep(super::Retention { max_age_ms: 0, max_count: 0 }, super::now_ms() + 1).await.expect("sweep");
+    assert_eq!(gone, ["r1"]);
+    assert_eq!(a.llm_calls("r1", 10).await.expect("read"), Some((Vec::new(), false)));
+}
+
+#[tokio::test]
+async fn pg_ends_and_shares_are_notified_at_commit() {
+    let Some(url) = pg_url("pg_ends_and_shares_are_notified").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    let mut listener = sqlx::postgres::PgListener::connect(&url).await.expect("listen");
+    listener.listen_all([ENDED, USAGE]).await.expect("listen");
+    insert(&a, row("r1", "acct", 1)).await;
+    b.apply(&[share("r1", usage(4, 2, 1))]).await.expect("share");
+    a.apply(&[finish("r1")]).await.expect("finish");
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let n = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.expect("notified").expect("notification");
+        got.push((n.channel().to_owned(), n.payload().to_owned()));
+    }
+    assert_eq!(got[0].0, USAGE);
+    let note: ShareNote = serde_json::from_str(&got[0].1).expect("a share note");
+    assert_eq!(note, ShareNote { run_id: "r1".into(), replica: "b".into(), usage: usage(4, 2, 1) });
+    assert_eq!(got[1], (ENDED.to_owned(), "r1".to_owned()));
+}

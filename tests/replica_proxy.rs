@@ -1,0 +1,356 @@
+//! The LLM proxy of ANY replica forwards the calls of any live run (issue 14, item 6): two clawmux
+//! replicas (child processes) on one PostgreSQL database and one replay gateway (held paused, so
+//! runs stay live while the test makes the calls a gateway would), the project's fake LLM as both
+//! proxies' upstream. A call of a run owned by one replica, sent to the OTHER replica's proxy, is
+//! forwarded with the run's billing headers and counted once in its usage; when the run ends, that
+//! proxy cuts its stream and refuses its calls; a budget spent through it stops the run at its
+//! owner; a takeover keeps every call counted once.
+//!
+//! Every test is named `pg_…` and runs in the PostgreSQL phase of tests/run.sh (a database of its
+//! own on the server `CLAWMUX_TEST_PG_URL` names). Without it they are skipped, unless
+//! `CLAWMUX_REQUIRE_PG=1`.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "common/child.rs"]
+mod child;
+#[path = "common/own_postgres.rs"]
+mod own_postgres;
+
+use child::{free_port, Clawmux};
+use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
+use common::{chat_body, new_traceparent, FakeLlm};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::time::Duration;
+use tokio::time::Instant;
+
+const GW_TOKEN: &str = "replica-proxy-gw-token";
+
+async fn database(test: &str) -> Option<String> {
+    let server = own_postgres::server_url(test)?;
+    Some(clawmux::store::postgres::create_test_database(&server, "cmx_xattr").await.unwrap())
+}
+
+/// A paused replay gateway: every run stays live until the test lets it go on.
+fn paused_gateway() -> ReplayHandle {
+    let cfg = ReplayConfig::new(Cassette::bundled().unwrap()).speed(0.0).token(GW_TOKEN);
+    let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    gw.set_paused(true);
+    gw
+}
+
+/// A replica with its LLM proxy in front of `llm`.
+struct Replica {
+    app: Clawmux,
+    /// `http://127.0.0.1:PORT` of its LLM proxy.
+    proxy: String,
+}
+
+/// With leases of 3 s: a takeover within seconds.
+async fn replica(id: &str, gw: &ReplayHandle, url: &str, llm: &FakeLlm, key: &str, http: &reqwest::Client) -> Replica {
+    replica_with_lease(id, gw, url, llm, key, http, "3").await
+}
+
+async fn replica_with_lease(id: &str, gw: &ReplayHandle, url: &str, llm: &FakeLlm, key: &str, http: &reqwest::Client, lease_sec: &str) -> Replica {
+    let proxy_port = free_port();
+    let listen = format!("127.0.0.1:{proxy_port}");
+    let audit = common::temp_dir(&format!("audit-{id}"));
+    let mut app = Clawmux::new(
+        &gw.url(),
+        GW_TOKEN,
+        &[
+            ("CLAWMUX_DEVICE_IDENTITY", "off"),
+            ("CLAWMUX_STORE_URL", url),
+            ("CLAWMUX_REPLICA_ID", id),
+            ("CLAWMUX_RUN_LEASE_SEC", lease_sec),
+            ("CLAWMUX_PROXY_LISTEN", &listen),
+            ("CLAWMUX_LLM_UPSTREAM_URL", &llm.url()),
+            ("CLAWMUX_LLM_UPSTREAM_KEY", key),
+            ("CLAWMUX_AUDIT_DIR", &audit.display().to_string()),
+        ],
+    );
+    app.start(http).await;
+    Replica { app, proxy: format!("http://{listen}") }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().pool_max_idle_per_host(64).timeout(Duration::from_secs(60)).build().unwrap()
+}
+
+/// Posts a run with the trace id `trace` and waits until the gateway accepted it.
+async fn post_run(http: &reqwest::Client, base: &str, run_id: &str, account: &str, traceparent: &str) {
+    let body = json!({"message": format!("xattr {run_id}"), "billingAccountId": account, "runId": run_id, "onDisconnect": "continue"});
+    let r = http.post(format!("{base}/v1/runs?wait=false")).header("traceparent", traceparent).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    common::wait_accepted(http, base, run_id).await;
+}
+
+/// A call's traceparent: the run's trace id, a new span (as the gateway sends them).
+fn call_tp(trace: &str) -> String {
+    format!("00-{trace}-{}-01", &uuid::Uuid::new_v4().simple().to_string()[..16])
+}
+
+/// One call through `proxy` with `traceparent` (none: the body must name a token); its status and
+/// whole answer.
+async fn call(http: &reqwest::Client, proxy: &str, traceparent: Option<&str>, body: &Value) -> (u16, String) {
+    let mut r = http.post(format!("{proxy}/v1/chat/completions")).json(body);
+    if let Some(tp) = traceparent {
+        r = r.header("traceparent", tp);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap_or_default())
+}
+
+async fn doc(http: &reqwest::Client, base: &str, run_id: &str) -> Value {
+    http.get(format!("{base}/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap()
+}
+
+/// What the upstream saw of a run's calls: how many, and the tokens it reported for them (a stream
+/// cut before its end reported none: its usage comes last).
+fn upstream_bill(llm: &FakeLlm, run_id: &str) -> (u64, u64, u64) {
+    let entries = llm.entries();
+    let ids: Vec<&str> = entries.iter().filter(|e| e["headers"]["x-cogni-run-id"] == run_id).filter_map(|e| e["id"].as_str()).collect();
+    let cut: Vec<&str> = entries.iter().filter(|e| e["event"] == "stream_end" && e["completed"] == false).filter_map(|e| e["id"].as_str()).collect();
+    let (mut input, mut output) = (0, 0);
+    for e in entries.iter().filter(|e| e["event"] == "usage" && e["id"].as_str().is_some_and(|id| ids.contains(&id) && !cut.contains(&id))) {
+        input += e["prompt_tokens"].as_u64().unwrap();
+        output += e["completion_tokens"].as_u64().unwrap();
+    }
+    (input, output, ids.len() as u64)
+}
+
+/// Waits (bounded) until `base` shows the run's usage as `(input, output, calls)`.
+async fn until_usage(http: &reqwest::Client, base: &str, run_id: &str, want: (u64, u64, u64)) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let d = doc(http, base, run_id).await;
+        let u = &d["usage"];
+        if (u["inputTokens"].as_u64(), u["outputTokens"].as_u64(), u["llmCalls"].as_u64()) == (Some(want.0), Some(want.1), Some(want.2)) {
+            return d;
+        }
+        assert!(Instant::now() < deadline, "{base}: usage of {run_id} is not {want:?}: {d}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[actix_rt::test]
+async fn pg_a_replica_forwards_the_calls_of_a_run_another_owns_billed_to_it_once_and_stops_when_it_ends() {
+    let Some(url) = database("pg_a_replica_forwards_the_calls_of_a_run_another_owns").await else { return };
+    let dir = common::temp_dir("xattr");
+    let llm = FakeLlm::start(&dir.join("llm"));
+    let gw = paused_gateway();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let owner = replica("x0", &gw, &url, &llm, &key, &http).await;
+    let other = replica("x1", &gw, &url, &llm, &key, &http).await;
+    let (trace, traceparent) = new_traceparent();
+    post_run(&http, &owner.app.base, "run-x", "acct-x", &traceparent).await;
+    // Another replica refuses a second live run with the same trace id: calls could not be told apart.
+    let twin = json!({"message": "twin", "billingAccountId": "acct-y", "runId": "run-twin"});
+    let r = http.post(format!("{}/v1/runs?wait=false", other.app.base)).header("traceparent", &traceparent).json(&twin).send().await.unwrap();
+    assert_eq!(r.status(), 409, "{:?}", r.text().await);
+
+    // The other replica's proxy forwards it with the run's billing identity, whatever the call says.
+    let (status, body) = call(&http, &other.proxy, Some(&call_tp(&trace)), &chat_body("hello XATTR1", false)).await;
+    assert_eq!(status, 200, "{body}");
+    let seen = llm.entries().into_iter().find(|e| e["last_user"].as_str().is_some_and(|u| u.contains("XATTR1"))).expect("the upstream saw the call");
+    let h = &seen["headers"];
+    assert_eq!((h["x-litellm-end-user-id"].as_str(), h["x-cogni-run-id"].as_str()), (Some("acct-x"), Some("run-x")), "{seen}");
+    assert_eq!(h["authorization"], format!("Bearer {key}"));
+    let meta: Value = serde_json::from_str(h["x-litellm-spend-logs-metadata"].as_str().unwrap()).unwrap();
+    assert_eq!((meta["run_id"].as_str(), meta["session_key"].as_str()), (Some("run-x"), Some("agent:main:clawmux:acct-x.r.run-x")));
+
+    // A burst, through both proxies: every call forwarded.
+    let burst = (0..20).map(|i| {
+        let (http, proxy, tp) = (http.clone(), if i % 2 == 0 { other.proxy.clone() } else { owner.proxy.clone() }, call_tp(&trace));
+        async move { call(&http, &proxy, Some(&tp), &chat_body(&format!("burst {i}"), true)).await.0 }
+    });
+    assert!(futures_util::future::join_all(burst).await.iter().all(|s| *s == 200));
+
+    // Protocol 3: the run's attribution token in the body, no traceparent.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let token: String = sqlx::query_scalar("SELECT attribution_token FROM runs WHERE run_id = 'run-x'").fetch_one(&pool).await.unwrap();
+    let p3 = json!({"model": "fake-model", "stream": false, "messages": [
+        {"role": "system", "content": format!("You are helpful.\nclawmux-attribution: {token}\n(Billing ...)")},
+        {"role": "user", "content": "hello XATTRP3"}]});
+    let (status, body) = call(&http, &other.proxy, None, &p3).await;
+    assert_eq!(status, 200, "{body}");
+    let seen = llm.entries().into_iter().find(|e| e["last_user"].as_str().is_some_and(|u| u.contains("XATTRP3"))).expect("the upstream saw the call");
+    assert_eq!(seen["headers"]["x-cogni-run-id"], "run-x");
+
+    // Unknown trace id and token: refused, never forwarded.
+    let (status, _) = call(&http, &other.proxy, Some(&new_traceparent().1), &chat_body("hello XATTRNOBODY", false)).await;
+    assert_eq!(status, 409);
+    let mut made_up = p3.clone();
+    made_up["messages"][0]["content"] = json!(format!("clawmux-attribution: {}", clawmux::attribution::new_token()));
+    assert_eq!(call(&http, &other.proxy, None, &made_up).await.0, 409);
+    assert!(!llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("XATTRNOBODY"))));
+
+    // Counted once, whichever proxy forwarded it: on the owner (live), the other (from the store).
+    let bill = upstream_bill(&llm, "run-x");
+    assert_eq!(bill.2, 22, "the calls the upstream saw for run-x");
+    for base in [&owner.app.base, &other.app.base] {
+        let d = until_usage(&http, base, "run-x", bill).await;
+        assert_eq!(d["usage"]["source"], "proxy", "{d}");
+    }
+    // Every replica lists every call, whichever replica forwarded it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let calls: Value = http.get(format!("{}/v1/runs/run-x/llm-calls", owner.app.base)).send().await.unwrap().json().await.unwrap();
+        if calls["calls"].as_array().map(Vec::len) == Some(22) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "llm-calls on the owner: {calls}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A stream through the other proxy is cut when the run ends on its owner; later calls refused.
+    let resp = http.post(format!("{}/v1/chat/completions", other.proxy)).header("traceparent", call_tp(&trace)).json(&chat_body("go SLOW XATTRCUT", true)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    assert!(tokio::time::timeout(Duration::from_secs(10), stream.next()).await.unwrap().is_some_and(|c| c.is_ok()), "first chunk");
+    let r = http.post(format!("{}/v1/runs/run-x/abort", owner.app.base)).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let aborted = Instant::now();
+    let cut = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(chunk) = stream.next().await {
+            if chunk.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    let took = aborted.elapsed();
+    assert!(cut.is_ok(), "the stream was not cut within 10 s of the run's end");
+    eprintln!("a remote run's stream cut {:.0} ms after the abort answer", took.as_secs_f64() * 1000.0);
+    assert!(took < Duration::from_millis(1500), "cut after {took:?}");
+    let (status, _) = call(&http, &other.proxy, Some(&call_tp(&trace)), &chat_body("hello XATTRLATE", false)).await;
+    assert_eq!(status, 409, "a call of an ended run was forwarded");
+    assert_eq!(call(&http, &other.proxy, None, &p3).await.0, 409, "a token of an ended run was accepted");
+
+    // The cut call counts (it was forwarded), with no tokens (the upstream reports them at the end).
+    let cut_id = llm.entries().into_iter().find(|e| e["last_user"].as_str().is_some_and(|u| u.contains("XATTRCUT"))).unwrap()["id"].clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // The upstream notices the cut at its next chunk (one a second).
+    while !llm.entries().iter().any(|e| e["event"] == "stream_end" && e["id"] == cut_id) {
+        assert!(Instant::now() < deadline, "the upstream never saw the stream end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(llm.entries().iter().any(|e| e["event"] == "stream_end" && e["id"] == cut_id && e["completed"] == false), "the stream was not cut");
+    let bill = upstream_bill(&llm, "run-x");
+    assert_eq!(bill.2, 23);
+    let d = until_usage(&http, &other.app.base, "run-x", bill).await;
+    assert_eq!(d["status"], "aborted", "{d}");
+    let stored: Vec<(String, i64)> = sqlx::query_as("SELECT replica, llm_calls FROM run_usage WHERE run_id = 'run-x' ORDER BY replica").fetch_all(&pool).await.unwrap();
+    assert_eq!(stored, [("x0".to_owned(), 10), ("x1".to_owned(), 13)], "each replica's share");
+    pool.close().await;
+    let refusals = common::metric(&http, &other.app.base, "clawmux_proxy_refusals_total").await;
+    assert!(refusals >= 4.0, "refusals counted: {refusals}");
+    gw.stop().await;
+}
+
+#[actix_rt::test]
+async fn pg_after_a_takeover_every_call_of_the_run_counts_once_whichever_proxy_forwarded_it() {
+    let Some(url) = database("pg_after_a_takeover_every_call_counts_once").await else { return };
+    let dir = common::temp_dir("xattr-takeover");
+    // Streams of 6 s: one spans the takeover.
+    let llm = FakeLlm::start_with(&dir.join("llm"), &[("FAKE_LLM_DELAY", "0.75")]);
+    let gw = paused_gateway();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let mut owner = replica("t0", &gw, &url, &llm, &key, &http).await;
+    let other = replica("t1", &gw, &url, &llm, &key, &http).await;
+    let (trace, traceparent) = new_traceparent();
+    post_run(&http, &owner.app.base, "run-t", "acct-t", &traceparent).await;
+    let before = [&owner.proxy, &owner.proxy, &other.proxy, &other.proxy, &other.proxy].map(|proxy| {
+        let (http, proxy, tp) = (http.clone(), proxy.clone(), call_tp(&trace));
+        async move { call(&http, &proxy, Some(&tp), &chat_body("before", true)).await.0 }
+    });
+    assert!(futures_util::future::join_all(before).await.iter().all(|s| *s == 200));
+    until_usage(&http, &owner.app.base, "run-t", upstream_bill(&llm, "run-t")).await;
+    // A stream through the survivor's proxy, in flight while the survivor takes the run over: its
+    // tokens (at its end) count in the same share as the calls the survivor makes as the owner.
+    let spanning = {
+        let (http, proxy, tp) = (http.clone(), other.proxy.clone(), call_tp(&trace));
+        tokio::spawn(async move { call(&http, &proxy, Some(&tp), &chat_body("spanning the takeover", true)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    owner.app.kill_9();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, String>("SELECT owner FROM runs WHERE run_id = 'run-t'").fetch_one(&pool).await.unwrap() != "t1" {
+        assert!(Instant::now() < deadline, "run-t was not taken over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The survivor owns it now; its earlier calls and the new ones count in one share.
+    let after = (0..2).map(|_| {
+        let (http, proxy, tp) = (http.clone(), other.proxy.clone(), call_tp(&trace));
+        async move { call(&http, &proxy, Some(&tp), &chat_body("after", true)).await.0 }
+    });
+    let (after, spanning) = futures_util::future::join(futures_util::future::join_all(after), spanning).await;
+    assert!(after.iter().all(|s| *s == 200));
+    let (status, text) = spanning.unwrap();
+    assert!(status == 200 && text.contains("[DONE]"), "the spanning stream did not complete: {status} {text}");
+    gw.set_paused(false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while doc(&http, &other.app.base, "run-t").await["status"] != "ok" {
+        assert!(Instant::now() < deadline, "run-t did not end: {}", doc(&http, &other.app.base, "run-t").await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let bill = upstream_bill(&llm, "run-t");
+    assert_eq!(bill.2, 8);
+    until_usage(&http, &other.app.base, "run-t", bill).await;
+    let stored: Vec<(String, i64)> = sqlx::query_as("SELECT replica, llm_calls FROM run_usage WHERE run_id = 'run-t' ORDER BY replica").fetch_all(&pool).await.unwrap();
+    assert_eq!(stored, [("t0".to_owned(), 2), ("t1".to_owned(), 6)]);
+    // The final event's document (what clients and webhooks got) has the same usage.
+    let fin: String = sqlx::query_scalar("SELECT data FROM events WHERE run_id = 'run-t' AND name = 'final'").fetch_one(&pool).await.unwrap();
+    let fin: Value = serde_json::from_str(&fin).unwrap();
+    assert_eq!(fin["usage"]["llmCalls"], 8, "{fin}");
+    assert_eq!((fin["usage"]["inputTokens"].as_u64(), fin["usage"]["outputTokens"].as_u64()), (Some(bill.0), Some(bill.1)), "{fin}");
+    pool.close().await;
+    gw.stop().await;
+}
+
+#[actix_rt::test]
+async fn pg_a_budget_spent_through_another_replica_proxy_ends_the_run_budget_exceeded_at_its_owner() {
+    let Some(url) = database("pg_a_budget_spent_through_another_replica").await else { return };
+    let dir = common::temp_dir("xattr-budget");
+    let llm = FakeLlm::start(&dir.join("llm"));
+    let gw = paused_gateway();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    // Leases of 30 s (renewals every 10 s): only the store's wake-up explains a prompt stop.
+    let owner = replica_with_lease("b0", &gw, &url, &llm, &key, &http, "30").await;
+    let other = replica_with_lease("b1", &gw, &url, &llm, &key, &http, "30").await;
+    // A budget smaller than one call's tokens (the fake LLM reports dozens).
+    for base in [&owner.app.base, &other.app.base] {
+        let r = http.put(format!("{base}/v1/admin/accounts/acct-b/limits")).json(&json!({"maxTokens": 5, "periodSec": 86400})).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let (trace, traceparent) = new_traceparent();
+    post_run(&http, &owner.app.base, "run-b", "acct-b", &traceparent).await;
+    assert_eq!(call(&http, &other.proxy, Some(&call_tp(&trace)), &chat_body("spend it", false)).await.0, 200);
+    let (spent_input, spent_output, _) = upstream_bill(&llm, "run-b");
+    // Charged to the account in the store, by the replica that forwarded it.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, Option<i64>>("SELECT sum(tokens)::int8 FROM spend WHERE billing_account_id = 'acct-b'").fetch_one(&pool).await.unwrap()
+        != Some((spent_input + spent_output) as i64)
+    {
+        assert!(Instant::now() < deadline, "the tokens were not charged to acct-b");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The next call is refused, and the run ends `budget_exceeded` at its owner before the answer.
+    let asked = Instant::now();
+    let (status, body) = call(&http, &other.proxy, Some(&call_tp(&trace)), &chat_body("one more", false)).await;
+    assert_eq!(status, 409, "{body}");
+    eprintln!("a budget stop through another replica: refused after {:.0} ms", asked.elapsed().as_secs_f64() * 1000.0);
+    let d = doc(&http, &other.app.base, "run-b").await;
+    assert_eq!((d["status"].as_str(), d["error"]["code"].as_str()), (Some("error"), Some("budget_exceeded")), "ended before the refusal was answered: {d}");
+    assert!(gw.runs().iter().any(|r| r.message.contains("run-b") && r.abort_requests >= 1), "the owner cancelled the gateway run");
+    pool.close().await;
+    gw.stop().await;
+}
