@@ -137,9 +137,10 @@ fn problems(ids: &[String], seen: &Streams, tag: &str) -> Vec<String> {
 #[actix_rt::test]
 async fn pg_kill_9_of_one_replica_every_run_is_taken_over_by_one_survivor_and_ends_once() {
     let Some(url) = database("pg_kill_9_of_one_replica").await else { return };
-    // 90 runs, 30 per replica, each ~12 s long: the victim's 30 are in flight when it dies.
-    const N: usize = 90;
-    let gw = gateway_at(0.3);
+    // 300 runs, 100 per replica, each ~23 s long: the victim's 100 are in flight when it dies
+    // (posting and attaching 300 runs takes seconds on a loaded machine).
+    const N: usize = 300;
+    let gw = gateway_at(0.15);
     let http = http();
     let mut apps = replicas(&gw, &url, &http).await;
     let ids = post_round_robin(&http, &apps, N, "tk").await;
@@ -234,7 +235,7 @@ async fn pg_kill_9_of_one_replica_every_run_is_taken_over_by_one_survivor_and_en
 #[actix_rt::test]
 async fn pg_any_replica_serves_any_run_and_an_abort_posted_to_another_replica_reaches_the_owner() {
     let Some(url) = database("pg_any_replica_serves_any_run").await else { return };
-    const N: usize = 60;
+    const N: usize = 300;
     let gw = gateway_at(0.3);
     let http = http();
     let apps = replicas(&gw, &url, &http).await;
@@ -335,7 +336,7 @@ async fn pg_a_handoff_shutdown_hands_the_runs_to_another_replica_at_once_not_a_l
 #[actix_rt::test]
 async fn pg_two_replicas_racing_runs_of_one_session_key_never_interleave_them_at_the_gateway() {
     let Some(url) = database("pg_session_key_fifo").await else { return };
-    const N: usize = 16;
+    const N: usize = 50;
     let gw = gateway_at(5.0);
     let http = http();
     let mut apps: Vec<Clawmux> = (0..2)
