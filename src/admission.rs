@@ -13,7 +13,7 @@
 
 use crate::attribution::{Attributions, RunBilling, Usage};
 use crate::request::{self, ValidRun};
-use crate::store::{CheckpointRecord, Insert, RunLog, RunRow, RunStore, RunView, SpecRecord, StoreError, UsageShares};
+use crate::store::{BusyPolicy, CheckpointRecord, Insert, RunLog, RunRow, RunStore, RunView, SpecRecord, StoreError, UsageShares};
 use crate::tenants::budget::{Budgets, Refusal};
 use actix::Addr;
 use clawmux_actors::branch::{BranchPlan, Workspace, WorkspaceError};
@@ -196,6 +196,8 @@ impl Admission {
                 self.store.forget(&run_id).await;
                 return Err(refused);
             }
+            // `ifBusy: reject` and the session key is busy on another replica (the store decided).
+            Insert::SessionBusy => return Err(Refused::Registry(AdmitError::SessionBusy)),
             Insert::Limited { message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
             Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
@@ -245,7 +247,11 @@ impl Admission {
         };
         // A continued run counts as live for its account's limits, without the checks.
         self.budgets.resume(&spec.billing_account_id, &spec.run_id);
-        self.hand_over(log, spec, Some(resume), IfBusy::Enqueue, shares).await
+        // A run that asked to interrupt its session and has not started yet (stored for the
+        // replica its session key runs on, taken up there now; or queued at a restart) does so
+        // here; `reject` was decided at admission.
+        let if_busy = if row.spec.if_busy == BusyPolicy::Interrupt && row.checkpoint.is_none() { IfBusy::Interrupt } else { IfBusy::Enqueue };
+        self.hand_over(log, spec, Some(resume), if_busy, shares).await
     }
 
     /// Makes a stored run attributable (its usage continuing from `shares`) and hands it to the
@@ -383,6 +389,11 @@ fn spec_and_row(new: NewRun, proxied: bool) -> Result<(RunSpec, RunRow), Refused
             attribution_token: spec.attribution_token.clone(),
             branch: spec.branch.clone(),
             abort_on_disconnect: run.on_disconnect == request::OnDisconnect::Abort,
+            if_busy: match run.request.if_busy {
+                None | Some(request::IfBusy::Enqueue) => BusyPolicy::Enqueue,
+                Some(request::IfBusy::Reject) => BusyPolicy::Reject,
+                Some(request::IfBusy::Interrupt) => BusyPolicy::Interrupt,
+            },
         },
         status: "queued".to_owned(),
         checkpoint: None,

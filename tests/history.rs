@@ -375,6 +375,7 @@ fn stored_row(i: usize) -> RunRow {
             attribution_token: None,
             branch: None,
             abort_on_disconnect: false,
+            if_busy: Default::default(),
         },
         status: "queued".into(),
         checkpoint: None,

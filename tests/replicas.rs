@@ -778,3 +778,63 @@ async fn pg_after_a_short_database_blip_the_only_replica_continues_its_suspended
     assert_eq!(requests.get("agent").copied(), Some(N as u64), "agent requests (no run started twice): {requests:?}");
     pool.close().await;
 }
+
+/// `ifBusy` holds for a run stored for the replica its session key runs on: `reject` is answered
+/// `409 session_busy` at once by the replica that took the request (nothing stored), and
+/// `interrupt` ends the running run of the session `aborted` and runs next, before a run of the
+/// session that was queued earlier (it was `enqueue` for such runs before).
+#[actix_rt::test]
+async fn pg_if_busy_reject_and_interrupt_hold_for_a_run_stored_for_another_replica() {
+    let Some(url) = database("pg_if_busy_across_replicas").await else { return };
+    let gw = gateway_at(0.3);
+    let http = http();
+    let apps = replicas_n(&gw, &url, &http, 2).await;
+    let (b0, b1) = (apps[0].base.clone(), apps[1].base.clone());
+    let run = |tag: &str, if_busy: &str| {
+        json!({"message": format!("<{tag}> [track:long]"), "billingAccountId": "acct-busy", "stateKey": "busy-conversation", "ifBusy": if_busy, "onDisconnect": "continue"})
+    };
+    let holder = post_run(&http, &b0, &run("holder", "enqueue")).await;
+    let follower = Arc::new(Mutex::new(Seen::default()));
+    let reader = tokio::spawn(read_stream(attach(&http, &b0, &holder, 0).await, follower.clone(), Duration::from_secs(60)));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while follower.lock().unwrap().text().is_empty() {
+        assert!(Instant::now() < deadline, "the holder did not stream");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Queued behind the holder (on r0, through r1).
+    let queued = post_run(&http, &b1, &run("queued", "enqueue")).await;
+    // reject, through r1: the session is busy on r0.
+    let r = http.post(format!("{b1}/v1/runs?wait=false")).json(&run("rejected", "reject")).send().await.unwrap();
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("session_busy")), "{body}");
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM runs").fetch_one(&pool).await.unwrap();
+    assert_eq!(stored, 2, "the rejected run left nothing behind");
+    // interrupt, through r1: the holder ends aborted, the interrupter runs before `queued`.
+    let interrupter = post_run(&http, &b1, &run("interrupter", "interrupt")).await;
+    reader.await.unwrap();
+    {
+        let s = follower.lock().unwrap();
+        let t = s.terminal().unwrap_or_else(|| panic!("the holder did not end: {:?}", s.events));
+        assert_eq!((t.event.as_str(), t.data["code"].as_str()), ("error", Some("aborted")), "{t:?}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let done: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE finished_at IS NOT NULL").fetch_one(&pool).await.unwrap();
+        if done == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{done} of 3 runs ended within 90 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut started: Vec<(std::time::Instant, String)> = gw.runs().into_iter().map(|r| (r.accepted_at, r.message)).collect();
+    started.sort();
+    let order: Vec<&str> = started.iter().map(|(_, m)| m.split('>').next().unwrap_or_default()).collect();
+    assert_eq!(order, ["<holder", "<interrupter", "<queued"], "the gateway's order");
+    for (id, want) in [(&interrupter, "ok"), (&queued, "ok"), (&holder, "aborted")] {
+        let doc: Value = http.get(format!("{b1}/v1/runs/{id}")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(doc["status"], want, "{doc}");
+    }
+    pool.close().await;
+}

@@ -36,6 +36,7 @@ pub(super) fn row(run_id: &str, account: &str, created_at_ms: i64) -> RunRow {
             attribution_token: None,
             branch: None,
             abort_on_disconnect: true,
+            if_busy: Default::default(),
         },
         status: "queued".into(),
         checkpoint: None,

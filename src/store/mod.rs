@@ -144,6 +144,32 @@ pub struct SpecRecord {
     pub branch: Option<clawmux_actors::branch::BranchPlan>,
     /// Whether the caller's disconnect cancels the run.
     pub abort_on_disconnect: bool,
+    /// The request's `ifBusy`. Shared stores refuse a `reject` run at admission when its session
+    /// key is busy on another replica; an `interrupt` run that has not started when it is taken up
+    /// (by the replica its session key runs on, or after a restart) interrupts the run holding its
+    /// session key there, as at its admission.
+    #[serde(default, skip_serializing_if = "BusyPolicy::is_enqueue")]
+    pub if_busy: BusyPolicy,
+}
+
+/// `ifBusy` as stored: what a run does when another run of its session key is live.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BusyPolicy {
+    /// Waits its turn.
+    #[default]
+    Enqueue,
+    /// Refused at once (`409 session_busy`).
+    Reject,
+    /// The running run ends `aborted`; this one goes next.
+    Interrupt,
+}
+
+impl BusyPolicy {
+    /// The default (not written).
+    pub fn is_enqueue(&self) -> bool {
+        *self == BusyPolicy::Enqueue
+    }
 }
 
 /// The last checkpoint of a run (see `clawmux_actors::Checkpoint`).
@@ -366,6 +392,10 @@ pub enum Applied {
         /// Admission order.
         seq: i64,
     },
+    /// Not stored: the run asked for `ifBusy: reject` and its session key has an unfinished run
+    /// on another replica (stores shared by replicas; decided in the admitting transaction, so the
+    /// other replica never sees the run).
+    SessionBusy,
     /// Not stored: the run would take its billing account past its live-run or per-minute limit,
     /// counted over every replica sharing the store (stores that count them: PostgreSQL).
     Limited {

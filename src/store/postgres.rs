@@ -241,6 +241,19 @@ async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<
     match inserted {
         Some((seq, None)) => return Ok(Applied::Inserted { seq }),
         Some((seq, Some(owner))) => {
+            // `ifBusy: reject`: refused here when it is its session key that is busy elsewhere
+            // (not only its branch key), in this transaction, so its would-be owner never sees it.
+            if row.spec.if_busy == super::BusyPolicy::Reject {
+                let busy: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM runs WHERE session_key = $1 AND finished_at IS NULL AND run_id <> $2)")
+                    .bind(&row.session_key)
+                    .bind(&row.run_id)
+                    .fetch_one(&mut **tx)
+                    .await?;
+                if busy {
+                    sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(&row.run_id).execute(&mut **tx).await?;
+                    return Ok(Applied::SessionBusy);
+                }
+            }
             // Its owner is woken at commit (see `follow`).
             sqlx::query("SELECT pg_notify($1, $2)").bind(super::follow::ASSIGNED).bind(owner).execute(&mut **tx).await?;
             return Ok(Applied::Assigned { seq });

@@ -35,6 +35,9 @@ pub enum Insert {
     /// Stored for the replica that owns the earlier runs of its session or branch key (see
     /// [`Applied::Assigned`]): it runs there, this process serves it from the store.
     Assigned(RunView),
+    /// Not stored: `ifBusy: reject` and the session key is busy on another replica (see
+    /// [`Applied::SessionBusy`]).
+    SessionBusy,
     /// Not stored: the account's live-run or per-minute limit, counted by the store over every
     /// replica (see [`Applied::Limited`]).
     Limited {
@@ -242,6 +245,7 @@ impl RunStore {
                 None => Err(StoreError(format!("run {run_id:?} vanished from the store; retry"))),
             },
             Applied::Limited { message, retry_after_sec } => Ok(Insert::Limited { message, retry_after_sec }),
+            Applied::SessionBusy => Ok(Insert::SessionBusy),
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
             Applied::TraceInUse { run_id } => Ok(Insert::TraceInUse(run_id)),

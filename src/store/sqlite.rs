@@ -640,6 +640,7 @@ mod probe {
                 attribution_token: None,
                 branch: None,
                 abort_on_disconnect: true,
+                if_busy: Default::default(),
             },
             status: "queued".into(),
             checkpoint: None,
