@@ -128,9 +128,8 @@ pub struct Admission {
     /// Admissions (shared) against takeovers (exclusive): a run this replica stores as its own
     /// reaches the registry before a takeover claims later-admitted runs of its session key, and
     /// a takeover hands all it claimed to the registry before a later admission gets there
-    /// (session-key FIFO across replicas). Branch runs do not wait here: their checks may take
-    /// seconds (they still never overlap another run of their branch key: the store assigns them
-    /// to the replica that holds it, only their order may differ by a race).
+    /// (session-key FIFO across replicas). A branch run's checks (seconds, at worst) are made
+    /// before it takes the gate.
     gate: Arc<tokio::sync::RwLock<()>>,
 }
 
@@ -174,11 +173,17 @@ impl Admission {
         };
         let key_field = branch_field(&new.run.request);
         let (spec, row) = spec_and_row(new, self.attributions.is_some())?;
-        let gate = self.gate.clone();
-        let _admitting = match spec.branch {
-            None => Some(gate.read().await),
-            Some(_) => None,
+        // A branch run's checks (seconds, at worst) come first, outside the gate: holding it that
+        // long would hold up takeovers, and the admissions queued behind a waiting takeover. Their
+        // verdict is given after the insert, so an idempotent retry still gets its run.
+        let branch_checked = match (&spec.branch, &self.workspace) {
+            (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await,
+            _ => Ok(()),
         };
+        // From the insert until the registry has the run, no takeover here: a run of its session
+        // or branch key admitted after it elsewhere (and given to this replica) cannot start first.
+        let gate = self.gate.clone();
+        let _admitting = gate.read().await;
         let run_id = spec.run_id.clone();
         let account = spec.billing_account_id.clone();
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
@@ -204,11 +209,9 @@ impl Admission {
             // A live run of another replica has the trace id (the store's constraint said so).
             Insert::TraceInUse(owner) => return Err(Refused::TraceInUse { owner }),
         };
-        if let (Some(plan), Some(workspace)) = (&spec.branch, &self.workspace) {
-            if let Err(refused) = check_branch(workspace.as_ref(), plan, key_field).await {
-                self.store.forget(&run_id).await;
-                return Err(refused);
-            }
+        if let Err(refused) = branch_checked {
+            self.store.forget(&run_id).await;
+            return Err(refused);
         }
         // Checked and counted under one lock per account: a burst is counted exactly.
         let limited = match self.budgets.admit(&account, &run_id).await {

@@ -39,6 +39,8 @@ const WAIT: Duration = Duration::from_secs(15);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Kind {
+    /// The checks at admission (never logged: only held when asked).
+    Check,
     Prepare,
     Publish,
 }
@@ -135,7 +137,15 @@ impl Workspace for FakeWorkspace {
         } else {
             Ok(())
         };
-        Box::pin(async move { r })
+        let (inner, key) = (self.0.clone(), plan.key.clone());
+        Box::pin(async move {
+            if inner.hold.lock().unwrap().contains(&Kind::Check) {
+                let (release, wait) = oneshot::channel();
+                let _ = inner.held.send(Held { kind: Kind::Check, key, release });
+                let _ = wait.await;
+            }
+            r
+        })
     }
 
     fn prepare(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<Prepared, WorkspaceError>> {
@@ -446,6 +456,70 @@ async fn pg_two_replicas_never_work_on_one_branch_key_at_once() {
     let kinds: Vec<Kind> = ws.log().into_iter().map(|(k, _)| k).collect();
     assert_eq!(kinds, [Kind::Prepare, Kind::Publish, Kind::Prepare, Kind::Publish]);
     assert_eq!(ws.overlaps(), 0, "two steps of one branch overlapped");
+    server::shutdown(&r1).await;
+    server::shutdown(&r0).await;
+    gw.stop().await;
+}
+
+/// A branch run whose checks at admission are slow (a busy Docker engine) does not let a run of
+/// its session key admitted after it on another replica, and given to this one, start before it:
+/// admission order is the order the store takes them in, and a takeover waits while a run is
+/// between the store and the registry (its checks come first, before either).
+#[actix_rt::test]
+async fn pg_a_branch_run_with_slow_checks_keeps_its_session_keys_order_across_replicas() {
+    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
+        assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
+        eprintln!("SKIP pg_a_branch_run_with_slow_checks_keeps_its_session_keys_order_across_replicas: no CLAWMUX_TEST_PG_URL");
+        return;
+    };
+    let url = clawmux::store::postgres::create_test_database(&server, "cmx_branch_order").await.unwrap();
+    let gw = gateway();
+    gw.set_paused(true);
+    let (ws, mut held) = FakeWorkspace::new();
+    let (r0, base0, http) = replica(&gw, &ws, &url, "o0").await;
+    let (r1, base1, _) = replica(&gw, &ws, &url, "o1").await;
+    let in_session = |run_id: &str, branch: Option<&str>| {
+        let mut b = json!({"runId": run_id, "message": format!("<{run_id}>"), "billingAccountId": "acct-branch", "stateKey": "ordered", "timeoutSec": 60, "onDisconnect": "continue"});
+        if let Some(key) = branch {
+            b["branch"] = json!({"branchName": key});
+        }
+        b
+    };
+    let post_json = |base: &str, body: Value| {
+        let (http, base) = (http.clone(), base.to_owned());
+        tokio::spawn(async move { http.post(format!("{base}/v1/runs?wait=false")).json(&body).send().await.unwrap().status().as_u16() })
+    };
+    // r0 runs the session; a branch run of it is admitted there, its checks held.
+    assert_eq!(post_json(&base0, in_session("o-first", None)).await.unwrap(), 202);
+    ws.hold(&[Kind::Check]);
+    let branch_run = post_json(&base0, in_session("o-branch", Some("k-ord")));
+    let check = next_held(&mut held, Kind::Check, "k-ord").await;
+    // Meanwhile a plain run of the session is admitted on r1, given to r0 and taken up there.
+    assert_eq!(post_json(&base1, in_session("o-later", None)).await.unwrap(), 202);
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runs WHERE run_id = 'o-later' AND owner = 'o0' AND assigned_at IS NULL").fetch_one(&pool).await.unwrap() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "r0 did not take up the run r1 admitted for it");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ws.hold(&[]);
+    let _ = check.release.send(());
+    assert_eq!(branch_run.await.unwrap(), 202);
+    gw.set_paused(false);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runs WHERE finished_at IS NOT NULL").fetch_one(&pool).await.unwrap() < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "the runs did not end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let admitted: Vec<String> = sqlx::query_scalar("SELECT run_id FROM runs ORDER BY seq").fetch_all(&pool).await.unwrap();
+    let mut started: Vec<(std::time::Instant, String)> = gw.runs().into_iter().map(|r| (r.accepted_at, r.message)).collect();
+    started.sort();
+    let order: Vec<String> = started.into_iter().map(|(_, m)| m.trim_start_matches('<').split('>').next().unwrap_or_default().to_owned()).collect();
+    assert_eq!(order, admitted, "the gateway started the session's runs out of admission order");
+    for id in &admitted {
+        assert_eq!(doc(&http, &base1, id).await["status"], "ok", "{id}");
+    }
+    pool.close().await;
     server::shutdown(&r1).await;
     server::shutdown(&r0).await;
     gw.stop().await;
