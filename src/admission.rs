@@ -184,6 +184,11 @@ impl Admission {
         // or branch key admitted after it elsewhere (and given to this replica) cannot start first.
         let gate = self.gate.clone();
         let _admitting = gate.read().await;
+        if self.store.suspended() > 0 {
+            // This replica's runs were suspended while the store was out of reach and are being
+            // taken back: a run of one of their keys admitted now could start before them.
+            return Err(Refused::Store(StoreError("the run store was out of reach; this replica is taking its runs back, retry in a moment".to_owned())));
+        }
         let run_id = spec.run_id.clone();
         let account = spec.billing_account_id.clone();
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {

@@ -63,7 +63,6 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease, aborts: Arc<tokio::sync::
                     for (run_id, reason) in renewed.aborts {
                         abort_here(&s, run_id, reason).await;
                     }
-                    readopt(&s, &l).await;
                 }
                 Err(e) if !failing => {
                     failing = true;
@@ -73,6 +72,22 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease, aborts: Arc<tokio::sync::
             }
         }
     });
+    {
+        // Runs suspended while the store was out of reach are taken back as soon as it answers:
+        // until then this replica admits nothing and takes nothing over (see `readopt`).
+        let (s, l) = (state.clone(), lease.clone());
+        actix::spawn(async move {
+            let mut every = tokio::time::interval(READOPT_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                if *s.stopping.borrow() {
+                    return;
+                }
+                readopt(&s, &l).await;
+            }
+        });
+    }
     let wake = Arc::new(tokio::sync::Notify::new());
     state.store.wake_on_assigned(&lease.replica, wake.clone());
     actix::spawn(async move {
@@ -94,8 +109,16 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease, aborts: Arc<tokio::sync::
     });
 }
 
+/// How often a replica with suspended runs tries to take them back.
+const READOPT_EVERY: Duration = Duration::from_millis(250);
+
 /// Claims the runs whose owner stopped renewing and continues them here.
 async fn take_over(state: &web::Data<AppState>, lease: &Lease) {
+    if state.store.suspended() > 0 {
+        // Its own suspended runs first: a run of one of their keys (assigned here) must not
+        // start before them.
+        return;
+    }
     let gate = state.admission.takeover_gate();
     let _exclusive = gate.write().await;
     let claimed = match state.store.take_over(lease).await {
@@ -114,7 +137,9 @@ async fn take_over(state: &web::Data<AppState>, lease: &Lease) {
 }
 
 /// The store answers again: continues the runs this replica suspended while it was out of reach
-/// (those no other replica took over meanwhile), through the restart path.
+/// (those no other replica took over meanwhile), through the restart path, before any admission
+/// or takeover here (both wait while runs are suspended), so a run of their session or branch
+/// keys never starts before them.
 async fn readopt(state: &web::Data<AppState>, lease: &Lease) {
     if state.store.suspended() == 0 {
         return;

@@ -760,10 +760,26 @@ async fn pg_after_a_short_database_blip_the_only_replica_continues_its_suspended
     let base = app.base.clone();
     let readers = attach_each(&http, &ids, &seen, |_| base.clone(), Duration::from_secs(120)).await;
     until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
+    // A conversation's first run streams too; its next run is posted right after the blip.
+    let conversation = |i: usize| json!({"message": format!("<conv-{i}> [track:long]"), "billingAccountId": "acct-conv", "stateKey": "blip-conversation", "onDisconnect": "continue"});
+    let first = post_run(&http, &base, &conversation(1)).await;
+    wait_accepted_doc(&http, &base, &first).await;
     relay.refuse(true);
     relay.cut_all();
     tokio::time::sleep(Duration::from_secs(1)).await;
     relay.refuse(false);
+    // Refused (503) until the replica has taken its suspended runs back; then it waits its turn
+    // behind the conversation's first run, never beside it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let second = loop {
+        let r = http.post(format!("{base}/v1/runs?wait=false")).json(&conversation(2)).send().await.unwrap();
+        if r.status() == 202 {
+            break r.json::<Value>().await.unwrap()["runId"].as_str().unwrap().to_owned();
+        }
+        assert_eq!(r.status(), 503, "{:?}", r.text().await);
+        assert!(Instant::now() < deadline, "admission did not come back after the blip");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     for r in readers {
         tokio::time::timeout(Duration::from_secs(150), r).await.expect("a stream hung").unwrap();
     }
@@ -774,9 +790,31 @@ async fn pg_after_a_short_database_blip_the_only_replica_continues_its_suspended
     let cut = ids.iter().filter(|id| seen[*id].lock().unwrap().cut > 0).count();
     assert!(cut > 0, "no stream was cut by the blip: it tested nothing");
     assert!(app.log().contains("continued the runs suspended here"), "the replica did not continue its suspended runs: {}", app.log());
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runs WHERE run_id = ANY($1) AND finished_at IS NULL").bind([&first, &second]).fetch_one(&pool).await.unwrap() > 0 {
+        assert!(Instant::now() < deadline, "the conversation's runs did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let conv: Vec<_> = gw.runs().into_iter().filter(|r| r.message.starts_with("<conv-")).collect();
+    assert_eq!(conv.len(), 2, "{conv:?}");
+    let (a, b) = if conv[0].message.starts_with("<conv-1>") { (&conv[0], &conv[1]) } else { (&conv[1], &conv[0]) };
+    assert!(a.finished_at.is_some_and(|end| end <= b.accepted_at), "the conversation's second run started while its first still ran on the gateway");
     let requests = gw.stats().requests_received;
-    assert_eq!(requests.get("agent").copied(), Some(N as u64), "agent requests (no run started twice): {requests:?}");
+    assert_eq!(requests.get("agent").copied(), Some(N as u64 + 2), "agent requests (no run started twice): {requests:?}");
     pool.close().await;
+}
+
+/// Waits (bounded) until the gateway acknowledged the run (its document has a gateway run id).
+async fn wait_accepted_doc(http: &reqwest::Client, base: &str, run_id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let doc: Value = http.get(format!("{base}/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap();
+        if !doc["gatewayRunId"].is_null() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "run {run_id} not accepted: {doc}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// `ifBusy` holds for a run stored for the replica its session key runs on: `reject` is answered

@@ -157,3 +157,29 @@ async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_rep
     let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(took, ["d1", "d2"]);
 }
+
+/// A renewal holds only the runs the replica says it holds (and the runs assigned to it that it
+/// has not taken up): a run it owns in the store but holds nowhere (its continuation failed
+/// halfway) expires, and another replica claims it, instead of being renewed forever.
+#[tokio::test]
+async fn pg_a_renewal_renews_only_the_runs_held_and_those_assigned_not_taken_up() {
+    let Some(url) = pg_url("pg_renew_only_held").await else { return };
+    let (a, la) = open(&url, "a", 300).await;
+    for id in ["held", "orphan"] {
+        assert!(matches!(one(&a, Write::Insert(Box::new(row(id, "acct", 1000)))).await, Applied::Inserted { .. }));
+    }
+    // A run of another key that `b` admits while `a` runs that key: assigned to `a`.
+    let (b, lb) = open(&url, "b", 60_000).await;
+    let mut assigned = row("assigned", "acct", 1001);
+    assigned.session_key = row("held", "acct", 0).session_key;
+    assert!(matches!(one(&b, Write::Insert(Box::new(assigned))).await, Applied::Assigned { .. }));
+    // `a` renews for a while, holding only "held".
+    for _ in 0..4 {
+        a.renew(&la, &["held".to_owned()]).await.expect("renew");
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    }
+    let claimed: Vec<String> = b.claim(&lb, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["orphan"], "only the run `a` holds nowhere expired");
+    let owners = claims_of(&url).await;
+    assert_eq!((owners["held"].0.as_str(), owners["assigned"].0.as_str(), owners["orphan"].0.as_str()), ("a", "a", "b"));
+}

@@ -500,8 +500,9 @@ pub trait Store: Send + Sync + 'static {
     async fn claim(&self, _lease: &Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
         if at_start { self.unfinished().await } else { Ok(Vec::new()) }
     }
-    /// Renews the lease of every unfinished run of this process (one statement) and reports which
-    /// of `live` (its runs in memory) are another's now, and which have an abort posted elsewhere.
+    /// Renews the leases of `live` (the runs this process holds) and of the runs other processes
+    /// assigned it that it has not taken up yet (one statement), and reports which of `live` are
+    /// another's now, and which have an abort posted elsewhere.
     async fn renew(&self, _lease: &Lease, _live: &[String]) -> Result<Renewed, StoreError> {
         Ok(Renewed::default())
     }

@@ -794,12 +794,14 @@ impl Store for PgStore {
     }
 
     async fn renew(&self, lease: &Lease, live: &[String]) -> Result<Renewed, StoreError> {
-        // One statement: every run of this replica is renewed (a row locked right now, by a
-        // takeover or a batch's delete, is renewed next time rather than waited for: a renewal
-        // never waits, so it never deadlocks with a batch); the SELECT sees the rows as they
-        // were before (one snapshot), which is what decides lost runs and aborts.
+        // One statement: the runs this replica holds, and those assigned to it and not yet taken
+        // up (they wait behind runs of their keys it holds), are renewed (a row locked right now,
+        // by a takeover or a batch's delete, is renewed next time rather than waited for: a
+        // renewal never waits, so it never deadlocks with a batch); the SELECT sees the rows as
+        // they were before (one snapshot), which is what decides lost runs and aborts.
         let sql = format!(
-            "WITH l AS (SELECT run_id FROM runs WHERE owner = $1 AND finished_at IS NULL FOR NO KEY UPDATE SKIP LOCKED), \
+            "WITH l AS (SELECT run_id FROM runs WHERE owner = $1 AND finished_at IS NULL AND (run_id = ANY($3) OR assigned_at IS NOT NULL) \
+               FOR NO KEY UPDATE SKIP LOCKED), \
              renewed AS (UPDATE runs r SET lease_until = {DB_NOW_MS} + $2::bigint FROM l WHERE r.run_id = l.run_id) \
              SELECT run_id, owner IS DISTINCT FROM $1 AS lost, abort_reason FROM runs WHERE run_id = ANY($3) AND finished_at IS NULL \
                AND (owner IS DISTINCT FROM $1 OR abort_requested_at IS NOT NULL)"

@@ -314,15 +314,17 @@ impl RunStore {
             return Ok(Vec::new());
         }
         let rows = self.backend.readopt(lease, &ids).await?;
-        // Whatever their old logs queued is dropped by now; the new logs' writes go through.
+        // Whatever their old logs queued is dropped by now; the new logs' writes go through. If
+        // a read fails here, the runs stay suspended (and held) for the next attempt.
         self.writer.flush().await;
+        let logs = self.build_logs(rows).await?;
         for id in &ids {
             if let Some((_, old)) = self.suspended.remove(id) {
                 old.release_billing();
             }
             self.writer.release(id);
         }
-        self.logs_of(rows).await
+        Ok(self.go_live(logs))
     }
 
     /// Forgets a run whose admission failed after it was stored, so the caller can retry its id.
@@ -432,14 +434,26 @@ impl RunStore {
     }
 
     /// Renews this process's leases; see [`Store::renew`].
+    /// Renews the leases of the runs this process holds: live here (a run that ended here but
+    /// whose end the store does not have yet included: no other replica may continue it) or
+    /// suspended. A run it owns in the store but holds nowhere (its continuation failed halfway)
+    /// is not renewed: its lease expires and it is claimed again, here or elsewhere.
     pub async fn renew(&self, lease: &Lease) -> Result<Renewed, StoreError> {
-        let live: Vec<String> = self.live.iter().filter(|l| !l.is_finished() && !l.is_lost()).map(|l| l.run_id.clone()).collect();
-        self.backend.renew(lease, &live).await
+        let mut held: Vec<String> =
+            self.live.iter().filter(|l| !l.is_lost() && (!l.is_finished() || !l.end_stored())).map(|l| l.run_id.clone()).collect();
+        held.extend(self.suspended.iter().map(|e| e.key().clone()));
+        self.backend.renew(lease, &held).await
     }
 
     /// Another replica owns `run_id` now: stops it here without cancelling it (see
-    /// [`RunLog::lose`]) and serves it from the store from now on.
+    /// [`RunLog::lose`]) and serves it from the store from now on; a run suspended here is no
+    /// longer taken back.
     pub fn lose(&self, run_id: &str) -> bool {
+        if let Some((_, old)) = self.suspended.remove(run_id) {
+            old.release_billing();
+            // Its old writes stay held until the next continuation here flushes them away.
+            return true;
+        }
         match self.live.remove(run_id) {
             Some((_, log)) => log.lose(),
             None => false,
@@ -466,14 +480,38 @@ impl RunStore {
     }
 
     async fn logs_of(&self, rows: Vec<RunRow>) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        let logs = self.build_logs(rows).await?;
+        Ok(self.go_live(logs))
+    }
+
+    /// The logs of stored runs with their events; all or none (a read failing partway leaves no
+    /// log live that nobody continues: the runs' leases are then not renewed, and they are
+    /// claimed again).
+    async fn build_logs(&self, rows: Vec<RunRow>) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+        // A run suspended here once, then taken over elsewhere, comes back: the writes its old
+        // log queued are gone after a flush, and its new log's go through.
+        if rows.iter().any(|r| self.writer.is_held(&r.run_id)) {
+            self.writer.flush().await;
+            for r in &rows {
+                if self.suspended.get(&r.run_id).is_none() {
+                    self.writer.release(&r.run_id);
+                }
+            }
+        }
         let mut out = Vec::new();
         for row in rows {
             let events = self.backend.events(&row.run_id, 0).await?;
-            let log = self.new_log(row.clone(), events);
-            self.live.insert(row.run_id.clone(), log.clone());
-            out.push((log, row));
+            out.push((self.new_log(row.clone(), events), row));
         }
         Ok(out)
+    }
+
+    /// Makes built logs the live ones of their runs.
+    fn go_live(&self, logs: Vec<(Arc<RunLog>, RunRow)>) -> Vec<(Arc<RunLog>, RunRow)> {
+        for (log, row) in &logs {
+            self.live.insert(row.run_id.clone(), log.clone());
+        }
+        logs
     }
 
     /// A run, live or stored.

@@ -100,6 +100,11 @@ impl Writer {
         self.held.insert(run_id.to_owned());
     }
 
+    /// True while `run_id`'s writes are dropped.
+    pub fn is_held(&self, run_id: &str) -> bool {
+        self.held.contains(run_id)
+    }
+
     /// Applies `run_id`'s writes again. Call it after a [`Self::flush`]: the writes queued while it
     /// was held are gone by then.
     pub fn release(&self, run_id: &str) {
