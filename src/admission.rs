@@ -173,13 +173,23 @@ impl Admission {
         };
         let key_field = branch_field(&new.run.request);
         let (spec, row) = spec_and_row(new, self.attributions.is_some())?;
-        // A branch run's checks (seconds, at worst) come first, outside the gate: holding it that
-        // long would hold up takeovers, and the admissions queued behind a waiting takeover. Their
-        // verdict is given after the insert, so an idempotent retry still gets its run.
-        let branch_checked = match (&spec.branch, &self.workspace) {
-            (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await,
-            _ => Ok(()),
-        };
+        // What can refuse the run before it is stored is asked first, so a refused run is never
+        // stored (where the replica its session key runs on could take it up before it is
+        // forgotten): a branch run's checks (seconds, at worst, hence outside the gate: holding
+        // it that long would hold up takeovers, and the admissions queued behind a waiting
+        // takeover), and a token budget nothing here could count. A request repeating a stored
+        // one (same run id or Idempotency-Key, same body) still gets its run.
+        let refused_early = match (&spec.branch, &self.workspace) {
+            (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await.err(),
+            _ => None,
+        }
+        .or_else(|| self.budgets.unmetered(&spec.billing_account_id).map(Refused::Limit));
+        if let Some(refused) = refused_early {
+            return match self.replayed(&row).await.map_err(Refused::Store)? {
+                Some(repeat) => repeat,
+                None => Err(refused),
+            };
+        }
         // From the insert until the registry has the run, no takeover here: a run of its session
         // or branch key admitted after it elsewhere (and given to this replica) cannot start first.
         let gate = self.gate.clone();
@@ -194,30 +204,18 @@ impl Admission {
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
-            // Its owner starts it after the earlier runs of its keys. The store counted its
-            // account's live runs and admissions per minute over every replica; its token budget
-            // is checked here, as for a run of this replica.
-            Insert::Assigned(view) => {
-                let refused = match self.budgets.admit(&account, &run_id).await {
-                    Ok(Ok(())) => return Ok(Submitted::Elsewhere(view)),
-                    Ok(Err(refusal)) => Refused::Limit(refusal),
-                    Err(e) => Refused::Store(e),
-                };
-                self.store.forget(&run_id).await;
-                return Err(refused);
-            }
+            // Its owner starts it after the earlier runs of its keys; the store counted its
+            // account's limits and budget over every replica in the same transaction.
+            Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
             // `ifBusy: reject` and the session key is busy on another replica (the store decided).
             Insert::SessionBusy => return Err(Refused::Registry(AdmitError::SessionBusy)),
-            Insert::Limited { message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
+            Insert::Limited { budget: false, message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
+            Insert::Limited { budget: true, message, retry_after_sec } => return Err(Refused::Limit(Refusal::BudgetExceeded { message, retry_after_sec })),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),
             Insert::IdempotencyMismatch => return Err(Refused::IdempotencyMismatch),
             // A live run of another replica has the trace id (the store's constraint said so).
             Insert::TraceInUse(owner) => return Err(Refused::TraceInUse { owner }),
         };
-        if let Err(refused) = branch_checked {
-            self.store.forget(&run_id).await;
-            return Err(refused);
-        }
         // Checked and counted under one lock per account: a burst is counted exactly.
         let limited = match self.budgets.admit(&account, &run_id).await {
             Ok(Ok(())) => None,
@@ -236,6 +234,27 @@ impl Admission {
                 Err(e)
             }
         }
+    }
+
+    /// The answer to a request that repeats a stored one (its run id or its `Idempotency-Key`),
+    /// as the store's insert would give it: the stored run for the same body, a conflict for
+    /// another; `None` for a new request.
+    async fn replayed(&self, row: &RunRow) -> Result<Option<Result<Submitted, Refused>>, StoreError> {
+        let stored = match &row.idempotency_key {
+            Some(key) => self.store.by_idempotency_key(&row.billing_account_id, key).await?,
+            None => None,
+        };
+        if let Some(stored) = stored {
+            return Ok(Some(match stored.fingerprint == row.fingerprint {
+                true => self.store.view(&stored.run_id).await?.map(Submitted::Existing).ok_or(Refused::IdempotencyMismatch),
+                false => Err(Refused::IdempotencyMismatch),
+            }));
+        }
+        Ok(match self.store.view(&row.run_id).await? {
+            Some(view) if view.fingerprint() == row.fingerprint => Some(Ok(Submitted::Existing(view))),
+            Some(_) => Some(Err(Refused::RunIdConflict(row.run_id.clone()))),
+            None => None,
+        })
     }
 
     /// Continues a stored, unfinished run after a restart, where its checkpoint says.

@@ -45,6 +45,8 @@ pub struct RunBilling {
     pub revoked: tokio_util::sync::CancellationToken,
     /// Told the totals after every change, so the run store keeps them across restarts.
     on_usage: std::sync::OnceLock<UsageHook>,
+    /// Orders the totals handed to `on_usage` (see `changed`).
+    usage_order: std::sync::Mutex<()>,
     /// The other replicas' shares of the run's usage (a store shared by replicas), by replica id:
     /// the run's usage is this process's totals plus these.
     others: Mutex<HashMap<String, Usage>>,
@@ -89,6 +91,7 @@ impl RunBilling {
             token: None,
             revoked: tokio_util::sync::CancellationToken::new(),
             on_usage: std::sync::OnceLock::new(),
+            usage_order: std::sync::Mutex::new(()),
             others: Mutex::new(HashMap::new()),
         }
     }
@@ -139,6 +142,10 @@ impl RunBilling {
 
     fn changed(&self, tokens: u64) {
         if let Some(hook) = self.on_usage.get() {
+            // Totals read and handed on under one lock: two calls finishing at once hand them on
+            // in increasing order, so the store (which keeps the last it is given) never goes
+            // back to a smaller total.
+            let _in_order = self.usage_order.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             (hook.0)(self.totals(), tokens);
         }
     }
@@ -359,6 +366,42 @@ impl Attributions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The store keeps the last totals it is given: calls finishing at once on many threads must
+    /// hand them on in increasing order (one thread's totals overtaking another's made the stored
+    /// usage go back).
+    #[test]
+    fn totals_are_handed_on_in_increasing_order_under_concurrent_calls() {
+        let b = Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"));
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        // The hook does some work before the totals reach the store (a channel send): a yield
+        // stands for it.
+        b.on_usage(Box::new(move |u, _| {
+            std::thread::yield_now();
+            s2.lock().expect("seen").push(u.input_tokens);
+        }));
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (b, start) = (b.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    for _ in 0..5_000 {
+                        b.add_usage(1, 1);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread");
+        }
+        let seen = seen.lock().expect("seen");
+        assert_eq!(seen.len(), 40_000);
+        assert!(seen.windows(2).all(|w| w[0] <= w[1]), "totals went back");
+        assert_eq!(seen.last(), Some(&40_000));
+    }
+
 
     #[test]
     fn a_trace_id_belongs_to_one_running_run() {

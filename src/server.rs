@@ -236,7 +236,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         stopping,
     });
     let aborts = Arc::new(tokio::sync::Notify::new());
-    if state.store.is_shared() {
+    if state.store.shared() {
         // Before the runs are continued: an end another replica stores from now on is heard.
         let told = remote.clone();
         state.store.on_notes(
@@ -252,7 +252,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         }
     }
     let resumed = resume(&state, &lease).await;
-    if state.store.kind() == "postgres" {
+    if state.store.shared() {
         crate::lease::spawn(state.clone(), lease, aborts);
     }
     let sweeper = state.clone();
@@ -315,7 +315,7 @@ pub(crate) async fn continue_runs(state: &web::Data<AppState>, stored: Vec<(Arc<
             Err(e) => {
                 // Ended, not lost: the run gets its terminal event and says why.
                 tracing::error!(run_id = %row.run_id, error = %e, "a stored run cannot be continued");
-                let msg = format!("clawmux restarted and could not continue the run: {e}");
+                let msg = format!("clawmux could not continue the run (after a restart, a takeover or a store outage): {e}");
                 log.emit(RunEvent::Finished(RunOutcome::failed(ErrorCode::Internal, msg, String::new())));
             }
         }
@@ -357,7 +357,7 @@ fn start_proxy(
         .map_err(std::io::Error::other)?;
     // Shared by replicas: the calls of their runs are forwarded here too, and every replica lists
     // the calls this one forwarded.
-    let shared = store.is_shared();
+    let shared = store.shared();
     let remote = shared.then(|| crate::remote_runs::RemoteRuns::new(store.clone(), attributions.clone(), budgets.clone()));
     let state = web::Data::new(crate::proxy::ProxyState {
         attributions,

@@ -54,6 +54,8 @@ struct Held {
 }
 
 struct Inner {
+    /// Base refs deleted from the repository since (the checks then fail for them).
+    gone_refs: Mutex<HashSet<String>>,
     /// Kinds of steps that wait for the test; the others end at once.
     hold: Mutex<HashSet<Kind>>,
     /// Where held steps are announced.
@@ -74,6 +76,7 @@ impl FakeWorkspace {
     fn new() -> (Self, mpsc::UnboundedReceiver<Held>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let inner = Inner {
+            gone_refs: Mutex::new(HashSet::new()),
             hold: Mutex::new(HashSet::new()),
             held: tx,
             log: Mutex::new(Vec::new()),
@@ -128,7 +131,7 @@ impl FakeWorkspace {
 /// made, and `late/…` keys conflict only once the run prepares (a branch created meanwhile).
 impl Workspace for FakeWorkspace {
     fn check(&self, plan: &BranchPlan) -> BoxFuture<'static, Result<(), WorkspaceError>> {
-        let r = if plan.base_ref == "nope" {
+        let r = if plan.base_ref == "nope" || self.0.gone_refs.lock().unwrap().contains(&plan.base_ref) {
             Err(WorkspaceError::UnknownBaseRef("base ref \"nope\" not found".to_owned()))
         } else if plan.key.starts_with("taken/") {
             Err(WorkspaceError::KeyConflict(format!("{} cannot be created: sandbox/taken exists", plan.branch())))
@@ -401,6 +404,18 @@ async fn branch_caller_mistakes_are_422_at_post_or_relay_rejected() {
     assert_relayed(&mut unchecked, "unchecked-1").await;
     assert_eq!(gw.runs().len(), 1, "only the unchecked run reached the gateway");
     assert_eq!(in_flight(&app).await, 0);
+
+    // The checks come before the run is stored, yet a request repeating a stored one still gets
+    // its run, even when the checks would refuse it now (its base ref was deleted since).
+    let body = json!({"message": "m", "billingAccountId": "acct-branch", "branch": {"workItemId": "replayed", "baseRef": "release-1"}});
+    let first: Value = http.post(format!("{base}/v1/runs?wait=false")).header("idempotency-key", "replay-1").json(&body).send().await.unwrap().json().await.unwrap();
+    let run_id = first["runId"].as_str().expect("admitted").to_owned();
+    ws.0.gone_refs.lock().unwrap().insert("release-1".to_owned());
+    let again = http.post(format!("{base}/v1/runs?wait=false")).header("idempotency-key", "replay-1").json(&body).send().await.unwrap();
+    assert!(again.status().is_success(), "the repeat got {}", again.status());
+    assert_eq!(again.json::<Value>().await.unwrap()["runId"], run_id.as_str(), "the repeat is the same run");
+    let fresh = http.post(format!("{base}/v1/runs?wait=false")).header("idempotency-key", "replay-2").json(&body).send().await.unwrap();
+    assert_eq!(fresh.status(), 422, "a new request is checked");
     server::shutdown(&app).await;
     gw.stop().await;
 }

@@ -642,8 +642,11 @@ async fn pg_account_limits_and_token_budgets_hold_across_replicas() {
     assert_eq!(stored, 15, "refused runs left nothing behind");
 
     // Token budget: l1 loads the account's spend (its first run), then a run on l0 spends past the
-    // cap through l0's proxy; l1 must refuse the account's next run.
+    // cap through l0's proxy; l1 must refuse the account's next run. A conversation of the
+    // account runs on l0 meanwhile: its next run, posted to l1, would be stored for l0.
     let first = post_run(&http, &bases[1], &json!({"message": "<tok-1>", "billingAccountId": "acct-tok", "onDisconnect": "continue"})).await;
+    let conv = |tag: &str| json!({"message": format!("<{tag}>"), "billingAccountId": "acct-tok", "stateKey": "tok-conversation", "onDisconnect": "continue"});
+    post_run(&http, &bases[0], &conv("tok-conv-1")).await;
     let (trace, traceparent) = common::new_traceparent();
     let r = http
         .post(format!("{}/v1/runs?wait=false", bases[0]))
@@ -665,13 +668,30 @@ async fn pg_account_limits_and_token_budgets_hold_across_replicas() {
         assert_eq!(r.status(), 200, "call {n} starts under the cap");
         assert!(r.text().await.unwrap().contains("[DONE]"));
     }
+    // The proxy stores a call's tokens as it sees them (group commit, within milliseconds).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, Option<i64>>("SELECT max(tokens) FROM spend WHERE billing_account_id = 'acct-tok'").fetch_one(&pool).await.unwrap().unwrap_or(0) < 25 {
+        assert!(Instant::now() < deadline, "the spend was not stored");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let r = http.post(format!("{}/v1/runs?wait=false", bases[1])).json(&json!({"message": "<tok-3>", "billingAccountId": "acct-tok"})).send().await.unwrap();
     let status = r.status().as_u16();
     let body: Value = r.json().await.unwrap();
     assert_eq!((status, body["error"]["code"].as_str()), (402, Some("budget_exceeded")), "the other replica's spend counts: {body}");
+    // Refused in the admitting transaction: l0, which runs the conversation, never gets it.
+    let r = http.post(format!("{}/v1/runs?wait=false", bases[1])).json(&conv("tok-conv-2")).send().await.unwrap();
+    assert_eq!(r.status(), 402, "{:?}", r.text().await);
     let first_doc: Value = http.get(format!("{}/v1/runs/{first}", bases[0])).send().await.unwrap().json().await.unwrap();
     assert_eq!(first_doc["status"], "running", "the account's earlier run goes on: {first_doc}");
     gw.set_paused(false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runs WHERE billing_account_id = 'acct-tok' AND finished_at IS NULL").fetch_one(&pool).await.unwrap() > 0 {
+        assert!(Instant::now() < deadline, "the account's runs did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!gw.runs().iter().any(|r| r.message.contains("<tok-conv-2>")), "a run refused 402 ran on the gateway");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE spec::jsonb->>'message' = '<tok-conv-2>'").fetch_one(&pool).await.unwrap();
+    assert_eq!(stored, 0, "a run refused 402 was stored");
     pool.close().await;
 }
 
@@ -682,7 +702,19 @@ async fn pg_account_limits_and_token_budgets_hold_across_replicas() {
 /// that one end, and no run is started twice on the gateway.
 #[actix_rt::test]
 async fn pg_a_partition_between_one_replica_and_the_database_ends_each_run_once_as_its_clients_see_it() {
-    let Some(url) = database("pg_partition_one_replica").await else { return };
+    partition_one_replica("pg_partition_one_replica", false).await;
+}
+
+/// The same partition, but silent: packets are dropped, connections stay open (no reset). The
+/// partitioned replica must find out by itself (its statements get no answer in time) and suspend
+/// its runs, not hang their streams.
+#[actix_rt::test]
+async fn pg_a_silent_partition_between_one_replica_and_the_database_hangs_no_stream_and_ends_each_run_once() {
+    partition_one_replica("pg_silent_partition", true).await;
+}
+
+async fn partition_one_replica(test: &str, silent: bool) {
+    let Some(url) = database(test).await else { return };
     let db_addr: std::net::SocketAddr = {
         let u = reqwest::Url::parse(&url).unwrap();
         format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
@@ -708,12 +740,21 @@ async fn pg_a_partition_between_one_replica_and_the_database_ends_each_run_once_
     let readers = attach_each(&http, &ids, &seen, |i| bases[i % 2].clone(), Duration::from_secs(120)).await;
     until_all_stream(&seen, &ids.iter().collect::<Vec<_>>()).await;
 
-    // p0 loses the database: its connections are reset, new ones refused, for two leases.
-    relay.refuse(true);
-    relay.cut_all();
+    // p0 loses the database for two leases: its connections are reset and new ones refused, or
+    // (silent) nothing passes either way while the sockets stay open.
+    if silent {
+        relay.stall();
+    } else {
+        relay.refuse(true);
+        relay.cut_all();
+    }
     let lease = Duration::from_secs(LEASE_SEC.parse().unwrap());
     tokio::time::sleep(lease * 2).await;
-    relay.refuse(false);
+    if silent {
+        relay.resume();
+    } else {
+        relay.refuse(false);
+    }
     for r in readers {
         tokio::time::timeout(Duration::from_secs(150), r).await.expect("a stream hung").unwrap();
     }

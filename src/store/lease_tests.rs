@@ -183,3 +183,25 @@ async fn pg_a_renewal_renews_only_the_runs_held_and_those_assigned_not_taken_up(
     let owners = claims_of(&url).await;
     assert_eq!((owners["held"].0.as_str(), owners["assigned"].0.as_str(), owners["orphan"].0.as_str()), ("a", "a", "b"));
 }
+
+/// `ifBusy: interrupt` is done once: a run taken up by the replica its session key runs on (it was
+/// assigned there) keeps it; a run claimed again (a restart under the same id, a takeover) comes
+/// back without it, so it cannot end a run it did not interrupt at its admission.
+#[tokio::test]
+async fn pg_an_interrupt_is_kept_only_for_the_first_take_up_of_an_assigned_run() {
+    let Some(url) = pg_url("pg_interrupt_once").await else { return };
+    let (a, la) = open(&url, "a", 60_000).await;
+    let (b, _) = open(&url, "b", 60_000).await;
+    let mut own = row("own", "acct", 1000);
+    own.spec.if_busy = super::BusyPolicy::Interrupt;
+    assert!(matches!(one(&a, Write::Insert(Box::new(own))).await, Applied::Inserted { .. }));
+    let mut given = row("given", "acct", 1001);
+    given.session_key = row("own", "acct", 0).session_key;
+    given.spec.if_busy = super::BusyPolicy::Interrupt;
+    assert!(matches!(one(&b, Write::Insert(Box::new(given))).await, Applied::Assigned { .. }));
+    // `a` starts again under its id: it claims its own run and the one `b` gave it.
+    let claimed = a.claim(&la, true).await.expect("claim");
+    let policy: HashMap<String, super::BusyPolicy> = claimed.into_iter().map(|r| (r.run_id, r.spec.if_busy)).collect();
+    assert_eq!(policy["own"], super::BusyPolicy::Enqueue, "taken up before: no second interrupt");
+    assert_eq!(policy["given"], super::BusyPolicy::Interrupt, "first take-up of an assigned run");
+}

@@ -159,6 +159,11 @@ impl Store for MemoryStore {
         Ok(self.lock().runs.get(run_id).cloned())
     }
 
+    async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
+        let inner = self.lock();
+        Ok(inner.idempotency.get(&(account.to_owned(), key.to_owned())).and_then(|id| inner.runs.get(id)).cloned())
+    }
+
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
         Ok(self.lock().events.get(run_id).map(|v| v.iter().filter(|e| e.id > after).cloned().collect()).unwrap_or_default())
     }

@@ -29,6 +29,7 @@ pub mod follow;
 pub mod live;
 pub mod memory;
 pub mod notes;
+mod pg_limits;
 pub mod pg_shares;
 pub mod postgres;
 pub mod query;
@@ -169,6 +170,15 @@ impl BusyPolicy {
     /// The default (not written).
     pub fn is_enqueue(&self) -> bool {
         *self == BusyPolicy::Enqueue
+    }
+
+    /// What a run continues with that has been taken up before (a restart, a takeover, after a
+    /// suspension): an interrupt was done then, and must not end another run now.
+    pub fn after_take_up(self) -> Self {
+        match self {
+            BusyPolicy::Interrupt => BusyPolicy::Enqueue,
+            other => other,
+        }
     }
 }
 
@@ -397,8 +407,11 @@ pub enum Applied {
     /// other replica never sees the run).
     SessionBusy,
     /// Not stored: the run would take its billing account past its live-run or per-minute limit,
-    /// counted over every replica sharing the store (stores that count them: PostgreSQL).
+    /// or its token budget is spent, counted over every replica sharing the store (stores that
+    /// count them: PostgreSQL).
     Limited {
+        /// True for a spent token budget (`402`), false for the rate limits (`429`).
+        budget: bool,
         /// A sentence a person can act on.
         message: String,
         /// Seconds until a retry can succeed.
@@ -466,6 +479,8 @@ pub trait Store: Send + Sync + 'static {
     }
     /// One run.
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError>;
+    /// The run a billing account admitted under an `Idempotency-Key`, if any.
+    async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError>;
     /// A run's events after `after`, in order.
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError>;
     /// History, newest first.

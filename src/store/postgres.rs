@@ -10,6 +10,7 @@
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
+use super::pg_limits::{self, account_lock, AccountLimits};
 use super::pg_shares;
 use super::{
     AbortReason, Applied, CallKey, EventName, Lease, ListQuery, LiveRun, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError,
@@ -108,7 +109,32 @@ impl PgStore {
         self.unreachable.store(is_unreachable(&e), Ordering::Relaxed);
         self.err(e)
     }
+
+    /// How long a transaction or a lease statement may take before the database counts as out of
+    /// reach: a network partition that drops packets (no reset) would otherwise hold the writer
+    /// and the renewals until the kernel gives up on the connection (minutes), with runs neither
+    /// going on nor suspended. A lease's length (2–10 s): longer, and the run's lease could expire
+    /// under a batch that is still trying to write it.
+    fn answer_within(&self) -> Duration {
+        let lease = self.lease.get().map_or(NO_ANSWER_AT_MOST, |l| Duration::from_millis(u64::try_from(l.ms).unwrap_or(0)));
+        lease.clamp(NO_ANSWER_AT_LEAST, NO_ANSWER_AT_MOST)
+    }
+
+    /// The error of a statement that got no answer in time (see [`Self::answer_within`]).
+    fn no_answer(&self) -> StoreError {
+        self.unreachable.store(true, Ordering::Relaxed);
+        StoreError(format!("the run store {}: no answer within {:?}", self.display, self.answer_within()))
+    }
+
+    /// Runs a lease statement, bounded like a transaction (see [`Self::answer_within`]).
+    async fn bounded<T>(&self, f: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        tokio::time::timeout(self.answer_within(), f).await.unwrap_or_else(|_| Err(self.no_answer()))
+    }
 }
+
+/// Bounds of [`PgStore::answer_within`].
+const NO_ANSWER_AT_LEAST: Duration = Duration::from_secs(2);
+const NO_ANSWER_AT_MOST: Duration = Duration::from_secs(10);
 
 /// True for errors that say nothing about the writes: no connection, a broken one, the server
 /// shutting down.
@@ -388,11 +414,6 @@ fn branch_lock(key: &str) -> String {
     format!("branch:{key}")
 }
 
-/// The advisory lock name of a billing account with live-run or per-minute limits (never a
-/// session key, which starts with `agent:`, nor a branch key's `branch:` name).
-fn account_lock(account: &str) -> String {
-    format!("account:{account}")
-}
 
 /// Takes the advisory locks of the batch's new runs, in one order (batches of two replicas never
 /// wait on each other crosswise): their session and branch keys (replicas: admissions of one key
@@ -455,78 +476,11 @@ async fn fence(tx: &mut Tx<'_>, batch: &[Write], lease: &Lease) -> Result<HashSe
     Ok(rows.into_iter().filter(|(_, owner)| owner.as_deref() != Some(lease.replica.as_str())).map(|(id, _)| id).collect())
 }
 
-/// An account's live-run and per-minute limits.
-#[derive(Debug, Clone, Copy)]
-struct AccountLimits {
-    max_concurrent: Option<i64>,
-    max_runs_per_minute: Option<i64>,
-}
-
-/// The limits of the billing accounts of the batch's new runs that have any.
-async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMap<String, AccountLimits>, sqlx::Error> {
-    let mut accounts: Vec<&str> = batch
-        .iter()
-        .filter_map(|w| match w {
-            Write::Insert(row) => Some(row.billing_account_id.as_str()),
-            _ => None,
-        })
-        .collect();
-    if accounts.is_empty() {
-        return Ok(HashMap::new());
-    }
-    accounts.sort_unstable();
-    accounts.dedup();
-    let rows: Vec<(String, Option<i64>, Option<i64>)> = sqlx::query_as(
-        "SELECT billing_account_id, max_concurrent, max_runs_per_minute FROM account_limits \
-         WHERE billing_account_id = ANY($1) AND (max_concurrent IS NOT NULL OR max_runs_per_minute IS NOT NULL)",
-    )
-    .bind(&accounts)
-    .fetch_all(&mut **tx)
-    .await?;
-    Ok(rows.into_iter().map(|(a, c, m)| (a, AccountLimits { max_concurrent: c, max_runs_per_minute: m })).collect())
-}
-
-/// The window the per-minute limit counts admissions in.
-const MINUTE_MS: i64 = 60_000;
-
-/// After `row` was inserted (it counts itself): why it takes its account past a limit, if it
-/// does. Counted over every replica's runs (the account's advisory lock is held, so no other
-/// admission of the account is between the count and the commit). The minute is judged by the
-/// admitting replicas' clocks (`created_at`), as the run documents show it.
-async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) -> Result<Option<Applied>, sqlx::Error> {
-    let since = row.created_at_ms.saturating_sub(MINUTE_MS);
-    let (live, recent, oldest): (i64, i64, Option<i64>) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE created_at >= $2), \
-           min(created_at) FILTER (WHERE created_at >= $2) \
-         FROM runs WHERE billing_account_id = $1 AND (finished_at IS NULL OR created_at >= $2)",
-    )
-    .bind(&row.billing_account_id)
-    .bind(since)
-    .fetch_one(&mut **tx)
-    .await?;
-    let account = &row.billing_account_id;
-    if let Some(max) = l.max_concurrent.filter(|max| live > *max) {
-        return Ok(Some(Applied::Limited {
-            message: format!("billing account {account:?} has {max} runs in flight, its limit; retry when one ends"),
-            retry_after_sec: 1,
-        }));
-    }
-    if let Some(max) = l.max_runs_per_minute.filter(|max| recent > *max) {
-        let wait_ms = oldest.map_or(MINUTE_MS, |t| t.saturating_add(MINUTE_MS).saturating_sub(row.created_at_ms));
-        let wait = u64::try_from(wait_ms.clamp(1, MINUTE_MS)).unwrap_or(1).div_ceil(1000).max(1);
-        return Ok(Some(Applied::Limited {
-            message: format!("billing account {account:?} started {max} runs in the last minute, its limit; retry in {wait} s"),
-            retry_after_sec: wait,
-        }));
-    }
-    Ok(None)
-}
-
 impl PgStore {
     async fn apply_tx(&self, batch: &[Write]) -> Result<Vec<Applied>, sqlx::Error> {
         let mut tx = self.write_pool.begin().await?;
         let lease = self.lease.get();
-        let limited = limits_of(&mut tx, batch).await?;
+        let limited = pg_limits::limits_of(&mut tx, batch).await?;
         lock_keys(&mut tx, batch, lease.is_some(), &limited).await?;
         let fenced = match lease {
             Some(l) => fence(&mut tx, batch, l).await?,
@@ -551,7 +505,7 @@ impl PgStore {
                     events.flush(&mut tx, &mut notify).await?;
                     let applied = insert(&mut tx, row, lease).await?;
                     match (&applied, limited.get(&row.billing_account_id)) {
-                        (Applied::Inserted { .. } | Applied::Assigned { .. }, Some(l)) => match over_limit(&mut tx, row, *l).await? {
+                        (Applied::Inserted { .. } | Applied::Assigned { .. }, Some(l)) => match pg_limits::over_limit(&mut tx, row, *l).await? {
                             Some(refused) => {
                                 sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(&row.run_id).execute(&mut *tx).await?;
                                 refused
@@ -670,7 +624,10 @@ impl Store for PgStore {
     }
 
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
-        let out = self.apply_tx(batch).await.map_err(|e| self.apply_err(e))?;
+        let out = match tokio::time::timeout(self.answer_within(), self.apply_tx(batch)).await {
+            Ok(r) => r.map_err(|e| self.apply_err(e))?,
+            Err(_) => return Err(self.no_answer()),
+        };
         self.unreachable.store(false, Ordering::Relaxed);
         Ok(out)
     }
@@ -684,6 +641,16 @@ impl Store for PgStore {
         let mut rows = row.map(|r| self.decode_rows(vec![r])).unwrap_or_default();
         pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
         Ok(rows.pop())
+    }
+
+    async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
+        let row = sqlx::query("SELECT * FROM runs WHERE billing_account_id = $1 AND idempotency_key = $2")
+            .bind(account)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(row.map(|r| self.decode_rows(vec![r])).unwrap_or_default().pop())
     }
 
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
@@ -778,16 +745,28 @@ impl Store for PgStore {
         let mine = if at_start { "owner = $1 OR " } else { "" };
         // Runs other replicas admitted for this one (assigned) are taken up here too.
         let sql = format!(
-            "WITH c AS (SELECT run_id FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
+            "WITH c AS (SELECT run_id, assigned_at IS NOT NULL AS was_assigned FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
                OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS})) \
                THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) AND (branch_key IS NULL OR \
                  pg_try_advisory_xact_lock(hashtextextended('branch:' || branch_key, 14))) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
              UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, assigned_at = NULL, \
                claims = r.claims + CASE WHEN r.owner IS DISTINCT FROM $1 THEN 1 ELSE 0 END FROM c \
-             WHERE r.run_id = c.run_id RETURNING r.*"
+             WHERE r.run_id = c.run_id RETURNING r.*, c.was_assigned"
         );
-        let rows = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        let rows = self.bounded(async { sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).fetch_all(&self.pool).await.map_err(|e| self.err(e)) }).await?;
+        let assigned: HashSet<String> = rows
+            .iter()
+            .filter(|r| r.try_get::<bool, _>("was_assigned").unwrap_or(false))
+            .filter_map(|r| r.try_get::<String, _>("run_id").ok())
+            .collect();
         let mut rows = self.decode_rows(rows);
+        // `ifBusy: interrupt` is done once, when the replica its session key runs on first takes
+        // the run up; a run claimed again (a restart, a takeover) does not interrupt again.
+        for r in &mut rows {
+            if !assigned.contains(&r.run_id) {
+                r.spec.if_busy = r.spec.if_busy.after_take_up();
+            }
+        }
         rows.sort_by_key(|r| r.seq);
         pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
         Ok(rows)
@@ -807,7 +786,7 @@ impl Store for PgStore {
                AND (owner IS DISTINCT FROM $1 OR abort_requested_at IS NOT NULL)"
         );
         let rows: Vec<(String, bool, Option<String>)> =
-            sqlx::query_as(&sql).bind(&lease.replica).bind(lease.ms).bind(live).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+            self.bounded(async { sqlx::query_as(&sql).bind(&lease.replica).bind(lease.ms).bind(live).fetch_all(&self.pool).await.map_err(|e| self.err(e)) }).await?;
         let mut out = Renewed::default();
         for (id, lost, reason) in rows {
             if lost { out.lost.push(id) } else { out.aborts.push((id, AbortReason::parse(reason.as_deref()))) }
@@ -821,8 +800,11 @@ impl Store for PgStore {
         let sql = format!(
             "UPDATE runs SET lease_until = {DB_NOW_MS} + $2::bigint WHERE owner = $1 AND run_id = ANY($3) AND finished_at IS NULL RETURNING *"
         );
-        let rows = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).bind(run_ids).fetch_all(&self.pool).await.map_err(|e| self.err(e))?;
+        let rows = self.bounded(async { sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).bind(run_ids).fetch_all(&self.pool).await.map_err(|e| self.err(e)) }).await?;
         let mut rows = self.decode_rows(rows);
+        for r in &mut rows {
+            r.spec.if_busy = r.spec.if_busy.after_take_up();
+        }
         rows.sort_by_key(|r| r.seq);
         Ok(rows)
     }

@@ -38,9 +38,11 @@ pub enum Insert {
     /// Not stored: `ifBusy: reject` and the session key is busy on another replica (see
     /// [`Applied::SessionBusy`]).
     SessionBusy,
-    /// Not stored: the account's live-run or per-minute limit, counted by the store over every
-    /// replica (see [`Applied::Limited`]).
+    /// Not stored: the account's live-run or per-minute limit or its token budget, counted by the
+    /// store over every replica (see [`Applied::Limited`]).
     Limited {
+        /// True for a spent token budget.
+        budget: bool,
         /// A sentence a person can act on.
         message: String,
         /// Seconds until a retry can succeed.
@@ -81,6 +83,14 @@ impl RunView {
         match self {
             RunView::Live(log) => log.billing_account_id(),
             RunView::Stored(row) => row.billing_account_id.clone(),
+        }
+    }
+
+    /// The fingerprint of the request that started it.
+    pub fn fingerprint(&self) -> String {
+        match self {
+            RunView::Live(log) => log.fingerprint.clone(),
+            RunView::Stored(row) => row.fingerprint.clone(),
         }
     }
 
@@ -244,7 +254,7 @@ impl RunStore {
                 // Swept between the two reads: the caller may start it again.
                 None => Err(StoreError(format!("run {run_id:?} vanished from the store; retry"))),
             },
-            Applied::Limited { message, retry_after_sec } => Ok(Insert::Limited { message, retry_after_sec }),
+            Applied::Limited { budget, message, retry_after_sec } => Ok(Insert::Limited { budget, message, retry_after_sec }),
             Applied::SessionBusy => Ok(Insert::SessionBusy),
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
@@ -357,11 +367,6 @@ impl RunStore {
     pub fn set_lease(&self, lease: &Lease) {
         let _ = self.me.set(lease.replica.clone());
         self.backend.set_lease(lease);
-    }
-
-    /// True when other processes share the store (PostgreSQL): a live run may be another's.
-    pub fn is_shared(&self) -> bool {
-        self.follow.is_some()
     }
 
     /// The unfinished run an LLM call names; see [`Store::live_run`].
@@ -514,6 +519,11 @@ impl RunStore {
         logs
     }
 
+    /// The run a billing account admitted under an `Idempotency-Key`, if any.
+    pub async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
+        self.backend.by_idempotency_key(account, key).await
+    }
+
     /// A run, live or stored.
     pub async fn view(&self, run_id: &str) -> Result<Option<RunView>, StoreError> {
         if let Some(log) = self.live(run_id) {
@@ -555,7 +565,13 @@ impl RunStore {
     /// first, never continued.
     pub async fn resume(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
         let ended = self.end_noted_runs().await?;
-        let rows = self.backend.claim(lease, true).await?.into_iter().filter(|r| !ended.contains(&r.run_id)).collect();
+        let mut rows: Vec<RunRow> = self.backend.claim(lease, true).await?.into_iter().filter(|r| !ended.contains(&r.run_id)).collect();
+        if !self.backend.shared() {
+            // One process: every run was taken up here before (no replica assigns runs to it).
+            for r in &mut rows {
+                r.spec.if_busy = r.spec.if_busy.after_take_up();
+            }
+        }
         self.logs_of(rows).await
     }
 

@@ -369,6 +369,14 @@ impl Store for SqliteStore {
         Ok(rows.pop())
     }
 
+    async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
+        let mut rows = self.query_rows(
+            "SELECT * FROM runs WHERE billing_account_id = ? AND idempotency_key = ?",
+            vec![SqlValue::Text(account.to_owned()), SqlValue::Text(key.to_owned())],
+        )?;
+        Ok(rows.pop())
+    }
+
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
         let raw: Vec<(i64, String, String)> = self.read(|c| {
             let mut st = c.prepare_cached("SELECT id, name, data FROM events WHERE run_id = ? AND id > ? ORDER BY id")?;

@@ -2,6 +2,14 @@
 //! outbox. The rules that use them live in `crate::tenants`.
 
 use super::StoreError;
+
+/// The budget window containing `now_ms`: `[start, end)` in ms, aligned to the epoch (spend is
+/// stored per window; admission and the LLM proxy judge a budget in the current one).
+pub fn window(period_sec: u64, now_ms: i64) -> (i64, i64) {
+    let p = i64::try_from(period_sec.max(1).saturating_mul(1000)).unwrap_or(i64::MAX);
+    let start = now_ms - now_ms.rem_euclid(p);
+    (start, start.saturating_add(p))
+}
 use serde::{Deserialize, Serialize};
 
 /// An API key as stored (the secret only as its SHA-256).

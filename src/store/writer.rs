@@ -154,11 +154,36 @@ fn run_of_write(w: &Write) -> Option<&str> {
     }
 }
 
+/// What the LLM proxy records about calls that were made (spend, usage shares, call records):
+/// kept and written again when the store was out of reach, since nothing else would (a run goes
+/// on through an outage, and so do its calls).
+fn is_billing_record(w: &Write) -> bool {
+    matches!(w, Write::Spend { .. } | Write::Usage { .. } | Write::LlmCall(_))
+}
+
+/// The most billing records kept for the store's return (the oldest go first beyond it).
+const MAX_KEPT: usize = 100_000;
+
+/// How soon kept billing records are tried again when nothing else is written.
+const KEPT_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::UnboundedReceiver<Job>, down: Arc<AtomicBool>, held: Arc<dashmap::DashSet<String>>) {
     let mut jobs = Vec::new();
-    while rx.recv_many(&mut jobs, MAX_BATCH).await > 0 {
-        let mut writes = Vec::with_capacity(jobs.len());
-        let mut dones = Vec::with_capacity(jobs.len());
+    // Billing records of batches the store could not take (out of reach), written again first.
+    let mut kept: std::collections::VecDeque<Write> = std::collections::VecDeque::new();
+    let mut closed = false;
+    loop {
+        if closed && kept.is_empty() {
+            // Every handle is gone and nothing is left to write.
+            break;
+        }
+        tokio::select! {
+            n = rx.recv_many(&mut jobs, MAX_BATCH), if !closed => closed = n == 0,
+            // Nothing new to write: the kept records are tried again on their own.
+            () = tokio::time::sleep(KEPT_RETRY), if !kept.is_empty() => {}
+        }
+        let mut writes: Vec<Write> = kept.drain(..).collect();
+        let mut dones: Vec<Option<Done>> = std::iter::repeat_with(|| None).take(writes.len()).collect();
         let mut flushes = Vec::new();
         for job in jobs.drain(..) {
             match job {
@@ -203,7 +228,19 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
                 }
             };
             let failed = results.iter().any(Result::is_err);
-            down.store(failed && store.unreachable(), Ordering::Release);
+            let out_of_reach = failed && store.unreachable();
+            down.store(out_of_reach, Ordering::Release);
+            if out_of_reach {
+                for (w, r) in writes.iter().zip(&results) {
+                    if r.is_err() && is_billing_record(w) {
+                        if kept.len() == MAX_KEPT {
+                            kept.pop_front();
+                            tracing::error!("the run store has been out of reach too long: a billing record of an LLM call was dropped");
+                        }
+                        kept.push_back(w.clone());
+                    }
+                }
+            }
             metrics.batch_size.observe(writes.len() as f64);
             metrics.commit_seconds.observe(started.elapsed().as_secs_f64());
             for (result, done) in results.into_iter().zip(dones) {
@@ -269,6 +306,9 @@ mod tests {
             self.down.load(Ordering::SeqCst)
         }
         async fn run(&self, _: &str) -> Result<Option<RunRow>, StoreError> {
+            Ok(None)
+        }
+        async fn by_idempotency_key(&self, _: &str, _: &str) -> Result<Option<RunRow>, StoreError> {
             Ok(None)
         }
         async fn events(&self, _: &str, _: u64) -> Result<Vec<StoredEvent>, StoreError> {
@@ -457,6 +497,29 @@ mod tests {
         writer.flush().await;
         writer.release("held");
         assert_eq!(writer.apply(write("held")).await.expect("applied"), Applied::Done);
+    }
+
+    /// Billing records (spend, usage shares, call records) of a batch the store could not take
+    /// because it was out of reach are written again once it answers; other writes are not.
+    #[actix_rt::test]
+    async fn billing_records_are_written_again_once_the_store_is_back() {
+        let failing = Arc::new(AtomicBool::new(true));
+        let f = failing.clone();
+        let probe = Arc::new(Probe {
+            batches: Mutex::default(),
+            hold: Mutex::new(None),
+            holding: AtomicBool::new(false),
+            fails: Box::new(move |_| f.load(Ordering::SeqCst)),
+            down: AtomicBool::new(true),
+        });
+        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        writer.submit(Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 7 }, None);
+        assert!(writer.apply(write("lost")).await.is_err(), "the store is out of reach");
+        failing.store(false, Ordering::SeqCst);
+        probe.down.store(false, Ordering::SeqCst);
+        assert_eq!(writer.apply(write("next")).await.expect("applied"), Applied::Done);
+        let batches = probe.batches.lock().expect("batches").clone();
+        assert_eq!(batches.last().expect("a batch"), &["".to_owned(), "next".to_owned()], "the spend went again, first; the event did not: {batches:?}");
     }
 
     #[actix_rt::test]

@@ -49,12 +49,7 @@ struct Account {
     recent: VecDeque<Instant>,
 }
 
-/// The budget window containing `now_ms`: `[start, end)` in ms, aligned to the epoch.
-pub fn window(period_sec: u64, now_ms: i64) -> (i64, i64) {
-    let p = i64::try_from(period_sec.max(1).saturating_mul(1000)).unwrap_or(i64::MAX);
-    let start = now_ms - now_ms.rem_euclid(p);
-    (start, start.saturating_add(p))
-}
+pub use crate::store::tenants::window;
 
 /// What ends a run past its budget.
 pub type Cancel = Box<dyn Fn(&str) -> futures_util::future::BoxFuture<'static, ()> + Send + Sync>;
@@ -140,16 +135,27 @@ impl Budgets {
         Ok(Some((s, w)))
     }
 
-    /// Admits a run of `account` (it counts as live until [`Budgets::release`]) or says why not.
+    /// Why a run of `account` cannot be admitted whatever the store says: the account has a token
+    /// budget and nothing here counts tokens (no LLM proxy): fail-closed. Asked before the run is
+    /// stored.
+    pub fn unmetered(&self, account: &str) -> Option<Refusal> {
+        (self.limits(account).max_tokens.is_some() && !self.metered).then(|| Refusal::Unmetered {
+            message: format!(
+                "billing account {account:?} has a token budget, but this clawmux has no LLM proxy (CLAWMUX_LLM_UPSTREAM_URL) to count its tokens; its runs are refused until one is configured or the budget is removed"
+            ),
+        })
+    }
+
+    /// Admits a run of `account` (it counts as live until [`Budgets::release`]) or says why not;
+    /// asked once the run is stored (see [`Budgets::unmetered`] for what is asked before). On a
+    /// shared store the store has decided (nothing is counted here).
     pub async fn admit(&self, account: &str, run_id: &str) -> Result<Result<(), Refusal>, StoreError> {
-        let l = self.limits(account);
-        if l.max_tokens.is_some() && !self.metered {
-            return Ok(Err(Refusal::Unmetered {
-                message: format!(
-                    "billing account {account:?} has a token budget, but this clawmux has no LLM proxy (CLAWMUX_LLM_UPSTREAM_URL) to count its tokens; its runs are refused until one is configured or the budget is removed"
-                ),
-            }));
+        if self.shared {
+            // Tokens spent, live runs and admissions per minute: counted by the store in the
+            // admission's own transaction, over every replica (`Applied::Limited`).
+            return Ok(Ok(()));
         }
+        let l = self.limits(account);
         if let (Some(max), Some((spent, (_, end)))) = (l.max_tokens, self.spent(account).await?) {
             if spent >= max {
                 return Ok(Err(Refusal::BudgetExceeded {
@@ -160,11 +166,6 @@ impl Budgets {
                     retry_after_sec: secs_until(end),
                 }));
             }
-        }
-        if self.shared {
-            // Live runs and admissions per minute: counted by the store in the admission's own
-            // transaction, over every replica (`Applied::Limited`).
-            return Ok(Ok(()));
         }
         // Checked and counted under the account's entry lock: a burst is counted exactly.
         let mut a = self.accounts.entry(account.to_owned()).or_default();

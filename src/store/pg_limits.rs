@@ -1,0 +1,120 @@
+//! PostgreSQL: an account's limits counted over every replica, in the admitting transaction
+//! (migration `0006_account_limits.sql`).
+//!
+//! A batch that admits runs of accounts with limits takes each such account's advisory lock (in
+//! the one order of the batch's locks, see `postgres::lock_keys`), then, after each insert,
+//! counts what the new run takes the account to: live runs (`maxConcurrent`), runs admitted in the
+//! last minute (`maxRunsPerMinute`), tokens spent in the budget window (`maxTokens`). A run past a
+//! limit is deleted in the same transaction, so no replica ever sees it: two replicas never both
+//! admit the run that crosses a limit, and a refused run is never started by the replica its
+//! session key runs on.
+
+use super::{Applied, RunRow, Write};
+use sqlx::{Postgres, Transaction};
+use std::collections::HashMap;
+
+type Tx<'a> = Transaction<'a, Postgres>;
+
+/// The advisory lock name of a billing account with limits (never a session key, which starts
+/// with `agent:`, nor a branch key's `branch:` name).
+pub(super) fn account_lock(account: &str) -> String {
+    format!("account:{account}")
+}
+
+/// An account's limits that admission counts in the store.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AccountLimits {
+    /// Live runs at once (`maxConcurrent`).
+    max_concurrent: Option<i64>,
+    /// Admissions per minute (`maxRunsPerMinute`).
+    max_runs_per_minute: Option<i64>,
+    /// Tokens per budget window (`maxTokens`), with the window's length in seconds.
+    max_tokens: Option<(i64, i64)>,
+}
+
+/// The limits of the billing accounts of the batch's new runs that have any.
+pub(super) async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMap<String, AccountLimits>, sqlx::Error> {
+    let mut accounts: Vec<&str> = batch
+        .iter()
+        .filter_map(|w| match w {
+            Write::Insert(row) => Some(row.billing_account_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    if accounts.is_empty() {
+        return Ok(HashMap::new());
+    }
+    accounts.sort_unstable();
+    accounts.dedup();
+    let rows: Vec<(String, Option<i64>, Option<i64>, Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT billing_account_id, max_concurrent, max_runs_per_minute, max_tokens, period_sec FROM account_limits \
+         WHERE billing_account_id = ANY($1) \
+           AND (max_concurrent IS NOT NULL OR max_runs_per_minute IS NOT NULL OR (max_tokens IS NOT NULL AND period_sec IS NOT NULL))",
+    )
+    .bind(&accounts)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(a, c, m, t, p)| (a, AccountLimits { max_concurrent: c, max_runs_per_minute: m, max_tokens: t.zip(p) }))
+        .collect())
+}
+
+/// The window the per-minute limit counts admissions in.
+const MINUTE_MS: i64 = 60_000;
+
+/// After `row` was inserted (it counts itself): why it takes its account past a limit, if it
+/// does. Counted over every replica's runs and spend (the account's advisory lock is held, so no
+/// other admission of the account is between the count and the commit). The minute and the
+/// budget window are judged by the admitting replica's clock (`createdAt`), as the run documents
+/// and the proxies' spend records show them: replicas' clocks must agree (NTP).
+pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) -> Result<Option<Applied>, sqlx::Error> {
+    let account = &row.billing_account_id;
+    if let Some((max, period_sec)) = l.max_tokens {
+        let (start, end) = super::tenants::window(u64::try_from(period_sec).unwrap_or(1), row.created_at_ms);
+        let spent: Option<i64> = sqlx::query_scalar("SELECT tokens FROM spend WHERE billing_account_id = $1 AND window_start = $2")
+            .bind(account)
+            .bind(start)
+            .fetch_optional(&mut **tx)
+            .await?;
+        let spent = spent.unwrap_or(0);
+        if spent >= max {
+            let wait = u64::try_from(end.saturating_sub(row.created_at_ms)).unwrap_or(0).div_ceil(1000).max(1);
+            return Ok(Some(Applied::Limited {
+                budget: true,
+                message: format!("billing account {account:?} has spent {spent} of its {max} tokens for this period; the next period starts in {wait} s"),
+                retry_after_sec: wait,
+            }));
+        }
+    }
+    if l.max_concurrent.is_none() && l.max_runs_per_minute.is_none() {
+        return Ok(None);
+    }
+    let since = row.created_at_ms.saturating_sub(MINUTE_MS);
+    let (live, recent, oldest): (i64, i64, Option<i64>) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE created_at >= $2), \
+           min(created_at) FILTER (WHERE created_at >= $2) \
+         FROM runs WHERE billing_account_id = $1 AND (finished_at IS NULL OR created_at >= $2)",
+    )
+    .bind(account)
+    .bind(since)
+    .fetch_one(&mut **tx)
+    .await?;
+    if let Some(max) = l.max_concurrent.filter(|max| live > *max) {
+        return Ok(Some(Applied::Limited {
+            budget: false,
+            message: format!("billing account {account:?} has {max} runs in flight, its limit; retry when one ends"),
+            retry_after_sec: 1,
+        }));
+    }
+    if let Some(max) = l.max_runs_per_minute.filter(|max| recent > *max) {
+        let wait_ms = oldest.map_or(MINUTE_MS, |t| t.saturating_add(MINUTE_MS).saturating_sub(row.created_at_ms));
+        let wait = u64::try_from(wait_ms.clamp(1, MINUTE_MS)).unwrap_or(1).div_ceil(1000).max(1);
+        return Ok(Some(Applied::Limited {
+            budget: false,
+            message: format!("billing account {account:?} started {max} runs in the last minute, its limit; retry in {wait} s"),
+            retry_after_sec: wait,
+        }));
+    }
+    Ok(None)
+}
