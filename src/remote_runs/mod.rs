@@ -7,7 +7,7 @@
 //!                                   ▼
 //!                      the store: the UNFINISHED run with that trace id / token (one query per
 //!                      burst; a miss is believed for MISS_TTL)        ──▶ none: refused (409)
-//!                                   │ found                                  store down: 503
+//!                                   │ found                     a believed miss, store down: 503
 //!                                   ▼
 //!                      a remote run in the registry: forwarded with ITS billing headers, counted
 //!                      in this process's share of its usage, until the run ends
@@ -18,6 +18,8 @@
 //! A takeover here adopts the remote run as this process's own (same counters).
 
 pub mod cache;
+#[cfg(test)]
+pub(crate) mod tests;
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::store::{AbortReason, CallKey, LiveRun, RunStore, StoreError};
@@ -26,7 +28,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a trace id or token the store did not know is not looked up again. Short: a run
-/// admitted just after its trace id was probed is refused at most this long.
+/// admitted just after its trace id was probed has its calls answered `503` (retried by the
+/// gateway) at most this long.
 pub const MISS_TTL: Duration = Duration::from_secs(1);
 
 /// The most misses remembered (calls with made-up trace ids cannot grow memory).
@@ -54,12 +57,18 @@ pub struct RemoteRuns {
 impl RemoteRuns {
     /// Lookups in `store` (shared by replicas), kept in `attributions`.
     pub fn new(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>) -> Arc<Self> {
-        Arc::new(Self { store, attributions, budgets, cache: cache::Resolver::new(MISS_TTL, MAX_MISSES) })
+        Self::with_miss_ttl(store, attributions, budgets, MISS_TTL)
     }
 
-    /// The live run of another replica that `key` names (`None`: no live run has it, fail-closed),
-    /// from then on in this process's registry.
-    pub async fn find(&self, key: &CallKey) -> Result<Option<Arc<RunBilling>>, StoreError> {
+    /// The same, with misses believed for `ttl` (tests: one that no test run outlasts).
+    pub fn with_miss_ttl(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>, ttl: Duration) -> Arc<Self> {
+        Arc::new(Self { store, attributions, budgets, cache: cache::Resolver::new(ttl, MAX_MISSES) })
+    }
+
+    /// The live run of another replica that `key` names, from then on in this process's registry;
+    /// not found: no live run has it (fail-closed), or none had it a moment ago (a believed miss,
+    /// see [`cache::Resolved`]).
+    pub async fn find(&self, key: &CallKey) -> Result<cache::Resolved<Arc<RunBilling>>, StoreError> {
         self.cache
             .resolve(key, || async {
                 // This process's own writes of the run's share (it may have owned the run before)

@@ -1,0 +1,110 @@
+//! [`RemoteRuns`] against a store whose answers each test chooses (no database): what a lookup
+//! finds.
+
+use super::*;
+use crate::store::memory::MemoryStore;
+use crate::store::writer::StoreMetrics;
+use crate::store::{Applied, ListQuery, Retention, RunRow, Store, StoredEvent, Write};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// A store shared by replicas as the LLM proxy sees it: the unfinished runs a test put there,
+/// runs that never end unless told, aborts always taken; the rest is a memory store's.
+#[derive(Default)]
+pub(crate) struct Probe {
+    /// Runs, writes and everything else.
+    mem: MemoryStore,
+    /// The unfinished runs, by what names them.
+    live: Mutex<HashMap<CallKey, LiveRun>>,
+    /// Lookups asked.
+    pub(crate) lookups: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Probe {
+    /// Stores an unfinished run of `account` with trace id `trace`.
+    pub(crate) fn put(&self, run_id: &str, account: &str, trace: &str) {
+        let run = LiveRun {
+            run_id: run_id.to_owned(),
+            billing_account_id: account.to_owned(),
+            graph_id: "g".to_owned(),
+            session_key: format!("agent:main:{run_id}"),
+            trace_id: trace.to_owned(),
+            token: None,
+            share: crate::attribution::Usage::default(),
+        };
+        lock(&self.live).insert(CallKey::Trace(trace.to_owned()), run);
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Probe {
+    fn kind(&self) -> &'static str {
+        "probe"
+    }
+    async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
+        self.mem.apply(batch).await
+    }
+    async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
+        self.mem.run(run_id).await
+    }
+    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
+        self.mem.events(run_id, after).await
+    }
+    async fn list(&self, query: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
+        self.mem.list(query).await
+    }
+    async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
+        self.mem.unfinished().await
+    }
+    async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
+        self.mem.sweep(retention, now_ms).await
+    }
+    fn shared(&self) -> bool {
+        true
+    }
+    async fn live_run(&self, key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
+        self.lookups.fetch_add(1, Ordering::SeqCst);
+        Ok(lock(&self.live).get(key).cloned())
+    }
+}
+
+/// Remote runs over `probe`, misses believed longer than any test runs; and their registry.
+pub(crate) async fn remote_runs(probe: Arc<Probe>) -> (Arc<RemoteRuns>, Arc<Attributions>) {
+    let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+    let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+    let tenants = Arc::new(MemoryStore::new());
+    let store = RunStore::with_backend(probe, tenants.clone(), retention, metrics, "probe:".into(), None);
+    let budgets = Budgets::load(tenants, store.writer(), true, true).await.expect("budgets");
+    let attributions = Arc::new(Attributions::new());
+    (RemoteRuns::with_miss_ttl(store, attributions.clone(), budgets, Duration::from_secs(3600)), attributions)
+}
+
+const TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+
+#[actix_rt::test]
+async fn a_run_found_live_is_kept_as_a_remote_run() {
+    let probe = Arc::new(Probe::default());
+    probe.put("r1", "acct", TRACE);
+    let (remote, attributions) = remote_runs(probe.clone()).await;
+    let found = remote.find(&CallKey::Trace(TRACE.into())).await;
+    assert!(matches!(&found, Ok(cache::Resolved::Found(b)) if b.run_id == "r1"), "{found:?}");
+    assert_eq!(attributions.remote_runs(), ["r1"]);
+}
+
+#[actix_rt::test]
+async fn a_believed_miss_is_told_from_a_fresh_one() {
+    let probe = Arc::new(Probe::default());
+    let (remote, _) = remote_runs(probe.clone()).await;
+    let key = CallKey::Trace(TRACE.into());
+    assert!(matches!(remote.find(&key).await, Ok(cache::Resolved::Missing)));
+    // A run admitted right after with that trace id: not seen while the miss is believed, and
+    // said so (the proxy answers 503, the gateway retries) rather than refused as nobody's.
+    probe.put("r1", "acct", TRACE);
+    assert!(matches!(remote.find(&key).await, Ok(cache::Resolved::MissingCached)));
+    assert_eq!(probe.lookups.load(Ordering::SeqCst), 1);
+}
