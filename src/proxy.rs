@@ -467,6 +467,12 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
             }
         }
     };
+    if let Some(b) = &billing {
+        // The run ended while it was looked up (its entry was revoked as the lookup returned it).
+        if b.revoked.is_cancelled() {
+            return refuse(&state, "unknown_trace", format!("run {} has ended; LLM calls are only forwarded for live runs", b.run_id));
+        }
+    }
     let incoming: Vec<(String, String)> = req
         .headers()
         .iter()

@@ -15,7 +15,9 @@
 //! A remote run ends here when its terminal event is stored anywhere: told at once
 //! (`clawmux_ended`), or found by the look every [`REVOKE_POLL`] (a notification lost while the
 //! listener reconnected): its streams in flight are cut and its calls refused, as on its owner.
-//! A takeover here adopts the remote run as this process's own (same counters).
+//! Its end is remembered for a while ([`crate::attribution::ENDED_TTL`]): a lookup that read the
+//! run just before its end does not add it back. A takeover here adopts the remote run as this
+//! process's own (same counters).
 
 pub mod cache;
 #[cfg(test)]
@@ -74,23 +76,27 @@ impl RemoteRuns {
                 // This process's own writes of the run's share (it may have owned the run before)
                 // are stored before the share is read: its counters continue from there.
                 self.store.flush().await;
-                Ok(self.store.live_run(key).await?.map(|run| self.remote(run)))
+                Ok(self.store.live_run(key).await?.and_then(|run| self.remote(run)))
             })
             .await
     }
 
     /// A remote run's entry: its billing identity, counters from this process's stored share,
-    /// stored as they change (never fenced: the calls were forwarded here).
-    fn remote(&self, run: LiveRun) -> Arc<RunBilling> {
+    /// stored as they change (never fenced: the calls were forwarded here). `None` when the run's
+    /// end was heard while it was looked up (see [`Attributions::add_remote`]).
+    fn remote(&self, run: LiveRun) -> Option<Arc<RunBilling>> {
         let mut b = RunBilling::new(&run.run_id, &run.billing_account_id, &run.graph_id, &run.session_key, &run.trace_id).with_usage(run.share);
         if let Some(t) = run.token {
             b = b.with_token(t);
         }
         let (budgets, account) = (self.budgets.clone(), run.billing_account_id.clone());
         b.on_usage(crate::store::live::usage_hook(self.store.writer(), run.run_id.clone(), Some(Box::new(move |t| budgets.record(&account, t)))));
-        let b = self.attributions.add_remote(Arc::new(b));
+        let Some(b) = self.attributions.add_remote(Arc::new(b)) else {
+            tracing::info!(run_id = %run.run_id, "a run found live in the store ended meanwhile; its LLM calls are not forwarded");
+            return None;
+        };
         tracing::info!(run_id = %b.run_id, "forwarding the LLM calls of a run another replica owns");
-        b
+        Some(b)
     }
 
     /// A remote run's account has spent its budget: its owner is asked to end it

@@ -1,5 +1,5 @@
 //! [`RemoteRuns`] against a store whose answers each test chooses (no database): what a lookup
-//! finds.
+//! finds, what happens while it runs, when a run ends.
 
 use super::*;
 use crate::store::memory::MemoryStore;
@@ -8,6 +8,9 @@ use crate::store::{Applied, ListQuery, Retention, RunRow, Store, StoredEvent, Wr
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+
+/// What runs while a lookup is under way (after the store read the run, before it is added).
+type Meanwhile = Box<dyn FnOnce() + Send>;
 
 /// A store shared by replicas as the LLM proxy sees it: the unfinished runs a test put there,
 /// runs that never end unless told, aborts always taken; the rest is a memory store's.
@@ -19,6 +22,8 @@ pub(crate) struct Probe {
     live: Mutex<HashMap<CallKey, LiveRun>>,
     /// Lookups asked.
     pub(crate) lookups: AtomicUsize,
+    /// Happens during the next lookup.
+    meanwhile: Mutex<Option<Meanwhile>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -38,6 +43,11 @@ impl Probe {
             share: crate::attribution::Usage::default(),
         };
         lock(&self.live).insert(CallKey::Trace(trace.to_owned()), run);
+    }
+
+    /// `f` happens during the next lookup, once the store has read the run.
+    pub(crate) fn meanwhile(&self, f: Meanwhile) {
+        *lock(&self.meanwhile) = Some(f);
     }
 }
 
@@ -69,7 +79,12 @@ impl Store for Probe {
     }
     async fn live_run(&self, key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
         self.lookups.fetch_add(1, Ordering::SeqCst);
-        Ok(lock(&self.live).get(key).cloned())
+        let found = lock(&self.live).get(key).cloned();
+        let meanwhile = lock(&self.meanwhile).take();
+        if let Some(f) = meanwhile {
+            f();
+        }
+        Ok(found)
     }
 }
 
@@ -94,6 +109,25 @@ async fn a_run_found_live_is_kept_as_a_remote_run() {
     let found = remote.find(&CallKey::Trace(TRACE.into())).await;
     assert!(matches!(&found, Ok(cache::Resolved::Found(b)) if b.run_id == "r1"), "{found:?}");
     assert_eq!(attributions.remote_runs(), ["r1"]);
+}
+
+#[actix_rt::test]
+async fn a_run_whose_end_is_heard_while_it_is_looked_up_is_not_kept() {
+    let probe = Arc::new(Probe::default());
+    probe.put("r1", "acct-old", TRACE);
+    let (remote, attributions) = remote_runs(probe.clone()).await;
+    // The store read r1 as unfinished; its end (`clawmux_ended`) is handled before it is added.
+    let weak = Arc::downgrade(&remote);
+    probe.meanwhile(Box::new(move || {
+        if let Some(r) = weak.upgrade() {
+            r.ended("r1");
+        }
+    }));
+    let found = remote.find(&CallKey::Trace(TRACE.into())).await;
+    assert!(matches!(found, Ok(cache::Resolved::Missing)), "an ended run is no live run: {found:?}");
+    assert!(attributions.lookup(TRACE).is_none() && attributions.remote_runs().is_empty(), "kept until the next poll");
+    // And its calls are not counted as a hit later: the lookup's answer was a miss.
+    assert!(matches!(remote.find(&CallKey::Trace(TRACE.into())).await, Ok(cache::Resolved::MissingCached)));
 }
 
 #[actix_rt::test]
