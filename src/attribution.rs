@@ -14,7 +14,7 @@
 
 use dashmap::DashMap;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use crate::remote_runs::cache::Misses;
@@ -50,6 +50,12 @@ pub struct RunBilling {
     /// The other replicas' shares of the run's usage (a store shared by replicas), by replica id:
     /// the run's usage is this process's totals plus these.
     others: Mutex<HashMap<String, Usage>>,
+    /// Set when the run is suspended here (the shared store is out of reach, see
+    /// `RunLog::suspend`): another replica may take it over and end it meanwhile, and a run of
+    /// another account may then take its trace id, so its NEW calls are not attributed to it
+    /// (answered `503`, retried by the gateway) while the streams in flight go on. The entry is
+    /// dropped when the run is taken back or found taken over.
+    suspended: AtomicBool,
 }
 
 /// The run store's hook for usage totals.
@@ -92,7 +98,18 @@ impl RunBilling {
             revoked: tokio_util::sync::CancellationToken::new(),
             on_usage: std::sync::OnceLock::new(),
             others: Mutex::new(HashMap::new()),
+            suspended: AtomicBool::new(false),
         }
+    }
+
+    /// The run is suspended here: its new calls are no longer attributed to it (see the field).
+    pub fn suspend(&self) {
+        self.suspended.store(true, Ordering::SeqCst);
+    }
+
+    /// True once the run is suspended here.
+    pub fn is_suspended(&self) -> bool {
+        self.suspended.load(Ordering::SeqCst)
     }
 
     fn others(&self) -> MutexGuard<'_, HashMap<String, Usage>> {
@@ -476,6 +493,21 @@ mod tests {
         // The oldest end is forgotten first; the newest still refuses a stale lookup.
         assert!(a.add_remote(Arc::new(RunBilling::new("r0", "acct", "g", "s", "t0"))).is_some());
         assert!(a.add_remote(Arc::new(RunBilling::new(&format!("r{MAX_ENDED}"), "acct", "g", "s", "tn"))).is_none());
+    }
+
+    #[test]
+    fn a_suspended_run_says_so_and_its_streams_go_on() {
+        let a = Attributions::new();
+        let b = a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("register");
+        assert!(!b.is_suspended());
+        b.suspend();
+        // Still the trace id's entry (no other run may take it here), but marked: the proxy
+        // answers its new calls 503; nothing cuts the streams in flight.
+        assert!(a.lookup("t1").is_some_and(|x| Arc::ptr_eq(&x, &b) && x.is_suspended()));
+        assert!(!b.revoked.is_cancelled());
+        // Taken back or found taken over: the entry goes (`RunLog::release_billing`).
+        a.unregister("t1", "r1");
+        assert!(a.lookup("t1").is_none());
     }
 
     #[test]

@@ -19,7 +19,8 @@
 //! as failing (its auth-profile policy skips `overloaded`), so no other tenant is affected. The
 //! same `503` answers every call that cannot be attributed for now but may be later: a trace id
 //! or token the store did not know a moment ago (a believed miss: its run may have been admitted
-//! since).
+//! since), and a run suspended here while the store is out of reach (it may have ended elsewhere, its
+//! trace id taken by another account's run).
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::audit::{AuditLog, AuditRecord};
@@ -154,8 +155,8 @@ pub struct ProxyMetrics {
     pub tokens: IntCounterVec,
     /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`, ...; answered
     /// `503`, for now: `store_unavailable` (the shared store could not say whose the call is),
-    /// and `recent_miss` (no live run had its trace id or token a
-    /// moment ago)).
+    /// `recent_miss` (no live run had its trace id or token a moment ago), `run_suspended` (its
+    /// run is suspended here)).
     pub refusals: IntCounterVec,
     /// Time from forwarding a call to the upstream's response headers.
     pub upstream_latency: Histogram,
@@ -198,6 +199,7 @@ impl ProxyMetrics {
             "budget_exceeded",
             "store_unavailable",
             "recent_miss",
+            "run_suspended",
         ] {
             m.refusals.with_label_values(&[r]);
         }
@@ -472,6 +474,12 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         if b.revoked.is_cancelled() {
             return refuse(&state, "unknown_trace", format!("run {} has ended; LLM calls are only forwarded for live runs", b.run_id));
         }
+        // Suspended here (the shared store is out of reach): another replica may have taken the
+        // run over and ended it, and a run of another account may have its trace id by now. Its
+        // new calls wait until it is taken back here or found taken over (the entry goes then).
+        if b.is_suspended() {
+            return unavailable(&state, "run_suspended", &format!("run {} is suspended here while the run store is out of reach", b.run_id));
+        }
     }
     let incoming: Vec<(String, String)> = req
         .headers()
@@ -654,9 +662,18 @@ mod tests {
     /// A proxy whose upstream refuses connections: a call it forwards is answered `502`.
     fn proxy(attributions: Arc<Attributions>, budgets: Option<Arc<crate::tenants::budget::Budgets>>, remote: Option<Arc<crate::remote_runs::RemoteRuns>>) -> web::Data<ProxyState> {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+        proxy_to(&format!("http://{closed}"), attributions, budgets, remote)
+    }
+
+    fn proxy_to(
+        upstream: &str,
+        attributions: Arc<Attributions>,
+        budgets: Option<Arc<crate::tenants::budget::Budgets>>,
+        remote: Option<Arc<crate::remote_runs::RemoteRuns>>,
+    ) -> web::Data<ProxyState> {
         web::Data::new(ProxyState {
             attributions,
-            upstream: format!("http://{closed}"),
+            upstream: upstream.to_owned(),
             key: None,
             client: reqwest::Client::new(),
             audit: AuditSink::disabled(),
@@ -686,6 +703,65 @@ mod tests {
 
     fn unavailable() -> (u16, Option<String>, String) {
         (503, Some("1".to_owned()), "attribution_unavailable".to_owned())
+    }
+
+    #[actix_rt::test]
+    async fn a_suspended_run_new_calls_are_answered_503_not_forwarded() {
+        let attributions = Arc::new(Attributions::new());
+        let run = attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy(attributions, None, None);
+        assert_eq!(call(&state, TRACE).await.0, 502, "a live run's call is forwarded (to an upstream that is not there)");
+        run.suspend();
+        assert_eq!(call(&state, TRACE).await, unavailable(), "another replica may have ended it, another account have its trace id");
+        assert_eq!(run.totals().llm_calls, 1, "the refused call is not the run's");
+    }
+
+    /// An upstream that streams one chunk of an answer at once and the rest once `go` is told.
+    fn held_upstream(go: Arc<tokio::sync::Notify>) -> String {
+        use futures_util::StreamExt;
+        let server = actix_web::HttpServer::new(move || {
+            let go = go.clone();
+            actix_web::App::new().default_service(web::to(move || {
+                let go = go.clone();
+                async move {
+                    let first = futures_util::stream::once(async { Ok::<_, actix_web::Error>(Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"one\"}}]}\n\n")) });
+                    let rest = futures_util::stream::once(async move {
+                        go.notified().await;
+                        Ok(Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"two\"}}]}\n\ndata: [DONE]\n\n"))
+                    });
+                    HttpResponse::Ok().content_type("text/event-stream").streaming(first.chain(rest))
+                }
+            }))
+        })
+        .workers(1)
+        .bind("127.0.0.1:0")
+        .expect("the upstream binds");
+        let addr = server.addrs().first().copied().expect("an address");
+        actix_web::rt::spawn(server.run());
+        format!("http://{addr}")
+    }
+
+    #[actix_rt::test]
+    async fn a_stream_in_flight_goes_on_when_its_run_is_suspended() {
+        let go = Arc::new(tokio::sync::Notify::new());
+        let attributions = Arc::new(Attributions::new());
+        let run = attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy_to(&held_upstream(go.clone()), attributions, None, None);
+        let app = web_test::init_service(actix_web::App::new().app_data(state.clone()).configure(routes)).await;
+        let req = web_test::TestRequest::post()
+            .uri("/v1/chat/completions")
+            .insert_header(("traceparent", format!("00-{TRACE}-b7ad6b7169203331-01")))
+            .set_json(serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+            .to_request();
+        let resp = web_test::call_service(&app, req).await;
+        assert_eq!(resp.status(), 200);
+        // Suspended mid-answer: the gateway's run goes on, and so does the answer it is reading.
+        run.suspend();
+        go.notify_one();
+        let body = actix_web::body::to_bytes(resp.into_body()).await.expect("the stream is not cut");
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains("\"two\"") && body.contains("[DONE]"), "{body}");
+        assert_eq!(call(&state, TRACE).await, unavailable(), "a new call waits");
     }
 
     #[actix_rt::test]
