@@ -19,13 +19,14 @@
 //! as failing (its auth-profile policy skips `overloaded`), so no other tenant is affected. The
 //! same `503` answers every call that cannot be attributed for now but may be later: a trace id
 //! or token the store did not know a moment ago (a believed miss: its run may have been admitted
-//! since), and a run suspended here while the store is out of reach (it may have ended elsewhere, its
-//! trace id taken by another account's run).
+//! since), a run suspended here while the store is out of reach (it may have ended elsewhere, its
+//! trace id taken by another account's run), an account whose spend cannot be read.
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::audit::{AuditLog, AuditRecord};
 use crate::remote_runs::cache::Resolved;
 use crate::store::{CallKey, StoreError};
+use crate::tenants::budget::CallBudget;
 use crate::config::Secret;
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -156,7 +157,7 @@ pub struct ProxyMetrics {
     /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`, ...; answered
     /// `503`, for now: `store_unavailable` (the shared store could not say whose the call is),
     /// `recent_miss` (no live run had its trace id or token a moment ago), `run_suspended` (its
-    /// run is suspended here)).
+    /// run is suspended here), `budget_unknown` (its account's spend cannot be read)).
     pub refusals: IntCounterVec,
     /// Time from forwarding a call to the upstream's response headers.
     pub upstream_latency: Histogram,
@@ -200,6 +201,7 @@ impl ProxyMetrics {
             "store_unavailable",
             "recent_miss",
             "run_suspended",
+            "budget_unknown",
         ] {
             m.refusals.with_label_values(&[r]);
         }
@@ -516,17 +518,22 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
     }
 
     if let Some(budgets) = &state.budgets {
-        if !budgets.allow_call(&billing.billing_account_id).await {
-            match &state.remote {
-                // Another replica's run: its owner ends it (the cancel must come from there).
-                Some(remote) if !state.attributions.is_local(&billing) => remote.stop_for_budget(&billing.run_id).await,
-                _ => budgets.exceeded(&billing.run_id).await,
+        match budgets.check_call(&billing.billing_account_id).await {
+            CallBudget::Allowed => {}
+            CallBudget::Exceeded => {
+                match &state.remote {
+                    // Another replica's run: its owner ends it (the cancel must come from there).
+                    Some(remote) if !state.attributions.is_local(&billing) => remote.stop_for_budget(&billing.run_id).await,
+                    _ => budgets.exceeded(&billing.run_id).await,
+                }
+                return refuse(
+                    &state,
+                    "budget_exceeded",
+                    format!("refused by clawmux: run {} was stopped by its operator's policy for its account", billing.run_id),
+                );
             }
-            return refuse(
-                &state,
-                "budget_exceeded",
-                format!("refused by clawmux: run {} was stopped by its operator's policy for its account", billing.run_id),
-            );
+            // Not forwarded (the budget may be spent), and nothing against the run: it goes on.
+            CallBudget::Unknown => return unavailable(&state, "budget_unknown", &format!("the spend of run {}'s account cannot be read", billing.run_id)),
         }
     }
     let mut parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
@@ -658,6 +665,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 mod tests {
     use super::*;
     use actix_web::test as web_test;
+    use std::sync::atomic::Ordering;
 
     /// A proxy whose upstream refuses connections: a call it forwards is answered `502`.
     fn proxy(attributions: Arc<Attributions>, budgets: Option<Arc<crate::tenants::budget::Budgets>>, remote: Option<Arc<crate::remote_runs::RemoteRuns>>) -> web::Data<ProxyState> {
@@ -762,6 +770,19 @@ mod tests {
         let body = String::from_utf8_lossy(&body);
         assert!(body.contains("\"two\"") && body.contains("[DONE]"), "{body}");
         assert_eq!(call(&state, TRACE).await, unavailable(), "a new call waits");
+    }
+
+    #[actix_rt::test]
+    async fn a_spend_that_cannot_be_read_answers_503_and_does_not_end_the_run() {
+        let (budgets, store, stops) = crate::tenants::budget::tests::flaky_budgets("acct-1", 100, true).await;
+        let attributions = Arc::new(Attributions::new());
+        attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy(attributions, Some(budgets), None);
+        store.down.store(true, Ordering::SeqCst);
+        assert_eq!(call(&state, TRACE).await, unavailable());
+        assert_eq!(stops.load(Ordering::SeqCst), 0, "a store blip is no budget stop");
+        store.down.store(false, Ordering::SeqCst);
+        assert_eq!(call(&state, TRACE).await.0, 502, "the spend is read again: forwarded");
     }
 
     #[actix_rt::test]
