@@ -22,6 +22,8 @@ pub(crate) struct Probe {
     live: Mutex<HashMap<CallKey, LiveRun>>,
     /// Lookups asked.
     pub(crate) lookups: AtomicUsize,
+    /// Looks for ends asked.
+    pub(crate) end_looks: AtomicUsize,
     /// Happens during the next lookup.
     meanwhile: Mutex<Option<Meanwhile>>,
 }
@@ -86,6 +88,13 @@ impl Store for Probe {
         }
         Ok(found)
     }
+    async fn ended(&self, _run_ids: &[String]) -> Result<Vec<String>, StoreError> {
+        self.end_looks.fetch_add(1, Ordering::SeqCst);
+        Ok(Vec::new())
+    }
+    async fn request_abort(&self, _run_id: &str, _reason: AbortReason) -> Result<bool, StoreError> {
+        Ok(true)
+    }
 }
 
 /// Remote runs over `probe`, misses believed longer than any test runs; and their registry.
@@ -141,4 +150,40 @@ async fn a_believed_miss_is_told_from_a_fresh_one() {
     probe.put("r1", "acct", TRACE);
     assert!(matches!(remote.find(&key).await, Ok(cache::Resolved::MissingCached)));
     assert_eq!(probe.lookups.load(Ordering::SeqCst), 1);
+}
+
+#[actix_rt::test]
+async fn a_budget_stop_is_over_when_the_end_is_told_not_after_polling() {
+    let probe = Arc::new(Probe::default());
+    let (remote, _) = remote_runs(probe.clone()).await;
+    let stop = {
+        let remote = remote.clone();
+        tokio::spawn(async move { remote.stop_for_budget("r1").await })
+    };
+    // Bounded: the stop looks at the store once at first.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while probe.end_looks.load(Ordering::SeqCst) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the stop never looked at the store");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(remote.waiting_for_ends(), 1);
+    remote.ended("r1");
+    // Well under the stop's own bound (3 s): it was woken, it did not wait that out.
+    tokio::time::timeout(Duration::from_secs(2), stop).await.expect("woken by the end").expect("task");
+    assert!(probe.end_looks.load(Ordering::SeqCst) <= 2, "polled the store: {}", probe.end_looks.load(Ordering::SeqCst));
+    assert_eq!(remote.waiting_for_ends(), 0, "the wait is forgotten");
+}
+
+#[actix_rt::test]
+async fn a_budget_stop_whose_caller_went_away_forgets_its_wait() {
+    let probe = Arc::new(Probe::default());
+    let (remote, _) = remote_runs(probe.clone()).await;
+    let mut first = Box::pin(remote.stop_for_budget("r1"));
+    let mut second = Box::pin(remote.stop_for_budget("r1"));
+    assert!(futures_util::poll!(first.as_mut()).is_pending() && futures_util::poll!(second.as_mut()).is_pending());
+    assert_eq!(remote.waiting_for_ends(), 1, "one entry per run");
+    drop(first);
+    assert_eq!(remote.waiting_for_ends(), 1, "the other stop still waits");
+    drop(second);
+    assert_eq!(remote.waiting_for_ends(), 0);
 }
