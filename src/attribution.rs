@@ -14,8 +14,10 @@
 
 use dashmap::DashMap;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use crate::remote_runs::cache::Misses;
 
 /// The billing identity of a run and the usage of its LLM calls so far.
 #[derive(Debug)]
@@ -50,6 +52,12 @@ pub struct RunBilling {
     /// The other replicas' shares of the run's usage (a store shared by replicas), by replica id:
     /// the run's usage is this process's totals plus these.
     others: Mutex<HashMap<String, Usage>>,
+    /// Set when the run is suspended here (the shared store is out of reach, see
+    /// `RunLog::suspend`): another replica may take it over and end it meanwhile, and a run of
+    /// another account may then take its trace id, so its NEW calls are not attributed to it
+    /// (answered `503`, retried by the gateway) while the streams in flight go on. The entry is
+    /// dropped when the run is taken back or found taken over.
+    suspended: AtomicBool,
 }
 
 /// The run store's hook for usage totals.
@@ -93,7 +101,18 @@ impl RunBilling {
             on_usage: std::sync::OnceLock::new(),
             usage_order: std::sync::Mutex::new(()),
             others: Mutex::new(HashMap::new()),
+            suspended: AtomicBool::new(false),
         }
+    }
+
+    /// The run is suspended here: its new calls are no longer attributed to it (see the field).
+    pub fn suspend(&self) {
+        self.suspended.store(true, Ordering::SeqCst);
+    }
+
+    /// True once the run is suspended here.
+    pub fn is_suspended(&self) -> bool {
+        self.suspended.load(Ordering::SeqCst)
     }
 
     fn others(&self) -> MutexGuard<'_, HashMap<String, Usage>> {
@@ -190,8 +209,15 @@ impl RunBilling {
     }
 }
 
+/// How long the end of a run is remembered against lookups that read it before it ended (see
+/// [`Attributions::add_remote`]): far longer than a lookup takes.
+pub const ENDED_TTL: Duration = Duration::from_secs(60);
+
+/// The most ended runs remembered (a burst of ends beyond it forgets the oldest first).
+pub const MAX_ENDED: usize = 10_000;
+
 /// Live runs by trace id (protocol 4) and by attribution token (protocol 3).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Attributions {
     /// Runs of this process.
     by_trace: DashMap<String, Arc<RunBilling>>,
@@ -202,6 +228,24 @@ pub struct Attributions {
     /// Held while an entry moves or is made (a remote run added, adopted, demoted): one process
     /// has one set of counters per run. Lookups never take it.
     moves: Mutex<()>,
+    /// Runs whose end this process heard of lately (told, or found by the revocation poll). A
+    /// lookup may read a run as unfinished just before it ends and add it after its end was
+    /// handled: kept then, the entry would live until the next poll, and a run of another account
+    /// admitted meanwhile with the same trace id (trace ids are unique only among unfinished
+    /// runs) would have its calls billed to the ended one. Taken under `moves`, like the entries.
+    ended: Mutex<Misses<String>>,
+}
+
+impl Default for Attributions {
+    fn default() -> Self {
+        Self {
+            by_trace: DashMap::new(),
+            by_token: DashMap::new(),
+            remote: Remote::default(),
+            moves: Mutex::new(()),
+            ended: Mutex::new(Misses::new(ENDED_TTL, MAX_ENDED)),
+        }
+    }
 }
 
 /// The runs of other replicas in the registry.
@@ -232,6 +276,10 @@ impl Remote {
         }
         Some(b)
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The marker the proxy looks for in a request body (see `clawmux_actors::run::attribution_prompt`).
@@ -271,7 +319,7 @@ impl Attributions {
     }
 
     fn moving(&self) -> MutexGuard<'_, ()> {
-        self.moves.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.moves)
     }
 
     /// Registers a live run of this process; refuses when another live run already owns the trace
@@ -292,17 +340,21 @@ impl Attributions {
 
     /// Adds a run another replica owns, found in the store, and returns the entry its calls count
     /// in: this process's own entry of the run when it has one (a takeover or another lookup got
-    /// there first), else `billing`.
-    pub fn add_remote(&self, billing: Arc<RunBilling>) -> Arc<RunBilling> {
+    /// there first), else `billing`. `None` when the run ended since the store was read (its end
+    /// was heard first): it is not added, its calls belong to no live run.
+    pub fn add_remote(&self, billing: Arc<RunBilling>) -> Option<Arc<RunBilling>> {
         let _moving = self.moving();
+        if lock(&self.ended).contains(&billing.run_id, Instant::now()) {
+            return None;
+        }
         if let Some(b) = self.by_trace.get(&billing.trace_id).filter(|b| b.run_id == billing.run_id) {
-            return b.clone();
+            return Some(b.clone());
         }
         if let Some(b) = self.remote.by_run.get(&billing.run_id) {
-            return b.clone();
+            return Some(b.clone());
         }
         self.remote.insert(&billing);
-        billing
+        Some(billing)
     }
 
     /// The live run owning an attribution token (this process's, else a remote one).
@@ -331,11 +383,14 @@ impl Attributions {
         }
     }
 
-    /// A remote run ended: its calls are refused from now on and its streams in flight are cut. A
-    /// run of this process is left alone (its own end unregisters it).
+    /// A run ended (told by the store, or found ended): if it is a remote run here, its calls are
+    /// refused from now on and its streams in flight are cut; either way a lookup that read it
+    /// before its end does not add it afterwards ([`Self::add_remote`]). A run of this process is
+    /// left alone (its own end unregisters it).
     pub fn revoke_remote(&self, run_id: &str) -> bool {
         let removed = {
             let _moving = self.moving();
+            lock(&self.ended).insert(run_id.to_owned(), Instant::now());
             self.remote.remove(run_id)
         };
         match removed {
@@ -435,10 +490,10 @@ mod tests {
         let a = Attributions::new();
         let tok = new_token();
         let remote = Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1").with_token(tok.clone()));
-        let got = a.add_remote(remote.clone());
+        let got = a.add_remote(remote.clone()).expect("added");
         assert!(Arc::ptr_eq(&got, &remote));
         // A second lookup of the same run (a race) gets the entry that is there: one set of counters.
-        let again = a.add_remote(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1")));
+        let again = a.add_remote(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("there");
         assert!(Arc::ptr_eq(&again, &remote));
         assert!(a.lookup("t1").is_some_and(|b| Arc::ptr_eq(&b, &remote)) && a.lookup_token(&tok).is_some());
         assert!(!a.is_local(&remote) && a.is_empty(), "a remote run is not this process's");
@@ -454,9 +509,48 @@ mod tests {
         assert!(adopted.revoked.is_cancelled());
 
         // A remote run that ends is revoked: its streams are cut, its calls refused.
-        let other = a.add_remote(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t2").with_token(new_token())));
+        let other = a.add_remote(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t2").with_token(new_token()))).expect("added");
         assert!(a.revoke_remote("r2") && other.revoked.is_cancelled());
         assert!(a.lookup("t2").is_none() && a.remote_runs().is_empty());
+    }
+
+    #[test]
+    fn a_run_whose_end_was_heard_before_its_lookup_finished_is_not_added() {
+        let a = Attributions::new();
+        // The lookup read r1 as unfinished; its end is handled before the lookup adds it.
+        assert!(!a.revoke_remote("r1"), "not a remote run here yet");
+        assert!(a.add_remote(Arc::new(RunBilling::new("r1", "acct-old", "g", "s", "t1"))).is_none());
+        assert!(a.lookup("t1").is_none() && a.remote_runs().is_empty(), "the ended run is not kept");
+        // A run of another account that took the trace id since is added as usual.
+        let new = a.add_remote(Arc::new(RunBilling::new("r2", "acct-new", "g", "s", "t1"))).expect("another run");
+        assert!(a.lookup("t1").is_some_and(|b| Arc::ptr_eq(&b, &new) && b.billing_account_id == "acct-new"));
+    }
+
+    #[test]
+    fn ended_runs_are_remembered_in_bounded_memory() {
+        let a = Attributions::new();
+        for i in 0..=MAX_ENDED {
+            a.revoke_remote(&format!("r{i}"));
+        }
+        assert_eq!(lock(&a.ended).len(), MAX_ENDED);
+        // The oldest end is forgotten first; the newest still refuses a stale lookup.
+        assert!(a.add_remote(Arc::new(RunBilling::new("r0", "acct", "g", "s", "t0"))).is_some());
+        assert!(a.add_remote(Arc::new(RunBilling::new(&format!("r{MAX_ENDED}"), "acct", "g", "s", "tn"))).is_none());
+    }
+
+    #[test]
+    fn a_suspended_run_says_so_and_its_streams_go_on() {
+        let a = Attributions::new();
+        let b = a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("register");
+        assert!(!b.is_suspended());
+        b.suspend();
+        // Still the trace id's entry (no other run may take it here), but marked: the proxy
+        // answers its new calls 503; nothing cuts the streams in flight.
+        assert!(a.lookup("t1").is_some_and(|x| Arc::ptr_eq(&x, &b) && x.is_suspended()));
+        assert!(!b.revoked.is_cancelled());
+        // Taken back or found taken over: the entry goes (`RunLog::release_billing`).
+        a.unregister("t1", "r1");
+        assert!(a.lookup("t1").is_none());
     }
 
     #[test]

@@ -16,11 +16,17 @@
 //! [`crate::remote_runs`]). When the store cannot say whose a call is (it is down), the call is answered
 //! `503` with `Retry-After`, never forwarded unattributed: OpenClaw 2026.9.6 takes a `503` as its
 //! provider being overloaded, retries the call with backoff (up to 90 s) and does NOT mark the key
-//! as failing (its auth-profile policy skips `overloaded`), so no other tenant is affected.
+//! as failing (its auth-profile policy skips `overloaded`), so no other tenant is affected. The
+//! same `503` answers every call that cannot be attributed for now but may be later: a trace id
+//! or token the store did not know a moment ago (a believed miss: its run may have been admitted
+//! since), a run suspended here while the store is out of reach (it may have ended elsewhere, its
+//! trace id taken by another account's run), an account whose spend cannot be read.
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::audit::{AuditLog, AuditRecord};
+use crate::remote_runs::cache::Resolved;
 use crate::store::{CallKey, StoreError};
+use crate::tenants::budget::CallBudget;
 use crate::config::Secret;
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -148,8 +154,10 @@ pub struct ProxyMetrics {
     pub calls: IntCounterVec,
     /// Tokens reported by the upstream, by kind (`input`, `output`).
     pub tokens: IntCounterVec,
-    /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`,
-    /// `store_unavailable`: the shared store could not say whose the call is).
+    /// Calls refused, by reason (`no_traceparent`, `unknown_trace`, `body_too_large`, ...; answered
+    /// `503`, for now: `store_unavailable` (the shared store could not say whose the call is),
+    /// `recent_miss` (no live run had its trace id or token a moment ago), `run_suspended` (its
+    /// run is suspended here), `budget_unknown` (its account's spend cannot be read)).
     pub refusals: IntCounterVec,
     /// Time from forwarding a call to the upstream's response headers.
     pub upstream_latency: Histogram,
@@ -183,7 +191,18 @@ impl ProxyMetrics {
         for k in ["input", "output"] {
             m.tokens.with_label_values(&[k]);
         }
-        for r in ["no_traceparent", "unknown_trace", "unknown_token", "ambiguous_token", "body_too_large", "budget_exceeded", "store_unavailable"] {
+        for r in [
+            "no_traceparent",
+            "unknown_trace",
+            "unknown_token",
+            "ambiguous_token",
+            "body_too_large",
+            "budget_exceeded",
+            "store_unavailable",
+            "recent_miss",
+            "run_suspended",
+            "budget_unknown",
+        ] {
             m.refusals.with_label_values(&[r]);
         }
         registry.register(Box::new(m.calls.clone()))?;
@@ -284,23 +303,28 @@ fn refuse(state: &ProxyState, reason: &'static str, message: String) -> HttpResp
         .json(serde_json::json!({"error": {"code": "attribution_refused", "type": "attribution_refused", "message": message}}))
 }
 
-/// The store could not say whose a call is: not forwarded (never unattributed), retried by the
-/// gateway (see the module's doc for why `503`).
-fn unavailable(state: &ProxyState, e: &StoreError) -> HttpResponse {
-    state.metrics.refusals.with_label_values(&["store_unavailable"]).inc();
-    tracing::warn!(error = %e, "LLM call refused: the run store cannot say which run it belongs to");
+/// The call cannot be attributed right now (`why`, counted as `reason`): not forwarded (never
+/// unattributed), retried by the gateway (see the module's doc for why `503`).
+fn unavailable(state: &ProxyState, reason: &'static str, why: &str) -> HttpResponse {
+    state.metrics.refusals.with_label_values(&[reason]).inc();
+    tracing::warn!(reason, why, "LLM call refused for now: it cannot be attributed to a run right now");
     HttpResponse::build(StatusCode::SERVICE_UNAVAILABLE).insert_header(("retry-after", "1")).json(serde_json::json!({"error": {
         "code": "attribution_unavailable", "type": "attribution_unavailable",
         "message": "clawmux cannot attribute this call to a run right now; retry shortly"}}))
 }
 
+/// The store could not say whose a call is.
+fn store_unavailable(state: &ProxyState, e: &StoreError) -> HttpResponse {
+    unavailable(state, "store_unavailable", &format!("the run store cannot say which run it belongs to: {e}"))
+}
+
 /// The live run `key` names: this process's registry (its own runs, the remote runs it found
 /// before), else the shared store's (a run another replica owns).
-async fn find(state: &ProxyState, key: CallKey, local: Option<Arc<RunBilling>>) -> Result<Option<Arc<RunBilling>>, StoreError> {
+async fn find(state: &ProxyState, key: CallKey, local: Option<Arc<RunBilling>>) -> Result<Resolved<Arc<RunBilling>>, StoreError> {
     match (local, &state.remote) {
-        (Some(b), _) => Ok(Some(b)),
+        (Some(b), _) => Ok(Resolved::Found(b)),
         (None, Some(remote)) => remote.find(&key).await,
-        (None, None) => Ok(None),
+        (None, None) => Ok(Resolved::Missing),
     }
 }
 
@@ -423,11 +447,12 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         // The model list is not a run's call: no store lookup for it.
         (None, Some(trace)) if is_model_list => state.attributions.lookup(&trace),
         (None, Some(trace)) => match find(&state, CallKey::Trace(trace.clone()), state.attributions.lookup(&trace)).await {
-            Ok(Some(b)) => Some(b),
-            Ok(None) => {
+            Ok(Resolved::Found(b)) => Some(b),
+            Ok(Resolved::Missing) => {
                 return refuse(&state, "unknown_trace", format!("trace id {trace} belongs to no live clawmux run; LLM calls are only forwarded for live runs"))
             }
-            Err(e) => return unavailable(&state, &e),
+            Ok(Resolved::MissingCached) => return unavailable(&state, "recent_miss", &format!("no live run had trace id {trace} a moment ago")),
+            Err(e) => return store_unavailable(&state, &e),
         },
         (None, None) if is_model_list => None,
         (None, None) => {
@@ -437,14 +462,27 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
                     return refuse(&state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned())
                 }
                 [token] => match find(&state, CallKey::Token(token.clone()), state.attributions.lookup_token(token)).await {
-                    Ok(Some(b)) => Some(b),
-                    Ok(None) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
-                    Err(e) => return unavailable(&state, &e),
+                    Ok(Resolved::Found(b)) => Some(b),
+                    Ok(Resolved::Missing) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
+                    Ok(Resolved::MissingCached) => return unavailable(&state, "recent_miss", "no live run had the call's attribution token a moment ago"),
+                    Err(e) => return store_unavailable(&state, &e),
                 },
                 _ => return refuse(&state, "ambiguous_token", "the call names several attribution tokens; refusing to guess".to_owned()),
             }
         }
     };
+    if let Some(b) = &billing {
+        // The run ended while it was looked up (its entry was revoked as the lookup returned it).
+        if b.revoked.is_cancelled() {
+            return refuse(&state, "unknown_trace", format!("run {} has ended; LLM calls are only forwarded for live runs", b.run_id));
+        }
+        // Suspended here (the shared store is out of reach): another replica may have taken the
+        // run over and ended it, and a run of another account may have its trace id by now. Its
+        // new calls wait until it is taken back here or found taken over (the entry goes then).
+        if b.is_suspended() {
+            return unavailable(&state, "run_suspended", &format!("run {} is suspended here while the run store is out of reach", b.run_id));
+        }
+    }
     let incoming: Vec<(String, String)> = req
         .headers()
         .iter()
@@ -480,17 +518,22 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
     }
 
     if let Some(budgets) = &state.budgets {
-        if !budgets.allow_call(&billing.billing_account_id).await {
-            match &state.remote {
-                // Another replica's run: its owner ends it (the cancel must come from there).
-                Some(remote) if !state.attributions.is_local(&billing) => remote.stop_for_budget(&billing.run_id).await,
-                _ => budgets.exceeded(&billing.run_id).await,
+        match budgets.check_call(&billing.billing_account_id).await {
+            CallBudget::Allowed => {}
+            CallBudget::Exceeded => {
+                match &state.remote {
+                    // Another replica's run: its owner ends it (the cancel must come from there).
+                    Some(remote) if !state.attributions.is_local(&billing) => remote.stop_for_budget(&billing.run_id).await,
+                    _ => budgets.exceeded(&billing.run_id).await,
+                }
+                return refuse(
+                    &state,
+                    "budget_exceeded",
+                    format!("refused by clawmux: run {} was stopped by its operator's policy for its account", billing.run_id),
+                );
             }
-            return refuse(
-                &state,
-                "budget_exceeded",
-                format!("refused by clawmux: run {} was stopped by its operator's policy for its account", billing.run_id),
-            );
+            // Not forwarded (the budget may be spent), and nothing against the run: it goes on.
+            CallBudget::Unknown => return unavailable(&state, "budget_unknown", &format!("the spend of run {}'s account cannot be read", billing.run_id)),
         }
     }
     let mut parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
@@ -621,6 +664,137 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use actix_web::test as web_test;
+    use std::sync::atomic::Ordering;
+
+    /// A proxy whose upstream refuses connections: a call it forwards is answered `502`.
+    fn proxy(attributions: Arc<Attributions>, budgets: Option<Arc<crate::tenants::budget::Budgets>>, remote: Option<Arc<crate::remote_runs::RemoteRuns>>) -> web::Data<ProxyState> {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+        proxy_to(&format!("http://{closed}"), attributions, budgets, remote)
+    }
+
+    fn proxy_to(
+        upstream: &str,
+        attributions: Arc<Attributions>,
+        budgets: Option<Arc<crate::tenants::budget::Budgets>>,
+        remote: Option<Arc<crate::remote_runs::RemoteRuns>>,
+    ) -> web::Data<ProxyState> {
+        web::Data::new(ProxyState {
+            attributions,
+            upstream: upstream.to_owned(),
+            key: None,
+            client: reqwest::Client::new(),
+            audit: AuditSink::disabled(),
+            metrics: ProxyMetrics::new(&Registry::new()).expect("metrics"),
+            budgets,
+            remote,
+            shared_audit: None,
+        })
+    }
+
+    /// One chat call with the trace id `trace`: its status, `Retry-After` and `error.code`.
+    async fn call(state: &web::Data<ProxyState>, trace: &str) -> (u16, Option<String>, String) {
+        let app = web_test::init_service(actix_web::App::new().app_data(state.clone()).configure(routes)).await;
+        let req = web_test::TestRequest::post()
+            .uri("/v1/chat/completions")
+            .insert_header(("traceparent", format!("00-{trace}-b7ad6b7169203331-01")))
+            .set_json(serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+            .to_request();
+        let resp = web_test::call_service(&app, req).await;
+        let status = resp.status().as_u16();
+        let retry = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let body: serde_json::Value = web_test::read_body_json(resp).await;
+        (status, retry, body["error"]["code"].as_str().unwrap_or_default().to_owned())
+    }
+
+    const TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+
+    fn unavailable() -> (u16, Option<String>, String) {
+        (503, Some("1".to_owned()), "attribution_unavailable".to_owned())
+    }
+
+    #[actix_rt::test]
+    async fn a_suspended_run_new_calls_are_answered_503_not_forwarded() {
+        let attributions = Arc::new(Attributions::new());
+        let run = attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy(attributions, None, None);
+        assert_eq!(call(&state, TRACE).await.0, 502, "a live run's call is forwarded (to an upstream that is not there)");
+        run.suspend();
+        assert_eq!(call(&state, TRACE).await, unavailable(), "another replica may have ended it, another account have its trace id");
+        assert_eq!(run.totals().llm_calls, 1, "the refused call is not the run's");
+    }
+
+    /// An upstream that streams one chunk of an answer at once and the rest once `go` is told.
+    fn held_upstream(go: Arc<tokio::sync::Notify>) -> String {
+        use futures_util::StreamExt;
+        let server = actix_web::HttpServer::new(move || {
+            let go = go.clone();
+            actix_web::App::new().default_service(web::to(move || {
+                let go = go.clone();
+                async move {
+                    let first = futures_util::stream::once(async { Ok::<_, actix_web::Error>(Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"one\"}}]}\n\n")) });
+                    let rest = futures_util::stream::once(async move {
+                        go.notified().await;
+                        Ok(Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"two\"}}]}\n\ndata: [DONE]\n\n"))
+                    });
+                    HttpResponse::Ok().content_type("text/event-stream").streaming(first.chain(rest))
+                }
+            }))
+        })
+        .workers(1)
+        .bind("127.0.0.1:0")
+        .expect("the upstream binds");
+        let addr = server.addrs().first().copied().expect("an address");
+        actix_web::rt::spawn(server.run());
+        format!("http://{addr}")
+    }
+
+    #[actix_rt::test]
+    async fn a_stream_in_flight_goes_on_when_its_run_is_suspended() {
+        let go = Arc::new(tokio::sync::Notify::new());
+        let attributions = Arc::new(Attributions::new());
+        let run = attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy_to(&held_upstream(go.clone()), attributions, None, None);
+        let app = web_test::init_service(actix_web::App::new().app_data(state.clone()).configure(routes)).await;
+        let req = web_test::TestRequest::post()
+            .uri("/v1/chat/completions")
+            .insert_header(("traceparent", format!("00-{TRACE}-b7ad6b7169203331-01")))
+            .set_json(serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+            .to_request();
+        let resp = web_test::call_service(&app, req).await;
+        assert_eq!(resp.status(), 200);
+        // Suspended mid-answer: the gateway's run goes on, and so does the answer it is reading.
+        run.suspend();
+        go.notify_one();
+        let body = actix_web::body::to_bytes(resp.into_body()).await.expect("the stream is not cut");
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains("\"two\"") && body.contains("[DONE]"), "{body}");
+        assert_eq!(call(&state, TRACE).await, unavailable(), "a new call waits");
+    }
+
+    #[actix_rt::test]
+    async fn a_spend_that_cannot_be_read_answers_503_and_does_not_end_the_run() {
+        let (budgets, store, stops) = crate::tenants::budget::tests::flaky_budgets("acct-1", 100, true).await;
+        let attributions = Arc::new(Attributions::new());
+        attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy(attributions, Some(budgets), None);
+        store.down.store(true, Ordering::SeqCst);
+        assert_eq!(call(&state, TRACE).await, unavailable());
+        assert_eq!(stops.load(Ordering::SeqCst), 0, "a store blip is no budget stop");
+        store.down.store(false, Ordering::SeqCst);
+        assert_eq!(call(&state, TRACE).await.0, 502, "the spend is read again: forwarded");
+    }
+
+    #[actix_rt::test]
+    async fn a_believed_miss_answers_503_and_a_fresh_one_409() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let (remote, attributions) = crate::remote_runs::tests::remote_runs(probe.clone()).await;
+        let state = proxy(attributions, None, Some(remote));
+        assert_eq!(call(&state, TRACE).await, (409, None, "attribution_refused".to_owned()), "nobody's: refused");
+        // Admitted right after (on another replica): its calls are retried until the miss expires.
+        probe.put("run-1", "acct-1", TRACE);
+        assert_eq!(call(&state, TRACE).await, unavailable());
+    }
 
     fn billing() -> RunBilling {
         RunBilling::new("run-1", "acct-1", "sandbox:openclaw", "agent:main:acct-1:run-1", "0af7651916cd43dd8448eb211c80319c")

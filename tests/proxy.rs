@@ -52,6 +52,9 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
         .await
         .expect("post");
     assert_eq!(r.status(), 409);
+    // The run holding it may be another tenant's: the answer does not name it.
+    let refused = r.text().await.expect("body");
+    assert!(refused.contains("another live run uses this trace id") && !refused.contains("run-billed"), "{refused}");
 
     // The gateway's calls carry the same trace id with a new span id.
     let call_tp = format!("00-{trace_id}-{}-01", &uuid::Uuid::new_v4().simple().to_string()[..16]);

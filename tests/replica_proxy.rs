@@ -17,6 +17,8 @@ mod common;
 mod child;
 #[path = "common/own_postgres.rs"]
 mod own_postgres;
+#[path = "common/tcp_chaos.rs"]
+mod tcp_chaos;
 
 use child::{free_port, Clawmux};
 use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway, ReplayHandle};
@@ -151,7 +153,10 @@ async fn pg_a_replica_forwards_the_calls_of_a_run_another_owns_billed_to_it_once
     // Another replica refuses a second live run with the same trace id: calls could not be told apart.
     let twin = json!({"message": "twin", "billingAccountId": "acct-y", "runId": "run-twin"});
     let r = http.post(format!("{}/v1/runs?wait=false", other.app.base)).header("traceparent", &traceparent).json(&twin).send().await.unwrap();
-    assert_eq!(r.status(), 409, "{:?}", r.text().await);
+    assert_eq!(r.status(), 409);
+    // The run holding the trace id is another tenant's: the answer does not name it.
+    let refused = r.text().await.unwrap();
+    assert!(refused.contains("another live run uses this trace id") && !refused.contains("run-x"), "{refused}");
 
     // The other replica's proxy forwards it with the run's billing identity, whatever the call says.
     let (status, body) = call(&http, &other.proxy, Some(&call_tp(&trace)), &chat_body("hello XATTR1", false)).await;
@@ -352,5 +357,65 @@ async fn pg_a_budget_spent_through_another_replica_proxy_ends_the_run_budget_exc
     assert_eq!((d["status"].as_str(), d["error"]["code"].as_str()), (Some("error"), Some("budget_exceeded")), "ended before the refusal was answered: {d}");
     assert!(gw.runs().iter().any(|r| r.message.contains("run-b") && r.abort_requests >= 1), "the owner cancelled the gateway run");
     pool.close().await;
+    gw.stop().await;
+}
+
+/// A run suspended while its replica cannot reach the database (a partition shorter than its
+/// lease) may meanwhile be taken over and ended elsewhere, and its trace id taken by another
+/// account's run: its new calls through that replica's proxy are answered `503` with
+/// `Retry-After: 1` (the gateway retries), not attributed to it; once the replica continues it,
+/// they are forwarded again.
+#[actix_rt::test]
+async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_it() {
+    let Some(url) = database("pg_a_suspended_run_calls_are_answered_503").await else { return };
+    let db_addr: std::net::SocketAddr = {
+        let u = reqwest::Url::parse(&url).unwrap();
+        format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
+    };
+    let relay = tcp_chaos::ChaosRelay::start(db_addr).await.unwrap();
+    let mut relayed = reqwest::Url::parse(&url).unwrap();
+    relayed.set_port(Some(relay.addr.port())).unwrap();
+    let dir = common::temp_dir("xattr-suspended");
+    let llm = FakeLlm::start(&dir.join("llm"));
+    // A long run whose deltas keep coming: the first write the database cannot take suspends it.
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
+    let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(0.3).token(GW_TOKEN)).unwrap();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let s0 = replica_with_lease("s0", &gw, relayed.as_str(), &llm, &key, &http, "10").await;
+    let (trace, traceparent) = new_traceparent();
+    let body = json!({"message": "<suspended> [track:long]", "billingAccountId": "acct-s", "runId": "run-s", "onDisconnect": "continue"});
+    let r = http.post(format!("{}/v1/runs?wait=false", s0.app.base)).header("traceparent", &traceparent).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    common::wait_accepted(&http, &s0.app.base, "run-s").await;
+    assert_eq!(call(&http, &s0.proxy, Some(&call_tp(&trace)), &chat_body("before", false)).await.0, 200);
+
+    relay.refuse(true);
+    relay.cut_all();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !s0.app.log().contains("suspending this run here") {
+        assert!(Instant::now() < deadline, "the run was not suspended: {}", s0.app.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resp = http.post(format!("{}/v1/chat/completions", s0.proxy)).header("traceparent", call_tp(&trace)).json(&chat_body("while suspended", false)).send().await.unwrap();
+    let (status, retry) = (resp.status().as_u16(), resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned));
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!((status, retry.as_deref(), answer["error"]["code"].as_str()), (503, Some("1"), Some("attribution_unavailable")), "{answer}");
+    assert!(!llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("while suspended"))), "forwarded");
+
+    // The database answers again: the replica continues the run, whose calls are forwarded again.
+    relay.refuse(false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = call(&http, &s0.proxy, Some(&call_tp(&trace)), &chat_body("after", false)).await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503, "{body}");
+        assert!(Instant::now() < deadline, "the run's calls were not forwarded again: {}", s0.app.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let seen = llm.entries().into_iter().find(|e| e["last_user"].as_str().is_some_and(|u| u.contains("after"))).expect("the upstream saw the call");
+    assert_eq!(seen["headers"]["x-cogni-run-id"], "run-s");
     gw.stop().await;
 }

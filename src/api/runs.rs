@@ -73,7 +73,12 @@ fn refused(e: Refused, run_id: &str) -> ApiError {
             ApiError { retry_after: Some(retry_after_sec), ..ApiError::new(StatusCode::PAYMENT_REQUIRED, "budget_exceeded", message) }
         }
         Refused::Limit(Refusal::Unmetered { message }) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "budget_unavailable", message),
-        e @ Refused::TraceInUse { .. } => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        // The other run may be another tenant's: its id is not the caller's to learn.
+        Refused::TraceInUse { .. } => ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            "the traceparent's trace id is in use: another live run uses this trace id; concurrent runs need distinct trace ids",
+        ),
         Refused::Registry(e) => admit_error(e, run_id),
         e @ Refused::Overloaded => ApiError::unavailable(e.to_string()),
         e @ Refused::UnknownBaseRef(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown_base_ref", e.to_string()),

@@ -7,7 +7,7 @@
 //!                                   ▼
 //!                      the store: the UNFINISHED run with that trace id / token (one query per
 //!                      burst; a miss is believed for MISS_TTL)        ──▶ none: refused (409)
-//!                                   │ found                                  store down: 503
+//!                                   │ found                     a believed miss, store down: 503
 //!                                   ▼
 //!                      a remote run in the registry: forwarded with ITS billing headers, counted
 //!                      in this process's share of its usage, until the run ends
@@ -15,18 +15,24 @@
 //! A remote run ends here when its terminal event is stored anywhere: told at once
 //! (`clawmux_ended`), or found by the look every [`REVOKE_POLL`] (a notification lost while the
 //! listener reconnected): its streams in flight are cut and its calls refused, as on its owner.
-//! A takeover here adopts the remote run as this process's own (same counters).
+//! Its end is remembered for a while ([`crate::attribution::ENDED_TTL`]): a lookup that read the
+//! run just before its end does not add it back. A takeover here adopts the remote run as this
+//! process's own (same counters).
 
 pub mod cache;
+#[cfg(test)]
+pub(crate) mod tests;
 
 use crate::attribution::{Attributions, RunBilling};
 use crate::store::{AbortReason, CallKey, LiveRun, RunStore, StoreError};
 use crate::tenants::budget::Budgets;
+use dashmap::DashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a trace id or token the store did not know is not looked up again. Short: a run
-/// admitted just after its trace id was probed is refused at most this long.
+/// admitted just after its trace id was probed has its calls answered `503` (retried by the
+/// gateway) at most this long.
 pub const MISS_TTL: Duration = Duration::from_secs(1);
 
 /// The most misses remembered (calls with made-up trace ids cannot grow memory).
@@ -39,6 +45,41 @@ pub const REVOKE_POLL: Duration = Duration::from_secs(1);
 /// answers the refused call anyway.
 const BUDGET_STOP_WAIT: Duration = Duration::from_secs(3);
 
+/// How often a budget stop looks in the store for the run's end, in case the store's notification
+/// of it is lost (the listener reconnecting): the notification is what normally ends the wait.
+const BUDGET_STOP_POLL: Duration = Duration::from_millis(500);
+
+/// The budget stops waiting for one run's end.
+struct EndWaiters {
+    /// Set once the run ended (sticky: a stop that looks after the end sees it too).
+    told: tokio::sync::watch::Sender<bool>,
+    /// Stops waiting: the entry goes with the last of them.
+    waiting: usize,
+}
+
+/// One budget stop's wait for a run's end; dropped (the wait is over, or the refused call's
+/// client went away), it forgets the run's entry once nobody else waits.
+struct EndWait<'a> {
+    /// Where the waits are kept.
+    ends: &'a DashMap<String, EndWaiters>,
+    /// The run waited for.
+    run_id: String,
+    /// Told when the run ended.
+    told: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Drop for EndWait<'_> {
+    fn drop(&mut self) {
+        // Counted under the map's lock of the entry: of two stops leaving at once, one removes it.
+        if let dashmap::mapref::entry::Entry::Occupied(mut e) = self.ends.entry(self.run_id.clone()) {
+            e.get_mut().waiting = e.get().waiting.saturating_sub(1);
+            if e.get().waiting == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
 /// The runs other replicas own, as this process's LLM proxy finds them.
 pub struct RemoteRuns {
     /// The shared store.
@@ -49,45 +90,62 @@ pub struct RemoteRuns {
     budgets: Arc<Budgets>,
     /// One query per burst, misses believed for a while.
     cache: cache::Resolver<CallKey, Arc<RunBilling>>,
+    /// Budget stops waiting for their runs' ends, by run id: woken by the end's notification
+    /// instead of asking the store over and over.
+    ends: DashMap<String, EndWaiters>,
 }
 
 impl RemoteRuns {
     /// Lookups in `store` (shared by replicas), kept in `attributions`.
     pub fn new(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>) -> Arc<Self> {
-        Arc::new(Self { store, attributions, budgets, cache: cache::Resolver::new(MISS_TTL, MAX_MISSES) })
+        Self::with_miss_ttl(store, attributions, budgets, MISS_TTL)
     }
 
-    /// The live run of another replica that `key` names (`None`: no live run has it, fail-closed),
-    /// from then on in this process's registry.
-    pub async fn find(&self, key: &CallKey) -> Result<Option<Arc<RunBilling>>, StoreError> {
+    /// The same, with misses believed for `ttl` (tests: one that no test run outlasts).
+    pub fn with_miss_ttl(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>, ttl: Duration) -> Arc<Self> {
+        Arc::new(Self { store, attributions, budgets, cache: cache::Resolver::new(ttl, MAX_MISSES), ends: DashMap::new() })
+    }
+
+    /// The live run of another replica that `key` names, from then on in this process's registry;
+    /// not found: no live run has it (fail-closed), or none had it a moment ago (a believed miss,
+    /// see [`cache::Resolved`]).
+    pub async fn find(&self, key: &CallKey) -> Result<cache::Resolved<Arc<RunBilling>>, StoreError> {
         self.cache
             .resolve(key, || async {
                 // This process's own writes of the run's share (it may have owned the run before)
                 // are stored before the share is read: its counters continue from there.
                 self.store.flush().await;
-                Ok(self.store.live_run(key).await?.map(|run| self.remote(run)))
+                Ok(self.store.live_run(key).await?.and_then(|run| self.remote(run)))
             })
             .await
     }
 
     /// A remote run's entry: its billing identity, counters from this process's stored share,
-    /// stored as they change (never fenced: the calls were forwarded here).
-    fn remote(&self, run: LiveRun) -> Arc<RunBilling> {
+    /// stored as they change (never fenced: the calls were forwarded here). `None` when the run's
+    /// end was heard while it was looked up (see [`Attributions::add_remote`]).
+    fn remote(&self, run: LiveRun) -> Option<Arc<RunBilling>> {
         let mut b = RunBilling::new(&run.run_id, &run.billing_account_id, &run.graph_id, &run.session_key, &run.trace_id).with_usage(run.share);
         if let Some(t) = run.token {
             b = b.with_token(t);
         }
         let (budgets, account) = (self.budgets.clone(), run.billing_account_id.clone());
         b.on_usage(crate::store::live::usage_hook(self.store.writer(), run.run_id.clone(), Some(Box::new(move |t| budgets.record(&account, t)))));
-        let b = self.attributions.add_remote(Arc::new(b));
+        let Some(b) = self.attributions.add_remote(Arc::new(b)) else {
+            tracing::info!(run_id = %run.run_id, "a run found live in the store ended meanwhile; its LLM calls are not forwarded");
+            return None;
+        };
         tracing::info!(run_id = %b.run_id, "forwarding the LLM calls of a run another replica owns");
-        b
+        Some(b)
     }
 
     /// A remote run's account has spent its budget: its owner is asked to end it
     /// `budget_exceeded` (woken at once) and this waits, bounded, until the run has ended, so that
-    /// the refusal reaches the gateway after the run's cancel, as on the owner itself.
+    /// the refusal reaches the gateway after the run's cancel, as on the owner itself. The end is
+    /// heard as the store tells it (`clawmux_ended`, see [`Self::ended`]), with a look at the
+    /// store every [`BUDGET_STOP_POLL`] in case that notification is lost.
     pub async fn stop_for_budget(&self, run_id: &str) {
+        // Waiting before the abort is asked for: an end told in between is not missed.
+        let mut wait = self.wait_for_end(run_id);
         match self.store.request_abort(run_id, AbortReason::BudgetExceeded).await {
             Ok(true) => {}
             Ok(false) => return,
@@ -96,22 +154,49 @@ impl RemoteRuns {
                 return;
             }
         }
-        let deadline = tokio::time::Instant::now() + BUDGET_STOP_WAIT;
+        let deadline = tokio::time::sleep(BUDGET_STOP_WAIT);
+        tokio::pin!(deadline);
+        let mut poll = tokio::time::interval(BUDGET_STOP_POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ids = [run_id.to_owned()];
-        while tokio::time::Instant::now() < deadline {
-            if self.store.ended(&ids).await.is_ok_and(|e| !e.is_empty()) {
-                return;
+        loop {
+            tokio::select! {
+                // Its sender lives as long as `wait`: an error cannot happen, and would only
+                // leave the polls. (The value's guard is let go inside: this future is `Send`.)
+                true = async { wait.told.wait_for(|ended| *ended).await.is_ok() } => return,
+                _ = poll.tick() => {
+                    if self.store.ended(&ids).await.is_ok_and(|e| !e.is_empty()) {
+                        return;
+                    }
+                }
+                () = &mut deadline => break,
             }
-            tokio::time::sleep(Duration::from_millis(25)).await;
         }
         tracing::warn!(run_id, "the owner of a run past its budget did not end it within {BUDGET_STOP_WAIT:?}");
     }
 
-    /// A run ended (told by the store): revoked if it is a remote run here.
+    /// Registers a wait for the end of `run_id` (see [`Self::ended`]); dropped, it is forgotten
+    /// once nobody else waits for that run.
+    fn wait_for_end(&self, run_id: &str) -> EndWait<'_> {
+        let mut entry = self.ends.entry(run_id.to_owned()).or_insert_with(|| EndWaiters { told: tokio::sync::watch::channel(false).0, waiting: 0 });
+        entry.waiting += 1;
+        EndWait { ends: &self.ends, run_id: run_id.to_owned(), told: entry.told.subscribe() }
+    }
+
+    /// A run ended (told by the store): revoked if it is a remote run here, and whoever waits for
+    /// its end is woken.
     pub fn ended(&self, run_id: &str) {
+        if let Some(w) = self.ends.get(run_id) {
+            w.told.send_replace(true);
+        }
         if self.attributions.revoke_remote(run_id) {
             tracing::info!(run_id, "a run another replica owns ended; its LLM calls are no longer forwarded here");
         }
+    }
+
+    /// Budget stops waiting for a run's end (tests).
+    pub fn waiting_for_ends(&self) -> usize {
+        self.ends.len()
     }
 
     /// Looks for the ends of the remote runs every [`REVOKE_POLL`] (the notification of an end may

@@ -311,13 +311,16 @@ impl RunLog {
 
     /// The shared store is out of reach (replicas): the run stops here exactly as when it is
     /// lost (no cancel, no more writes, streams end without a terminal event), except that its
-    /// LLM calls stay attributed: its gateway run goes on, and so do its calls. Whoever continues
+    /// billing stays registered: its gateway run goes on, and so do its LLM streams in flight,
+    /// while its new calls are answered `503` (the gateway retries them) until whoever continues
     /// it once the store answers (this replica, or another that took it over) attributes it
     /// afresh (see [`Self::release_billing`]). False when it had already ended or stopped.
     pub fn suspend(&self) -> bool {
         if !self.stop_here() {
             return false;
         }
+        // Its streams in flight go on, its new calls are answered 503 (see `RunBilling::suspend`).
+        if let Some((b, _)) = self.billing.get() { b.suspend(); }
         tracing::warn!(run_id = %self.run_id, "the run store is out of reach: suspending this run here without cancelling it; it goes on once the store answers");
         true
     }

@@ -99,14 +99,18 @@ pub(super) async fn notify_ended(tx: &mut Transaction<'_, Postgres>, ended: &[&s
 }
 
 /// Sets each row's usage to the sum of its run's shares (a run without shares keeps its column:
-/// no LLM call went through a proxy, or a process without shares wrote it).
+/// no LLM call went through a proxy, or a process without shares wrote it). The sums saturate at
+/// the largest `int8`, as each share does: the counts come from upstream answers (untrusted), and
+/// two shares near the top must not fail the read of the run (or of a whole page of history).
 pub(super) async fn sum_shares(pool: &PgPool, rows: &mut [RunRow]) -> Result<(), sqlx::Error> {
     if rows.is_empty() {
         return Ok(());
     }
     let ids: Vec<&str> = rows.iter().map(|r| r.run_id.as_str()).collect();
+    // `sum` of `int8` is `numeric` (no overflow there); capped before the cast back.
     let sums: Vec<(String, i64, i64, i64)> = sqlx::query_as(
-        "SELECT run_id, sum(input_tokens)::int8, sum(output_tokens)::int8, sum(llm_calls)::int8 FROM run_usage WHERE run_id = ANY($1) GROUP BY run_id",
+        "SELECT run_id, LEAST(sum(input_tokens), 9223372036854775807)::int8, LEAST(sum(output_tokens), 9223372036854775807)::int8, \
+           LEAST(sum(llm_calls), 9223372036854775807)::int8 FROM run_usage WHERE run_id = ANY($1) GROUP BY run_id",
     )
     .bind(&ids)
     .fetch_all(pool)

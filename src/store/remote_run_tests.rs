@@ -125,6 +125,24 @@ async fn pg_a_run_usage_is_the_sum_of_every_replica_share_each_written_idempoten
 }
 
 #[tokio::test]
+async fn pg_shares_at_the_top_sum_to_the_largest_int8_instead_of_failing_the_reads() {
+    let Some(url) = pg_url("pg_shares_at_the_top_sum_to_the_largest_int8").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    insert(&a, row("r1", "acct", 1)).await;
+    insert(&a, row("r2", "acct", 2)).await;
+    // Counts from upstream answers (untrusted): each share saturates at the largest int8 when
+    // stored, and two of them must not make their sum overflow.
+    let top = usage(u64::MAX, u64::MAX, u64::MAX);
+    a.apply(&[share("r1", top)]).await.expect("a's share");
+    b.apply(&[share("r1", top), share("r2", usage(1, 2, 3))]).await.expect("b's shares");
+    let max = i64::MAX as u64;
+    assert_eq!(a.run("r1").await.expect("the run is read").and_then(|r| r.usage), Some(usage(max, max, max)));
+    let listed = b.list(&super::ListQuery { limit: 10, ..super::ListQuery::default() }).await.expect("the page is read");
+    assert_eq!(listed.iter().map(|r| (r.run_id.as_str(), r.usage)).collect::<Vec<_>>(), [("r2", Some(usage(1, 2, 3))), ("r1", Some(usage(max, max, max)))]);
+}
+
+#[tokio::test]
 async fn pg_every_replica_lists_the_calls_any_replica_recorded_and_they_go_with_the_run() {
     let Some(url) = pg_url("pg_every_replica_lists_the_calls").await else { return };
     let (a, _) = open(&url, "a").await;

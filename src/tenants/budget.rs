@@ -3,9 +3,11 @@
 //! admissions per minute.
 //!
 //! Admission asks [`Budgets::admit`] (`402 budget_exceeded` / `429 rate_limited`, with when to
-//! retry); the LLM proxy asks [`Budgets::allow_call`] before every call and refuses one that would
+//! retry); the LLM proxy asks [`Budgets::check_call`] before every call and refuses one that would
 //! start after the budget is spent, which ends its run `budget_exceeded`. A call that started
 //! before is allowed to finish: the account is billed exactly up to the call that crossed the cap.
+//! A spend that cannot be read (the store does not answer) refuses the call too, but only for now
+//! ([`CallBudget::Unknown`]): the run goes on and the gateway retries the call.
 
 use crate::store::tenants::{Limits, TenantStore};
 use crate::store::writer::Writer;
@@ -41,6 +43,36 @@ pub enum Refusal {
     },
 }
 
+/// Whether a run may start another LLM call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallBudget {
+    /// The account has no token budget, or has tokens left in this period.
+    Allowed,
+    /// The period's tokens are spent: the call is refused and the run ends `budget_exceeded`.
+    Exceeded,
+    /// The spend cannot be read now (the store does not answer): the call is not forwarded
+    /// (fail-closed), but nothing is known against the run, which goes on; the call is retried.
+    Unknown,
+}
+
+/// How long an LLM call goes by the spend last read from a store shared by replicas (per account
+/// and window) instead of flushing this replica's writes and querying the store again: every call
+/// of a budgeted account would otherwise cost both. Other replicas' spend of this last moment may
+/// be missed for so long (a call or two past the budget at most); this replica's own is added to
+/// what was read at once ([`Budgets::record`]).
+pub const SHARED_SPEND_TTL: Duration = Duration::from_millis(500);
+
+/// A spend read from a shared store, and when.
+#[derive(Debug, Clone, Copy)]
+struct RecentSpend {
+    /// The window it is the spend of (an entry of an earlier window is stale whatever its age).
+    window_start: i64,
+    /// Tokens spent in it: as read, plus what this replica recorded since.
+    tokens: u64,
+    /// When it was read.
+    read_at: Instant,
+}
+
 #[derive(Default)]
 struct Account {
     /// Live runs (admitted, not ended).
@@ -61,6 +93,9 @@ pub struct Budgets {
     limits: DashMap<String, Limits>,
     /// Spend per (account, window start), loaded from the store on first use.
     spend: DashMap<(String, i64), u64>,
+    /// The spend the LLM proxy read from a shared store lately, per account (see
+    /// [`SHARED_SPEND_TTL`]); one entry per budgeted account, replaced each window.
+    recent_spend: DashMap<String, RecentSpend>,
     accounts: DashMap<String, Account>,
     /// True when the LLM proxy counts every call's tokens; without it a token budget cannot hold.
     metered: bool,
@@ -84,7 +119,17 @@ impl Budgets {
             }
             limits.insert(a, l);
         }
-        Ok(Arc::new(Self { store, writer, limits, spend: DashMap::new(), accounts: DashMap::new(), metered, shared, cancel: OnceLock::new() }))
+        Ok(Arc::new(Self {
+            store,
+            writer,
+            limits,
+            spend: DashMap::new(),
+            recent_spend: DashMap::new(),
+            accounts: DashMap::new(),
+            metered,
+            shared,
+            cancel: OnceLock::new(),
+        }))
     }
 
     /// Re-reads every account's limits (the CLI changes them in the store of a running clawmux).
@@ -208,19 +253,41 @@ impl Budgets {
         }
     }
 
-    /// May a run of `account` start another LLM call? False once the period's tokens are spent.
-    pub async fn allow_call(&self, account: &str) -> bool {
-        let max = self.limits(account).max_tokens;
-        match (max, self.spent(account).await) {
-            (Some(max), Ok(Some((spent, _)))) => spent < max,
-            (_, Ok(_)) => true,
-            // Fail closed: without the stored spend a budget cannot be enforced.
-            (Some(_), Err(e)) => {
-                tracing::error!(account, error = %e, "cannot read the spend of a budgeted account; refusing its call");
-                false
+    /// May a run of `account` start another LLM call? [`CallBudget::Exceeded`] once the period's
+    /// tokens are spent; [`CallBudget::Unknown`] while the spend cannot be read.
+    pub async fn check_call(&self, account: &str) -> CallBudget {
+        self.check_call_at(account, Instant::now()).await
+    }
+
+    /// [`Self::check_call`] at `now` (what the recent spend's age is judged by).
+    async fn check_call_at(&self, account: &str, now: Instant) -> CallBudget {
+        let l = self.limits(account);
+        let (Some(max), Some(period)) = (l.max_tokens, l.period_sec) else { return CallBudget::Allowed };
+        let spent = if self.shared { self.recent_shared_spend(account, period, now).await } else { self.spent(account).await.map(|s| s.map_or(0, |(s, _)| s)) };
+        match spent {
+            Ok(spent) if spent < max => CallBudget::Allowed,
+            Ok(_) => CallBudget::Exceeded,
+            // Fail closed, but only for now: a store that does not answer says nothing about the
+            // run, which must not end `budget_exceeded` for it.
+            Err(e) => {
+                tracing::error!(account, error = %e, "cannot read the spend of a budgeted account; its LLM call is refused for now (retried), its run goes on");
+                CallBudget::Unknown
             }
-            (None, Err(_)) => true,
         }
+    }
+
+    /// The spend of `account` in the current window of `period` as a store shared by replicas has
+    /// it, read at most every [`SHARED_SPEND_TTL`].
+    async fn recent_shared_spend(&self, account: &str, period: u64, now: Instant) -> Result<u64, StoreError> {
+        let (start, _) = window(period, now_ms());
+        if let Some(r) = self.recent_spend.get(account).filter(|r| r.window_start == start && now.saturating_duration_since(r.read_at) < SHARED_SPEND_TTL) {
+            return Ok(r.tokens);
+        }
+        // What this replica has queued is stored first: the store's sum is then the account's.
+        self.writer.flush().await;
+        let tokens = self.store.spend(account, start).await?;
+        self.recent_spend.insert(account.to_owned(), RecentSpend { window_start: start, tokens, read_at: now });
+        Ok(tokens)
     }
 
     /// The LLM proxy recorded `tokens` for `account`: stored, and counted at once.
@@ -232,7 +299,11 @@ impl Budgets {
         let Some(period) = l.period_sec.filter(|_| l.max_tokens.is_some()) else { return };
         let (start, _) = window(period, now_ms());
         if self.shared {
-            // Read back from the store (see `spent`): no copy here to keep up to date.
+            // Read back from the store (see `spent`); the spend read lately for the LLM proxy's
+            // checks counts this replica's own calls at once.
+            if let Some(mut r) = self.recent_spend.get_mut(account).filter(|r| r.window_start == start) {
+                r.tokens = r.tokens.saturating_add(tokens);
+            }
         } else if let Some(mut s) = self.spend.get_mut(&(account.to_owned(), start)) {
             *s = s.saturating_add(tokens);
         }
@@ -254,10 +325,118 @@ fn secs_until(end_ms: i64) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::store::memory::MemoryStore;
+    use crate::store::tenants::{DeliveryOutcome, KeyRecord, OutboxItem};
     use crate::store::writer::StoreMetrics;
+    use crate::store::Store;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// A tenant store whose spend cannot be read while `down` is set (a database out of reach),
+    /// counting the reads; everything else is a memory store's.
+    pub(crate) struct FlakySpend {
+        /// The store behind it (also the writer's: recorded spend lands there).
+        pub(crate) inner: Arc<MemoryStore>,
+        /// Spend reads fail while set.
+        pub(crate) down: AtomicBool,
+        /// Spend reads asked.
+        pub(crate) reads: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl TenantStore for FlakySpend {
+        async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError> {
+            self.inner.create_key(key).await
+        }
+        async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError> {
+            self.inner.key(id).await
+        }
+        async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
+            self.inner.keys().await
+        }
+        async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
+            self.inner.revoke_key(id, at_ms).await
+        }
+        async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {
+            self.inner.limits(account).await
+        }
+        async fn all_limits(&self) -> Result<Vec<(String, Limits)>, StoreError> {
+            self.inner.all_limits().await
+        }
+        async fn set_limits(&self, account: &str, limits: &Limits, at_ms: i64) -> Result<(), StoreError> {
+            self.inner.set_limits(account, limits, at_ms).await
+        }
+        async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            if self.down.load(Ordering::SeqCst) {
+                return Err(StoreError("the database is out of reach".into()));
+            }
+            self.inner.spend(account, window_start_ms).await
+        }
+        async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
+            self.inner.due_deliveries(now_ms, limit).await
+        }
+        async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, at_ms: i64) -> Result<(), StoreError> {
+            self.inner.record_delivery(id, outcome, at_ms).await
+        }
+        async fn deliveries_of(&self, run_id: &str) -> Result<Vec<(u32, bool, bool, Option<String>)>, StoreError> {
+            self.inner.deliveries_of(run_id).await
+        }
+    }
+
+    /// Budgets over a [`FlakySpend`] store (`shared`: as replicas sharing it), `account` with a
+    /// budget of `max` tokens a day; the number of runs ended for their budget is counted.
+    pub(crate) async fn flaky_budgets(account: &str, max: u64, shared: bool) -> (Arc<Budgets>, Arc<FlakySpend>, Arc<AtomicUsize>) {
+        let inner = Arc::new(MemoryStore::new());
+        let store = Arc::new(FlakySpend { inner: inner.clone(), down: AtomicBool::new(false), reads: AtomicUsize::new(0) });
+        let writer = Writer::start(inner, StoreMetrics::new(&prometheus::Registry::new()).expect("metrics"));
+        let b = Budgets::load(store.clone(), writer, true, shared).await.expect("load");
+        b.set_limits(account, Limits { max_tokens: Some(max), period_sec: Some(86_400), ..Limits::default() }).await.expect("limits");
+        let ended = Arc::new(AtomicUsize::new(0));
+        let counted = ended.clone();
+        b.on_exceeded(Box::new(move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async {})
+        }));
+        (b, store, ended)
+    }
+
+    #[actix_rt::test]
+    async fn a_spend_that_cannot_be_read_refuses_the_call_for_now_and_is_no_budget_stop() {
+        for shared in [false, true] {
+            let (b, store, _) = flaky_budgets("acct", 100, shared).await;
+            store.down.store(true, Ordering::SeqCst);
+            assert_eq!(b.check_call("acct").await, CallBudget::Unknown, "shared: {shared}");
+            assert_eq!(b.check_call("no-budget").await, CallBudget::Allowed, "an account without a budget reads nothing");
+            store.down.store(false, Ordering::SeqCst);
+            assert_eq!(b.check_call("acct").await, CallBudget::Allowed, "shared: {shared}");
+            // This process's own calls count at once (shared: on top of the spend read lately).
+            b.record("acct", 150);
+            assert_eq!(b.check_call("acct").await, CallBudget::Exceeded, "shared: {shared}");
+        }
+    }
+
+    #[actix_rt::test]
+    async fn the_spend_of_a_shared_store_is_read_at_most_every_ttl_per_account() {
+        let (b, store, _) = flaky_budgets("acct", 100, true).await;
+        let t0 = Instant::now();
+        let reads = || store.reads.load(Ordering::SeqCst);
+        assert_eq!(b.check_call_at("acct", t0).await, CallBudget::Allowed);
+        assert_eq!(reads(), 1);
+        assert_eq!(b.check_call_at("acct", t0 + SHARED_SPEND_TTL / 2).await, CallBudget::Allowed);
+        assert_eq!(reads(), 1, "read lately: not read again");
+        // Another replica spent the budget meanwhile: seen at the next read.
+        store.inner.apply(&[Write::Spend { account: "acct".into(), window_start_ms: window(86_400, now_ms()).0, tokens: 100 }]).await.expect("spend");
+        assert_eq!(b.check_call_at("acct", t0 + SHARED_SPEND_TTL).await, CallBudget::Exceeded);
+        assert_eq!(reads(), 2);
+        // A read that fails is not kept: the next call asks again.
+        store.down.store(true, Ordering::SeqCst);
+        assert_eq!(b.check_call_at("acct", t0 + SHARED_SPEND_TTL * 2).await, CallBudget::Unknown);
+        store.down.store(false, Ordering::SeqCst);
+        assert_eq!(b.check_call_at("acct", t0 + SHARED_SPEND_TTL * 2).await, CallBudget::Exceeded);
+        assert_eq!(reads(), 4);
+    }
 
     async fn budgets(account: &str, limits: Limits) -> Arc<Budgets> {
         let store = Arc::new(MemoryStore::new());
