@@ -64,6 +64,9 @@ impl Store for Probe {
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
         self.mem.run(run_id).await
     }
+    async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
+        self.mem.by_idempotency_key(account, key).await
+    }
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
         self.mem.events(run_id, after).await
     }

@@ -533,6 +533,11 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     s.apply(&[spend(30)]).await.expect("spend");
     assert_eq!(t.spend("acct-a", 60_000).await.expect("spend"), 42, "{kind}");
     assert_eq!(t.spend("acct-a", 0).await.expect("spend"), 0, "{kind}");
+    // Token counts come from the upstream (untrusted): sums saturate, never fail or wrap.
+    s.apply(&[spend(u64::MAX)]).await.expect("a huge spend is stored");
+    s.apply(&[spend(u64::MAX)]).await.expect("and another");
+    let top = t.spend("acct-a", 60_000).await.expect("spend");
+    assert!(top >= u64::try_from(i64::MAX).unwrap_or(u64::MAX), "{kind}: {top}");
 
     insert(&*s, row("run-w", "acct-a", 1)).await;
     let webhook = NewDelivery { url: "https://hooks.example.com/k".into(), key_id: Some("k2".into()), body: "{\"runId\":\"run-w\"}".into() };

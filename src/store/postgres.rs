@@ -596,7 +596,7 @@ impl PgStore {
         for ((account, window), tokens) in spend {
             sqlx::query(
                 "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES ($1, $2, $3) \
-                 ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = spend.tokens + excluded.tokens",
+                 ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = LEAST(spend.tokens::numeric + excluded.tokens, 9223372036854775807)::int8",
             )
             .bind(account)
             .bind(window)

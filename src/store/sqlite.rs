@@ -319,7 +319,7 @@ impl SqliteStore {
                     Write::Spend { account, window_start_ms, tokens } => {
                         tx.prepare_cached(
                             "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES (?, ?, ?) \
-                             ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = tokens + excluded.tokens",
+                             ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = CASE WHEN tokens > 9223372036854775807 - excluded.tokens THEN 9223372036854775807 ELSE tokens + excluded.tokens END",
                         )?
                         .execute(params![account, window_start_ms, i64::try_from(*tokens).unwrap_or(i64::MAX)])?;
                         Applied::Done
