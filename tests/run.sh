@@ -18,7 +18,7 @@
 # Env: CLAWMUX_CACHE, CARGO_TEST_ARGS (extra args for cargo test).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-say() { printf '\n== %s\n' "$*"; }
+say() { printf '\n== %s (%s, %s s in)\n' "$*" "$(date -u +%T)" "$SECONDS"; }
 
 say "prerequisites"
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)"; exit 1; }
