@@ -235,8 +235,10 @@ async fn pg_kill_9_of_one_replica_every_run_is_taken_over_by_one_survivor_and_en
 #[actix_rt::test]
 async fn pg_any_replica_serves_any_run_and_an_abort_posted_to_another_replica_reaches_the_owner() {
     let Some(url) = database("pg_any_replica_serves_any_run").await else { return };
+    // 300 runs of ~23 s: most are still going when their first streams are cut (posting 300 runs
+    // takes seconds on a loaded machine).
     const N: usize = 300;
-    let gw = gateway_at(0.3);
+    let gw = gateway_at(0.15);
     let http = http();
     let apps = replicas(&gw, &url, &http).await;
     let ids = post_round_robin(&http, &apps, N, "any").await;

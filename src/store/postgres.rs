@@ -820,20 +820,23 @@ impl Store for PgStore {
     }
 
     async fn request_abort(&self, run_id: &str, reason: AbortReason) -> Result<bool, StoreError> {
-        let owner: Option<Option<String>> = sqlx::query_scalar(&format!(
-            "UPDATE runs SET abort_requested_at = COALESCE(abort_requested_at, {DB_NOW_MS}), abort_reason = COALESCE(abort_reason, $2) \
-             WHERE run_id = $1 AND finished_at IS NULL RETURNING owner"
+        // One statement: the abort and the owner's wake-up (it acts on it at once, its renewal runs
+        // when told, not a third of a lease later) are stored together or not at all.
+        // (The second count is returned so that the notification is sent: a CTE nobody reads is
+        // not run.)
+        let (recorded, _notified): (i64, i64) = sqlx::query_as(&format!(
+            "WITH a AS (UPDATE runs SET abort_requested_at = COALESCE(abort_requested_at, {DB_NOW_MS}), abort_reason = COALESCE(abort_reason, $2) \
+               WHERE run_id = $1 AND finished_at IS NULL RETURNING owner), \
+             n AS (SELECT pg_notify($3, owner) FROM a WHERE owner IS NOT NULL) \
+             SELECT (SELECT count(*) FROM a), (SELECT count(*) FROM n)"
         ))
         .bind(run_id)
         .bind(reason.stored())
-        .fetch_optional(&self.pool)
+        .bind(pg_shares::ABORT)
+        .fetch_one(&self.pool)
         .await
         .map_err(|e| self.err(e))?;
-        // The owner acts on it at once (its renewal runs when told), not a third of a lease later.
-        if let Some(Some(owner)) = &owner {
-            sqlx::query("SELECT pg_notify($1, $2)").bind(pg_shares::ABORT).bind(owner).execute(&self.pool).await.map_err(|e| self.err(e))?;
-        }
-        Ok(owner.is_some())
+        Ok(recorded > 0)
     }
 
     async fn live_run(&self, key: &CallKey) -> Result<Option<LiveRun>, StoreError> {
@@ -865,13 +868,16 @@ impl Store for PgStore {
         let cutoff = now_ms.saturating_sub(retention.max_age_ms);
         let max = i64::try_from(retention.max_count).unwrap_or(i64::MAX);
         // Past the age, and beyond the newest `max_count` finished runs; events first, in the same
-        // statement.
+        // statement. Usage shares and call records of runs that are gone go too (a proxy's record
+        // written after its run was swept, or deleted as a refused admission, would stay forever).
         sqlx::query_scalar(
             "WITH doomed AS (SELECT run_id FROM runs WHERE finished_at IS NOT NULL AND (finished_at <= $1 OR run_id IN \
                (SELECT run_id FROM runs WHERE finished_at IS NOT NULL ORDER BY finished_at DESC, seq DESC OFFSET $2))), \
              gone_events AS (DELETE FROM events WHERE run_id IN (SELECT run_id FROM doomed)), \
-             gone_usage AS (DELETE FROM run_usage WHERE run_id IN (SELECT run_id FROM doomed)), \
-             gone_calls AS (DELETE FROM llm_calls WHERE run_id IN (SELECT run_id FROM doomed)) \
+             gone_usage AS (DELETE FROM run_usage u WHERE u.run_id IN (SELECT run_id FROM doomed) \
+               OR NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = u.run_id)), \
+             gone_calls AS (DELETE FROM llm_calls c WHERE c.run_id IN (SELECT run_id FROM doomed) \
+               OR NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = c.run_id)) \
              DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id",
         )
         .bind(cutoff)
