@@ -39,6 +39,8 @@ pub struct Running {
     pub resumed: usize,
     /// The session actors' threads, stopped at the end of [`shutdown`].
     shards: Vec<actix::Arbiter>,
+    /// The gateway connection's and its supervisor's thread, stopped with the shards.
+    gateway_thread: actix::Arbiter,
 }
 
 /// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
@@ -132,7 +134,13 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         st.device_id = sup.device.as_ref().map(|d| d.device_id().to_owned());
     }
     let registry_cfg = RegistryConfig { max_runs: sup.max_runs, max_starting: cfg.max_starting, session: sup.session() };
-    let supervisor = Supervisor::new(sup, metrics.clone(), status.clone()).start();
+    // The gateway connection and its supervisor on a thread of their own: frames are decoded and
+    // routed there, never queued behind admissions (the registry's thread).
+    let gateway_thread = actix::Arbiter::new();
+    let supervisor = {
+        let (metrics, status) = (metrics.clone(), status.clone());
+        Supervisor::start_in_arbiter(&gateway_thread.handle(), move |_| Supervisor::new(sup, metrics, status))
+    };
     if cfg.api_token.is_none() {
         tracing::warn!("CLAWMUX_API_TOKEN is not set: the API serves loopback clients only");
     }
@@ -178,7 +186,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         },
     };
     let relay = workspace.is_some();
-    // The session actors' threads: the supervisor's thread decodes and routes every frame; each
+    // The session actors' threads: the supervisor's thread reads, decodes and routes every frame; each
     // run's own work (its deltas, its store writes, its SSE fan-out) happens on its shard.
     let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
     let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
@@ -257,7 +265,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     let server = server.run();
     let handle = server.handle();
     let done = actix::spawn(server);
-    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards })
+    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards, gateway_thread })
 }
 
 /// Continues every unfinished run of the store this process may continue (on a shared store: its
@@ -400,6 +408,12 @@ pub async fn shutdown(running: &Running) {
     for shard in &running.shards {
         shard.stop();
     }
+    // After the supervisor's grace for the gateway's close frame (it sent `Disconnect` above).
+    let gateway = running.gateway_thread.handle();
+    actix::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        gateway.stop();
+    });
 }
 
 /// Runs until SIGINT or SIGTERM, then shuts down as `CLAWMUX_SHUTDOWN` says.
