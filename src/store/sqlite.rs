@@ -1,7 +1,8 @@
 //! `sqlite://PATH`: the default run store. WAL journal (readers never wait for the writer),
 //! `synchronous = NORMAL` (a commit survives a crash of clawmux; the last commits before a power
 //! loss may not), one write connection used by the group-commit writer on its own thread, a small
-//! pool of read connections, checkpoints in the background. The schema is created and migrated at
+//! pool of read connections, checkpoints in the background (finished with the writer paused once
+//! the WAL grew, so that it restarts: [`checkpoint_round`]). The schema is created and migrated at
 //! start from `migrations/sqlite/` (its version in `PRAGMA user_version`).
 //!
 //! rusqlite, not an async driver: the writer owns a thread anyway, and a commit costs ~30 µs
