@@ -43,20 +43,6 @@ pub struct Running {
     gateway_thread: actix::Arbiter,
 }
 
-/// The threads the session actors are spread over (`CLAWMUX_SHARDS`), and those of them started
-/// here (stopped at shutdown). None (0) leaves the actors on the registry's thread. Otherwise the
-/// first is the gateway connection's own thread: a frame for a run there goes from the socket to
-/// the run with no thread to wake in between (on 2 cores that cost more CPU than the run's own
-/// work; BENCHMARKS.md, "Issue 12: CPU per run"); the others are threads of their own.
-fn shard_threads(n: usize, gateway: &actix::Arbiter) -> (Vec<actix::dev::ArbiterHandle>, Vec<actix::Arbiter>) {
-    if n == 0 {
-        return (Vec::new(), Vec::new());
-    }
-    let own: Vec<actix::Arbiter> = (1..n).map(|_| actix::Arbiter::new()).collect();
-    let handles = std::iter::once(gateway.handle()).chain(own.iter().map(actix::Arbiter::handle)).collect();
-    (handles, own)
-}
-
 /// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
 pub fn load_device(cfg: &Config) -> Result<Option<Arc<clawmux_actors::device::DeviceIdentity>>, String> {
     use crate::config::DeviceMode;
@@ -200,9 +186,11 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         },
     };
     let relay = workspace.is_some();
-    let (shard_handles, shards) = shard_threads(cfg.shards, &gateway_thread);
+    // The session actors' threads: the supervisor's thread reads, decodes and routes every frame; each
+    // run's own work (its deltas, its store writes, its SSE fan-out) happens on its shard.
+    let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
     let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
-        .with_shards(shard_handles)
+        .with_shards(shards.iter().map(actix::Arbiter::handle).collect())
         .start();
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
     {
@@ -493,40 +481,4 @@ fn spawn_heartbeat(store: Arc<RunStore>, replica_id: String) {
             }
         }
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The thread a handle runs its work on.
-    async fn thread_of(h: &actix::dev::ArbiterHandle) -> std::thread::ThreadId {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        assert!(h.spawn_fn(move || {
-            let _ = tx.send(std::thread::current().id());
-        }));
-        rx.await.expect("the thread answers")
-    }
-
-    #[actix_rt::test]
-    async fn session_actors_share_the_gateway_threads_first_then_threads_of_their_own() {
-        let gateway = actix::Arbiter::new();
-        let on_gateway = thread_of(&gateway.handle()).await;
-        let (none, started) = shard_threads(0, &gateway);
-        assert!(none.is_empty() && started.is_empty(), "0: the registry's own thread");
-        let (one, started) = shard_threads(1, &gateway);
-        assert_eq!((one.len(), started.len()), (1, 0));
-        assert_eq!(thread_of(&one[0]).await, on_gateway, "a frame for these runs needs no other thread");
-        let (three, started) = shard_threads(3, &gateway);
-        assert_eq!((three.len(), started.len()), (3, 2));
-        let mut threads = Vec::new();
-        for h in &three {
-            threads.push(thread_of(h).await);
-        }
-        assert_eq!(threads[0], on_gateway);
-        assert!(threads[1] != on_gateway && threads[2] != on_gateway && threads[1] != threads[2], "{threads:?}");
-        for a in started.iter().chain([&gateway]) {
-            a.stop();
-        }
-    }
 }
