@@ -598,6 +598,76 @@ mod tests {
         Outbound::Text { text: format!("{{\"frame\":{i}}}"), event: None }
     }
 
+    /// What the connection task reported; frames are handed to a task on the same thread, as
+    /// the supervisor's mailbox takes them.
+    #[derive(Clone)]
+    struct Recorder {
+        up: Arc<AtomicUsize>,
+        /// How many frames the consumer had taken when each frame was handed on.
+        seen: Arc<std::sync::Mutex<Vec<usize>>>,
+        consumed: Arc<AtomicUsize>,
+        to_consumer: tokio::sync::mpsc::UnboundedSender<()>,
+        /// The outbound sender, kept: dropping it closes the connection.
+        tx: Arc<std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>>,
+    }
+
+    impl clawmux_actors::connection::ConnEvents for Recorder {
+        fn up(&self, _: clawmux_protocol::handshake::HelloOk, tx: tokio::sync::mpsc::UnboundedSender<String>) {
+            *self.tx.lock().unwrap() = Some(tx);
+            self.up.store(1, Ordering::SeqCst);
+        }
+        fn failed(&self, _: clawmux_actors::connection::ConnectFailure) {}
+        fn frame(&self, _: Result<clawmux_protocol::Frame, String>, _: std::time::Instant) {
+            self.seen.lock().unwrap().push(self.consumed.load(Ordering::SeqCst));
+            let _ = self.to_consumer.send(());
+        }
+        fn closed(&self, _: String) {}
+    }
+
+    /// clawmux's connection task shares its thread with the supervisor, which routes what it
+    /// hands on: within a burst of frames read at once, each frame is taken (routed) before the
+    /// next one is decoded, not all of them after the last (which made every frame of a burst
+    /// wait for the decoding of the rest).
+    #[actix_rt::test]
+    async fn the_connection_task_lets_each_frame_of_a_burst_be_taken_before_the_next() {
+        let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0).token("t")).unwrap();
+        let (to_consumer, mut frames) = tokio::sync::mpsc::unbounded_channel();
+        let rec = Recorder {
+            up: Arc::default(),
+            seen: Arc::default(),
+            consumed: Arc::default(),
+            to_consumer,
+            tx: Arc::default(),
+        };
+        let consumed = rec.consumed.clone();
+        actix_rt::spawn(async move {
+            while frames.recv().await.is_some() {
+                consumed.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let params = clawmux_protocol::handshake::ConnectParams::multiplexer("test", Some("t".to_owned()));
+        actix_rt::spawn(clawmux_actors::connection::run(gw.url(), params, None, Duration::from_secs(10), rec.clone()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rec.up.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline, "no hello-ok");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let before = rec.seen.lock().unwrap().len();
+        // Queued while frozen: they leave in one write when thawed, and arrive in one read.
+        gw.set_frozen(true);
+        for i in 0..10 {
+            gw.broadcast_raw(&format!(r#"{{"type":"event","event":"tick","payload":{{"ts":{i}}}}}"#));
+        }
+        gw.set_frozen(false);
+        while rec.seen.lock().unwrap().len() < before + 10 {
+            assert!(Instant::now() < deadline, "the burst did not arrive");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let seen = rec.seen.lock().unwrap()[before..before + 10].to_vec();
+        assert!(seen.windows(2).all(|w| w[1] == w[0] + 1), "each frame taken before the next is handed on: {seen:?}");
+        gw.stop().await;
+    }
+
     #[tokio::test]
     async fn frames_queued_together_leave_in_one_write_in_order_and_a_close_behind_them_is_returned() {
         let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0)).unwrap();
