@@ -14,8 +14,14 @@ C="${1:-1000}"; RUNS="${2:-3000}"
 # BENCH_NICE=1 runs the load driver and the replay gateway at nice 19, so that clawmux gets the CPU
 # it would have on a machine of its own (all three share 2 cores here).
 NICE=""; [ "${BENCH_NICE:-0}" = 1 ] && NICE="nice -n 19"
-cargo build --release --locked -q
-BIN="$PWD/target/release/clawmux"
+# BENCH_BIN: a clawmux binary to measure (e.g. another build, to compare in the same session);
+# default: this tree's release build.
+if [ -n "${BENCH_BIN:-}" ]; then
+  BIN="$BENCH_BIN"
+else
+  cargo build --release --locked -q
+  BIN="${CARGO_TARGET_DIR:-$PWD/target}/release/clawmux"
+fi
 TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 GW_PORT="$(free_port)"; CM_PORT="$(free_port)"
 GW_PID=""; CM_PID=""
@@ -58,5 +64,6 @@ shards, rss = os.environ["SHARDS"], int(os.environ["PEAK_RSS_KB"]) / 1024
 print(f"shards={shards} runs/s={rps:.0f} accepted p99={acc:.0f} ms first-delta p99={first:.0f} ms", end=" ")
 print(f"clawmux CPU={cpu:.2f} s ({cpu / runs * 1000:.2f} ms/run) peak RSS={rss:.0f} MiB ({rss * 1024 / runs:.0f} KiB/run)")
 gw, drv = float(os.environ["GW_CPU_SEC"]), float(os.environ["LOAD_CPU_SEC"])
-print(f"CPU of the others: replay gateway {gw:.2f} s, load driver {drv:.2f} s")
+la = open("/proc/loadavg").read().split()[0]
+print(f"CPU of the others: replay gateway {gw:.2f} s, load driver {drv:.2f} s; load average {la}")
 '

@@ -2,12 +2,16 @@
 # The whole-system case of issue 12, as a new user would try it: a replay gateway playing the long
 # recorded run (3.5 s) re-cut into 20 deltas, `clawmux serve`, `clawmux load --runs N --concurrency C`.
 # Prints one JSON line: clawmux CPU per run (utime+stime from /proc), peak RSS (VmHWM), the load
-# driver's latencies (accepted, first delta, terminal), finals, errors, isolation violations.
+# driver's latencies (accepted, first delta, terminal), finals, errors, isolation violations, and
+# clawmux's added latency during the load (`clawmux_frame_to_client_seconds`: a frame's arrival on
+# the gateway socket to its delta handed to the SSE clients; histogram bucket upper bounds).
 #
 #   BENCH_BIN=target/release/clawmux SYS_C=1000 SYS_RUNS=2000 bench/system.sh
 #
 # Each clawmux binary named in BENCH_BINS (space-separated) is measured SYS_REPS times, alternating,
-# so that two builds compare on the same machine load. Everything started is stopped by PID.
+# so that two builds compare on the same machine load. The replay gateway and the load driver are
+# the measured binary's own, or SYS_GW_BIN's (one build of them for every clawmux measured: its
+# own CPU then stays out of the comparison). Everything started is stopped by PID.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=bench/lib.sh
@@ -33,7 +37,8 @@ one() { # BIN REP
   local bin="$1" rep="$2"
   local gp sp cp out="$WORK/load-$rep-$RANDOM.json"
   gp="$(free_port)"; sp="$(free_port)"; cp="$(free_port)"
-  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$bin" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
+  local tools="${SYS_GW_BIN:-$bin}"
+  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$tools" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
     --speed 1 --deltas 20 --stats-listen "127.0.0.1:$sp" >>"$WORK/gateway.log" 2>&1 &
   GW_PID=$!
   wait_http "http://127.0.0.1:$sp/stats" 20 || { echo "gateway did not start" >&2; return 1; }
@@ -43,20 +48,23 @@ one() { # BIN REP
   CM_PID=$!
   wait_http "http://127.0.0.1:$cp/readyz" 30 || { echo "clawmux did not become ready" >&2; return 1; }
   # Warm-up (not measured): connections, allocator, the gateway's sessions.
-  CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout 120 "$bin" load --target "http://127.0.0.1:$cp" --runs 20 --concurrency 20 \
+  CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout 120 "$tools" load --target "http://127.0.0.1:$cp" --runs 20 --concurrency 20 \
     --timeout-sec 60 --deadline-sec 60 --json --no-progress >/dev/null 2>&1 || true
   echo 5 >"/proc/$CM_PID/clear_refs" 2>/dev/null || true
-  local cpu0 cpu1 t0 t1 lcpu
-  cpu0="$(cpu_ticks "$CM_PID")"; t0="$(date +%s.%N)"
+  local cpu0 cpu1 gcpu0 gcpu1 t0 t1 lcpu
+  # The added-latency histogram before the load (the warm-up's share is subtracted).
+  curl -fsS "http://127.0.0.1:$cp/metrics" >"$out.metrics0" 2>/dev/null || true
+  cpu0="$(cpu_ticks "$CM_PID")"; gcpu0="$(cpu_ticks "$GW_PID")"; t0="$(date +%s.%N)"
   CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout --signal=TERM --kill-after=10 $((DEADLINE + 30)) "$BENCH_TIME" -f '%U %S' -o "$out.time" \
-    "$bin" load --target "http://127.0.0.1:$cp" --runs "$RUNS" --concurrency "$C" --timeout-sec 120 \
+    "$tools" load --target "http://127.0.0.1:$cp" --runs "$RUNS" --concurrency "$C" --timeout-sec 120 \
     --deadline-sec "$DEADLINE" --json --no-progress --model cogni/fake-model >"$out" 2>"$out.err" || true
-  t1="$(date +%s.%N)"; cpu1="$(cpu_ticks "$CM_PID")"
+  t1="$(date +%s.%N)"; cpu1="$(cpu_ticks "$CM_PID")"; gcpu1="$(cpu_ticks "$GW_PID")"
+  curl -fsS "http://127.0.0.1:$cp/metrics" >"$out.metrics1" 2>/dev/null || true
   local hwm; hwm="$(hwm_kb "$CM_PID")"; lcpu="$(awk '{print $1 + $2}' "$out.time" 2>/dev/null || echo 0)"
   stop_pid "$CM_PID"; CM_PID=""; stop_pid "$GW_PID"; GW_PID=""
-  python3 - "$bin" "$rep" "$C" "$RUNS" "$out" "$cpu0" "$cpu1" "$(getconf CLK_TCK)" "$t0" "$t1" "$hwm" "$lcpu" "$(cut -d' ' -f1 /proc/loadavg)" <<'PY'
+  python3 - "$bin" "$rep" "$C" "$RUNS" "$out" "$cpu0" "$cpu1" "$(getconf CLK_TCK)" "$t0" "$t1" "$hwm" "$lcpu" "$(cut -d' ' -f1 /proc/loadavg)" "$gcpu0" "$gcpu1" "${SYS_GW_BIN:-$bin}" <<'PY'
 import json, sys
-binary, rep, c, runs, out, cpu0, cpu1, tck, t0, t1, hwm, lcpu, load = sys.argv[1:]
+binary, rep, c, runs, out, cpu0, cpu1, tck, t0, t1, hwm, lcpu, load, gcpu0, gcpu1, tools = sys.argv[1:]
 try:
     r = json.load(open(out))
 except Exception as e:
@@ -64,16 +72,43 @@ except Exception as e:
 lat = r.get("latencyMs") or {}
 def p(s, q):
     return ((lat.get(s) or {}).get(q))
+def buckets(path, name):
+    # Cumulative bucket counts by upper bound (seconds) of one histogram in a /metrics scrape.
+    b = {}
+    try:
+        for line in open(path):
+            if line.startswith(name + "_bucket"):
+                le = line.split('le="')[1].split('"')[0]
+                b[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    except OSError:
+        pass
+    return b
+def added_latency():
+    # clawmux_frame_to_client_seconds during the load only: bucket upper bounds in ms (the true
+    # value is at most that).
+    name = "clawmux_frame_to_client_seconds"
+    b0, b1 = buckets(out + ".metrics0", name), buckets(out + ".metrics1", name)
+    d = sorted((le, n - b0.get(le, 0.0)) for le, n in b1.items())
+    if not d or d[-1][1] <= 0:
+        return None
+    total = d[-1][1]
+    res = {"n": int(total)}
+    for q, key in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (0.999, "p99.9")):
+        le = next(le for le, n in d if n >= q * total)
+        res[key] = None if le == float("inf") else round(le * 1000, 3)
+    return res
 cpu = (int(cpu1) - int(cpu0)) / int(tck)
 done = max(1, (r.get("finals") or 0) + (r.get("errors") or 0))
 print(json.dumps({
     "bin": binary, "rep": int(rep), "concurrency": int(c), "runs": int(runs), "finals": r.get("finals"), "errors": r.get("errors"),
     "errorsByCode": r.get("errorsByCode"), "violations": r.get("isolationViolations"), "interrupted": r.get("interrupted"),
     "cmCpuSec": round(cpu, 2), "cmCpuMsPerRun": round(1000 * cpu / done, 3), "wallSec": round(float(t1) - float(t0), 1),
-    "cmPeakRssMb": round(int(hwm) / 1024, 1), "loadDriverCpuSec": float(lcpu), "loadavg1AtEnd": float(load),
+    "cmPeakRssMb": round(int(hwm) / 1024, 1), "loadDriverCpuSec": float(lcpu),
+    "gatewayCpuSec": round((int(gcpu1) - int(gcpu0)) / int(tck), 2), "tools": tools, "loadavg1AtEnd": float(load),
     "acceptedMs": {q: p("accepted", q) for q in ("p50", "p95", "p99")},
     "firstDeltaMs": {q: p("firstDelta", q) for q in ("p50", "p99")},
     "terminalMs": {q: p("terminal", q) for q in ("p50", "p99")},
+    "addedLatencyMsAtMost": added_latency(),
 }))
 PY
 }

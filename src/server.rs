@@ -39,6 +39,8 @@ pub struct Running {
     pub resumed: usize,
     /// The session actors' threads, stopped at the end of [`shutdown`].
     shards: Vec<actix::Arbiter>,
+    /// The gateway connection's and its supervisor's thread, stopped with the shards.
+    gateway_thread: actix::Arbiter,
 }
 
 /// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
@@ -185,11 +187,17 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         },
     };
     let relay = workspace.is_some();
-    // The session actors' threads: the supervisor's thread decodes and routes every frame; each
+    // The session actors' threads: the supervisor's thread reads, decodes and routes every frame; each
     // run's own work (its deltas, its store writes, its SSE fan-out) happens on its shard.
     // Started after every step that can fail: an actor started but never polled panics in actix
     // when the runtime is dropped on the way out of a failed start.
-    let supervisor = Supervisor::new(sup, metrics.clone(), status.clone()).start();
+    // The gateway connection and its supervisor on a thread of their own: frames are decoded and
+    // routed there, never queued behind admissions (the registry's thread).
+    let gateway_thread = actix::Arbiter::new();
+    let supervisor = {
+        let (metrics, status) = (metrics.clone(), status.clone());
+        Supervisor::start_in_arbiter(&gateway_thread.handle(), move |_| Supervisor::new(sup, metrics, status))
+    };
     let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
     let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
         .with_shards(shards.iter().map(actix::Arbiter::handle).collect())
@@ -283,7 +291,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     let server = server.run();
     let handle = server.handle();
     let done = actix::spawn(server);
-    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards })
+    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards, gateway_thread })
 }
 
 /// Continues every unfinished run of the store this process may continue (on a shared store: its
@@ -447,6 +455,12 @@ pub async fn shutdown(running: &Running) {
     for shard in &running.shards {
         shard.stop();
     }
+    // After the supervisor's grace for the gateway's close frame (it sent `Disconnect` above).
+    let gateway = running.gateway_thread.handle();
+    actix::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        gateway.stop();
+    });
 }
 
 /// Runs until SIGINT or SIGTERM, then shuts down as `CLAWMUX_SHUTDOWN` says.

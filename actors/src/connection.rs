@@ -135,7 +135,10 @@ pub async fn run(
             match stream.next().await {
                 Some(Ok(Message::Text(text))) => {
                     let received = std::time::Instant::now();
-                    events.frame(decode_frame(text.as_str(), max_payload).map_err(|e| e.to_string()), received)
+                    events.frame(decode_frame(text.as_str(), max_payload).map_err(|e| e.to_string()), received);
+                    // The supervisor shares this thread: let it route this frame before the next
+                    // one of a burst is decoded, rather than after all of them.
+                    tokio::task::yield_now().await;
                 }
                 Some(Ok(Message::Binary(_))) => events.frame(Err("binary frame from the gateway".to_owned()), std::time::Instant::now()),
                 Some(Ok(Message::Close(frame))) => {

@@ -290,8 +290,6 @@ pub struct Supervisor {
     /// The protocol offered, exactly, in the next `connect`: 4 first; 3 only after the gateway
     /// refused 4 with a protocol mismatch (and back to 4 when a gateway refuses 3).
     offer: u32,
-    /// The thread the gateway connection's I/O runs on (created on first connect).
-    io: Option<Arbiter>,
     /// Gateway runs given up on while the connection was down: cancelled once that gateway
     /// process is back, so no run goes on with no owner (and no bill payer watching).
     abandoned: std::collections::VecDeque<Abandon>,
@@ -331,7 +329,6 @@ impl Supervisor {
             listener: None,
             outbound_headers_supported,
             offer: clawmux_protocol::handshake::PREFERRED_PROTOCOL,
-            io: None,
             abandoned: std::collections::VecDeque::new(),
         }
     }
@@ -357,14 +354,13 @@ impl Supervisor {
             self.cfg.handshake_timeout,
             events,
         ));
-        // The socket's reads, decoding and writes run on their own thread, so that a burst of
-        // frames is decoded while this actor routes the previous ones.
-        let io = self.io.get_or_insert_with(Arbiter::new);
-        if !io.spawn(async move {
+        // The socket's reads, decoding and writes run on this actor's own thread (`serve` gives it
+        // one, apart from admissions): a frame goes from the socket to its run's shard, and a
+        // request from a run to the socket, with no other thread to wake in between (a thread of
+        // their own cost a wake-up and two context switches per frame, more CPU than the routing).
+        actix::spawn(async move {
             let _ = fut.await;
-        }) {
-            tracing::error!("the gateway I/O thread is gone");
-        }
+        });
         self.conn = Conn::Connecting { task };
     }
 
@@ -831,13 +827,9 @@ impl Handler<Disconnect> for Supervisor {
             s.connected = false;
             s.last_error = Some("clawmux is shutting down".to_owned());
         });
-        let io = self.io.take();
         ctx.run_later(CLOSE_GRACE, move |_, _| {
             if let Some(t) = task {
                 t.abort();
-            }
-            if let Some(io) = io {
-                io.stop();
             }
         });
     }

@@ -189,13 +189,14 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream) {
         tokio::select! {
             () = freeze_changed(&mut frozen) => {}
             out = rx.recv() => match out {
-                Some(Outbound::Text { text, event }) => {
-                    let len = text.len();
-                    if ws.send(Message::text(text)).await.is_err() {
+                Some(first @ Outbound::Text { .. }) => match send_burst(&shared, key, first, &mut rx, &mut ws).await {
+                    Ok(None) => {}
+                    Ok(Some(Outbound::Close { code, reason })) => {
+                        close = Some((code, reason));
                         break;
                     }
-                    shared.lock().count_sent(key, len, event.as_deref());
-                }
+                    Ok(Some(_)) | Err(()) => break,
+                },
                 Some(Outbound::Close { code, reason }) => {
                     close = Some((code, reason));
                     break;
@@ -268,6 +269,44 @@ async fn flush_queued<S>(
             shared.lock().count_sent(key, len, event.as_deref());
         }
     }
+}
+
+/// Frames one burst writes at most before it flushes.
+const BURST: usize = 256;
+
+/// Writes `first` and every text frame already queued behind it (up to [`BURST`]) with ONE flush:
+/// frames due at the same moment (many runs' deltas on one connection) leave in one write instead
+/// of a syscall each, for this process and for the client reading them, as a busy gateway's socket
+/// would carry them. Returns the close or drop met in the queue (sent after the burst), `Err` when
+/// the socket failed.
+async fn send_burst<S>(
+    shared: &Shared,
+    key: ConnKey,
+    first: Outbound,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>,
+    ws: &mut tokio_tungstenite::WebSocketStream<S>,
+) -> Result<Option<Outbound>, ()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut next = Some(first);
+    let mut stop = None;
+    let mut fed = 0;
+    while let Some(out) = next.take() {
+        let Outbound::Text { text, event } = out else {
+            stop = Some(out);
+            break;
+        };
+        let len = text.len();
+        ws.feed(Message::text(text)).await.map_err(|_| ())?;
+        shared.lock().count_sent(key, len, event.as_deref());
+        fed += 1;
+        if fed < BURST {
+            next = rx.try_recv().ok();
+        }
+    }
+    ws.flush().await.map_err(|_| ())?;
+    Ok(stop)
 }
 
 type Closing = (u16, String);
@@ -521,4 +560,134 @@ fn hello_ok(shared: &Shared, conn_id: String, granted: Vec<String>) -> Value {
     }
     hello["snapshot"]["health"] = health;
     hello
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::replay::{ReplayConfig, ReplayGateway};
+    use std::pin::Pin;
+    use std::sync::atomic::AtomicUsize;
+    use std::task::{Context, Poll};
+    use tokio_tungstenite::tungstenite::protocol::Role;
+
+    /// A socket that counts its writes.
+    struct Counting(tokio::io::DuplexStream, Arc<AtomicUsize>);
+
+    impl tokio::io::AsyncRead for Counting {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+
+    impl tokio::io::AsyncWrite for Counting {
+        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            Pin::new(&mut self.0).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_flush(cx)
+        }
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_shutdown(cx)
+        }
+    }
+
+    fn text(i: usize) -> Outbound {
+        Outbound::Text { text: format!("{{\"frame\":{i}}}"), event: None }
+    }
+
+    /// What the connection task reported; frames are handed to a task on the same thread, as
+    /// the supervisor's mailbox takes them.
+    #[derive(Clone)]
+    struct Recorder {
+        up: Arc<AtomicUsize>,
+        /// How many frames the consumer had taken when each frame was handed on.
+        seen: Arc<std::sync::Mutex<Vec<usize>>>,
+        consumed: Arc<AtomicUsize>,
+        to_consumer: tokio::sync::mpsc::UnboundedSender<()>,
+        /// The outbound sender, kept: dropping it closes the connection.
+        tx: Arc<std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>>,
+    }
+
+    impl clawmux_actors::connection::ConnEvents for Recorder {
+        fn up(&self, _: clawmux_protocol::handshake::HelloOk, tx: tokio::sync::mpsc::UnboundedSender<String>) {
+            *self.tx.lock().unwrap() = Some(tx);
+            self.up.store(1, Ordering::SeqCst);
+        }
+        fn failed(&self, _: clawmux_actors::connection::ConnectFailure) {}
+        fn frame(&self, _: Result<clawmux_protocol::Frame, String>, _: std::time::Instant) {
+            self.seen.lock().unwrap().push(self.consumed.load(Ordering::SeqCst));
+            let _ = self.to_consumer.send(());
+        }
+        fn closed(&self, _: String) {}
+    }
+
+    /// clawmux's connection task shares its thread with the supervisor, which routes what it
+    /// hands on: within a burst of frames read at once, each frame is taken (routed) before the
+    /// next one is decoded, not all of them after the last (which made every frame of a burst
+    /// wait for the decoding of the rest).
+    #[actix_rt::test]
+    async fn the_connection_task_lets_each_frame_of_a_burst_be_taken_before_the_next() {
+        let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0).token("t")).unwrap();
+        let (to_consumer, mut frames) = tokio::sync::mpsc::unbounded_channel();
+        let rec = Recorder {
+            up: Arc::default(),
+            seen: Arc::default(),
+            consumed: Arc::default(),
+            to_consumer,
+            tx: Arc::default(),
+        };
+        let consumed = rec.consumed.clone();
+        actix_rt::spawn(async move {
+            while frames.recv().await.is_some() {
+                consumed.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let params = clawmux_protocol::handshake::ConnectParams::multiplexer("test", Some("t".to_owned()));
+        actix_rt::spawn(clawmux_actors::connection::run(gw.url(), params, None, Duration::from_secs(10), rec.clone()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rec.up.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline, "no hello-ok");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let before = rec.seen.lock().unwrap().len();
+        // Queued while frozen: they leave in one write when thawed, and arrive in one read.
+        gw.set_frozen(true);
+        for i in 0..10 {
+            gw.broadcast_raw(&format!(r#"{{"type":"event","event":"tick","payload":{{"ts":{i}}}}}"#));
+        }
+        gw.set_frozen(false);
+        while rec.seen.lock().unwrap().len() < before + 10 {
+            assert!(Instant::now() < deadline, "the burst did not arrive");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let seen = rec.seen.lock().unwrap()[before..before + 10].to_vec();
+        assert!(seen.windows(2).all(|w| w[1] == w[0] + 1), "each frame taken before the next is handed on: {seen:?}");
+        gw.stop().await;
+    }
+
+    #[tokio::test]
+    async fn frames_queued_together_leave_in_one_write_in_order_and_a_close_behind_them_is_returned() {
+        let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::default().speed(0.0)).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let key = gw.inner.shared.lock().add_conn(tx.clone(), "burst".to_owned());
+        let (ours, theirs) = tokio::io::duplex(1 << 20);
+        let writes = Arc::new(AtomicUsize::new(0));
+        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(Counting(ours, writes.clone()), Role::Server, None).await;
+        let mut client = tokio_tungstenite::WebSocketStream::from_raw_socket(theirs, Role::Client, None).await;
+        for i in 1..10 {
+            tx.send(text(i)).unwrap();
+        }
+        tx.send(Outbound::Close { code: 1012, reason: "restart".to_owned() }).unwrap();
+        let stop = send_burst(&gw.inner.shared, key, text(0), &mut rx, &mut ws).await.unwrap();
+        assert!(matches!(stop, Some(Outbound::Close { code: 1012, .. })), "the close comes back to be sent after the burst");
+        assert_eq!(writes.load(Ordering::SeqCst), 1, "ten frames, one write");
+        for i in 0..10 {
+            let got = client.next().await.unwrap().unwrap();
+            assert_eq!(got.into_text().unwrap().as_str(), format!("{{\"frame\":{i}}}"));
+        }
+        gw.stop().await;
+    }
 }
