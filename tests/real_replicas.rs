@@ -15,6 +15,8 @@
 mod common;
 #[path = "common/child.rs"]
 mod child;
+#[path = "common/proxied.rs"]
+mod proxied;
 
 use child::{attach, free_port, read_stream, Clawmux, Seen};
 use serde_json::{json, Value};
@@ -39,17 +41,14 @@ struct Setup {
 }
 
 fn setup() -> Option<Setup> {
-    let (Ok(path), Ok(pg)) = (std::env::var("CLAWMUX_REPLICAS_GATEWAY_ENV"), std::env::var("CLAWMUX_TEST_PG_URL")) else {
-        assert!(
-            std::env::var("CLAWMUX_REQUIRE_REPLICAS_GATEWAY").as_deref() != Ok("1"),
-            "CLAWMUX_REQUIRE_REPLICAS_GATEWAY=1 but CLAWMUX_REPLICAS_GATEWAY_ENV or CLAWMUX_TEST_PG_URL is not set: run tests/run.sh"
-        );
-        eprintln!("replicas gateway or PostgreSQL not started (run tests/run.sh); skipping");
+    let pg = std::env::var("CLAWMUX_TEST_PG_URL").ok();
+    let env = proxied::env_file("CLAWMUX_REPLICAS_GATEWAY_ENV", "CLAWMUX_REQUIRE_REPLICAS_GATEWAY", "replicas gateway")?;
+    let Some(pg) = pg else {
+        assert!(std::env::var("CLAWMUX_REQUIRE_REPLICAS_GATEWAY").as_deref() != Ok("1"), "CLAWMUX_REQUIRE_REPLICAS_GATEWAY=1 but CLAWMUX_TEST_PG_URL is not set: run tests/run.sh");
+        eprintln!("PostgreSQL not started (run tests/run.sh); skipping");
         return None;
     };
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    let env: HashMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
-    let get = |k: &str| env.get(k).filter(|v| !v.is_empty()).unwrap_or_else(|| panic!("{path} lacks {k}")).to_string();
+    let get = |k: &str| proxied::get(&env, k);
     Some(Setup {
         url: get("GATEWAY_URL"),
         token: get("GATEWAY_TOKEN"),
@@ -107,9 +106,7 @@ impl Drop for Balancer {
 
 /// The fake LLM's log: only complete lines.
 fn llm_log(s: &Setup) -> Vec<Value> {
-    let bytes = std::fs::read(&s.llm_log).unwrap_or_default();
-    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-    bytes[..complete].split(|&b| b == b'\n').filter_map(|l| serde_json::from_slice(l).ok()).collect()
+    proxied::llm_log(&s.llm_log)
 }
 
 /// One run of the test.
@@ -123,22 +120,9 @@ struct Run {
 }
 
 impl Run {
-    /// The fake LLM's answer after the tool round trip: the whole content of the run, once.
+    /// The answer the run must end with.
     fn expected_content(&self, words: usize) -> String {
-        let words: Vec<String> = (1..=words).map(|i| format!("w{i}")).collect();
-        format!("Reply to: {} | model=fake-model | after-tool: tool-ran-{} | {}", self.message, self.marker, words.join(" "))
-    }
-}
-
-async fn until_all(seen: &HashMap<String, Arc<Mutex<Seen>>>, within: Duration, what: &str, pred: impl Fn(&Seen) -> bool) {
-    let deadline = Instant::now() + within;
-    loop {
-        let done = seen.values().filter(|s| pred(&s.lock().expect("seen"))).count();
-        if done == seen.len() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "only {done} of {} runs {what}", seen.len());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        proxied::expected_content(&self.message, &self.marker, words)
     }
 }
 
@@ -204,7 +188,7 @@ async fn proxied_replicas_behind_a_balanced_provider_kill_9_of_one_keeps_every_r
         readers.push(tokio::spawn(read_stream(resp, seen[&r.id].clone(), Duration::from_secs(240))));
     }
     // Mid-stream: every run is past its tool call and a few words into its answer.
-    until_all(&seen, Duration::from_secs(180), "streamed their answer", |x| x.text().contains("after-tool") && x.text().contains(" w3")).await;
+    proxied::until_all(&seen, Duration::from_secs(180), "streamed their answer", |x| x.text().contains("after-tool") && x.text().contains(" w3")).await;
     apps[0].kill_9();
     let killed_at = unix_now();
     let killed = Instant::now();

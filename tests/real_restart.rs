@@ -11,13 +11,14 @@
 mod common;
 #[path = "common/child.rs"]
 mod child;
+#[path = "common/proxied.rs"]
+mod proxied;
 
 use child::{attach, read_stream, Clawmux, Seen};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// The gateway started for this test, from its env file.
 struct Gateway {
@@ -30,17 +31,8 @@ struct Gateway {
 }
 
 fn gateway() -> Option<Gateway> {
-    let Ok(path) = std::env::var("CLAWMUX_RESTART_GATEWAY_ENV") else {
-        assert!(
-            std::env::var("CLAWMUX_REQUIRE_RESTART_GATEWAY").as_deref() != Ok("1"),
-            "CLAWMUX_REQUIRE_RESTART_GATEWAY=1 but CLAWMUX_RESTART_GATEWAY_ENV is not set: run tests/run.sh"
-        );
-        eprintln!("restart gateway not started (run tests/run.sh); skipping");
-        return None;
-    };
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    let env: HashMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
-    let get = |k: &str| env.get(k).filter(|v| !v.is_empty()).unwrap_or_else(|| panic!("{path} lacks {k}")).to_string();
+    let env = proxied::env_file("CLAWMUX_RESTART_GATEWAY_ENV", "CLAWMUX_REQUIRE_RESTART_GATEWAY", "restart gateway")?;
+    let get = |k: &str| proxied::get(&env, k);
     Some(Gateway {
         url: get("GATEWAY_URL"),
         token: get("GATEWAY_TOKEN"),
@@ -50,11 +42,8 @@ fn gateway() -> Option<Gateway> {
     })
 }
 
-/// The fake LLM's log: only complete lines (one being written is left for the next read).
 fn llm_log(g: &Gateway) -> Vec<Value> {
-    let bytes = std::fs::read(&g.llm_log).unwrap_or_default();
-    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-    bytes[..complete].split(|&b| b == b'\n').filter_map(|l| serde_json::from_slice(l).ok()).collect()
+    proxied::llm_log(&g.llm_log)
 }
 
 /// One run of the test.
@@ -66,11 +55,9 @@ struct Run {
 }
 
 impl Run {
-    /// The fake LLM's answer after the tool round trip (its text is deterministic): the whole
-    /// content of the run, once.
+    /// The answer the run must end with (40 words).
     fn expected_content(&self) -> String {
-        let words: Vec<String> = (1..=40).map(|i| format!("w{i}")).collect();
-        format!("Reply to: {} | model=fake-model | after-tool: tool-ran-{} | {}", self.message, self.marker, words.join(" "))
+        proxied::expected_content(&self.message, &self.marker, 40)
     }
 }
 
@@ -78,18 +65,6 @@ fn http() -> reqwest::Client {
     common::http_client(Some(Duration::from_secs(300)))
 }
 
-/// Waits (bounded) until `pred` holds for every run's stream.
-async fn until_all(seen: &HashMap<String, Arc<Mutex<Seen>>>, within: Duration, what: &str, pred: impl Fn(&Seen) -> bool) {
-    let deadline = Instant::now() + within;
-    loop {
-        let done = seen.values().filter(|s| pred(&s.lock().expect("seen"))).count();
-        if done == seen.len() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "only {done} of {} runs {what}", seen.len());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// 8 runs from 4 accounts, each a tool call and then a slow answer (40 words, one a second).
 /// clawmux is killed with `kill -9` while every answer streams, and started again on the same
@@ -142,7 +117,7 @@ async fn proxied_restart_kill_9_mid_stream_keeps_every_run_its_text_and_its_bill
         readers.push(tokio::spawn(read_stream(resp, seen[&r.id].clone(), Duration::from_secs(240))));
     }
     // Mid-stream: every run is past its tool call and a few words into its 40 s answer.
-    until_all(&seen, Duration::from_secs(180), "streamed their answer", |s| s.text().contains("after-tool") && s.text().contains(" w3")).await;
+    proxied::until_all(&seen, Duration::from_secs(180), "streamed their answer", |s| s.text().contains("after-tool") && s.text().contains(" w3")).await;
     app.kill_9();
     let killed_at = unix_now();
     for r in readers {

@@ -368,13 +368,7 @@ async fn pg_a_budget_spent_through_another_replica_proxy_ends_the_run_budget_exc
 #[actix_rt::test]
 async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_it() {
     let Some(url) = database("pg_a_suspended_run_calls_are_answered_503").await else { return };
-    let db_addr: std::net::SocketAddr = {
-        let u = reqwest::Url::parse(&url).unwrap();
-        format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
-    };
-    let relay = tcp_chaos::ChaosRelay::start(db_addr).await.unwrap();
-    let mut relayed = reqwest::Url::parse(&url).unwrap();
-    relayed.set_port(Some(relay.addr.port())).unwrap();
+    let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
     let dir = common::temp_dir("xattr-suspended");
     let llm = FakeLlm::start(&dir.join("llm"));
     // A long run whose deltas keep coming: the first write the database cannot take suspends it.

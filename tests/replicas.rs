@@ -717,16 +717,7 @@ async fn pg_a_silent_partition_between_one_replica_and_the_database_hangs_no_str
 
 async fn partition_one_replica(test: &str, silent: bool) {
     let Some(url) = database(test).await else { return };
-    let db_addr: std::net::SocketAddr = {
-        let u = reqwest::Url::parse(&url).unwrap();
-        format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
-    };
-    let relay = tcp_chaos::ChaosRelay::start(db_addr).await.unwrap();
-    let relayed_url = {
-        let mut u = reqwest::Url::parse(&url).unwrap();
-        u.set_port(Some(relay.addr.port())).unwrap();
-        u.to_string()
-    };
+    let (relay, relayed_url) = tcp_chaos::in_front_of_database(&url).await;
     const N: usize = 20;
     let gw = gateway_at(0.3);
     let http = http();
@@ -782,13 +773,7 @@ async fn partition_one_replica(test: &str, silent: bool) {
 #[actix_rt::test]
 async fn pg_after_a_short_database_blip_the_only_replica_continues_its_suspended_runs() {
     let Some(url) = database("pg_blip_readopt").await else { return };
-    let db_addr: std::net::SocketAddr = {
-        let u = reqwest::Url::parse(&url).unwrap();
-        format!("{}:{}", u.host_str().unwrap(), u.port().unwrap()).parse().unwrap()
-    };
-    let relay = tcp_chaos::ChaosRelay::start(db_addr).await.unwrap();
-    let mut relayed = reqwest::Url::parse(&url).unwrap();
-    relayed.set_port(Some(relay.addr.port())).unwrap();
+    let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
     const N: usize = 10;
     let gw = gateway_at(0.3);
     let http = http();

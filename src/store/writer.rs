@@ -416,11 +416,9 @@ mod tests {
         assert_eq!(probe.batches.lock().expect("batches").len(), 2, "the batch was retried write by write");
     }
 
-    /// A waiter of a batch the store failed learns whether the store was out of reach (its run
-    /// is then suspended on a shared store, not ended) or the write failed (a full disk); a batch
-    /// that commits clears it.
-    #[actix_rt::test]
-    async fn the_waiters_of_a_failed_batch_know_whether_the_store_was_out_of_reach() {
+    /// A writer over a probe that fails every batch while `failing` says so, the store out of
+    /// reach (its `down`) to begin with.
+    fn out_of_reach() -> (Arc<Probe>, Arc<AtomicBool>, Writer) {
         let failing = Arc::new(AtomicBool::new(true));
         let f = failing.clone();
         let probe = Arc::new(Probe {
@@ -431,6 +429,15 @@ mod tests {
             down: AtomicBool::new(true),
         });
         let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        (probe, failing, writer)
+    }
+
+    /// A waiter of a batch the store failed learns whether the store was out of reach (its run
+    /// is then suspended on a shared store, not ended) or the write failed (a full disk); a batch
+    /// that commits clears it.
+    #[actix_rt::test]
+    async fn the_waiters_of_a_failed_batch_know_whether_the_store_was_out_of_reach() {
+        let (probe, failing, writer) = out_of_reach();
         let told = |run: &str| {
             let (tx, rx) = oneshot::channel();
             let w = writer.clone();
@@ -503,16 +510,7 @@ mod tests {
     /// because it was out of reach are written again once it answers; other writes are not.
     #[actix_rt::test]
     async fn billing_records_are_written_again_once_the_store_is_back() {
-        let failing = Arc::new(AtomicBool::new(true));
-        let f = failing.clone();
-        let probe = Arc::new(Probe {
-            batches: Mutex::default(),
-            hold: Mutex::new(None),
-            holding: AtomicBool::new(false),
-            fails: Box::new(move |_| f.load(Ordering::SeqCst)),
-            down: AtomicBool::new(true),
-        });
-        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        let (probe, failing, writer) = out_of_reach();
         writer.submit(Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 7 }, None);
         assert!(writer.apply(write("lost")).await.is_err(), "the store is out of reach");
         failing.store(false, Ordering::SeqCst);

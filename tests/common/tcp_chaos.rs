@@ -259,3 +259,13 @@ async fn copy(
         counter.fetch_add(n as u64, Ordering::SeqCst);
     }
 }
+
+/// A relay in front of the PostgreSQL server `url` names, and the same URL through the relay (the
+/// database of a replica the test will cut off).
+pub async fn in_front_of_database(url: &str) -> (ChaosRelay, String) {
+    let mut u = reqwest::Url::parse(url).expect("a database URL");
+    let db: SocketAddr = format!("{}:{}", u.host_str().expect("a host"), u.port().expect("a port")).parse().expect("an address");
+    let relay = ChaosRelay::start(db).await.expect("the relay starts");
+    u.set_port(Some(relay.addr.port())).expect("a port");
+    (relay, u.to_string())
+}
