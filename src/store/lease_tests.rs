@@ -205,3 +205,31 @@ async fn pg_an_interrupt_is_kept_only_for_the_first_take_up_of_an_assigned_run()
     assert_eq!(policy["own"], super::BusyPolicy::Enqueue, "taken up before: no second interrupt");
     assert_eq!(policy["given"], super::BusyPolicy::Interrupt, "first take-up of an assigned run");
 }
+
+/// The per-minute limit counts every replica's admissions by the database's clock: runs that a
+/// replica whose clock is five minutes behind admitted (their `createdAt` five minutes ago) still
+/// count for a replica with the right time. Before, each admission compared the others' `createdAt`
+/// with its own clock, and the fast replica admitted past the limit.
+#[tokio::test]
+async fn pg_the_per_minute_limit_counts_admissions_by_the_databases_clock_not_the_replicas() {
+    use super::tenants::{Limits, TenantStore};
+    let Some(url) = pg_url("pg_minute_one_clock").await else { return };
+    let (slow, _) = open(&url, "slow", 60_000).await;
+    let (right, _) = open(&url, "right", 60_000).await;
+    let limits = Limits { max_runs_per_minute: Some(3), ..Limits::default() };
+    right.set_limits("acct-rate", &limits, 1).await.expect("limits");
+    let now = super::now_ms();
+    let behind = now - 5 * 60_000;
+    for i in 0..3 {
+        let r = row(&format!("slow-{i}"), "acct-rate", behind + i);
+        assert!(matches!(one(&slow, Write::Insert(Box::new(r))).await, Applied::Inserted { .. }), "within the limit");
+    }
+    let next = one(&right, Write::Insert(Box::new(row("right-0", "acct-rate", now)))).await;
+    let Applied::Limited { budget: false, retry_after_sec, message } = next else { panic!("the fourth run in the minute was admitted: {next:?}") };
+    assert!((55..=60).contains(&retry_after_sec), "retry when the oldest of the minute leaves it: {retry_after_sec} s ({message})");
+    // Also the other way round: the slow replica does not admit a fourth either.
+    let again = one(&slow, Write::Insert(Box::new(row("slow-3", "acct-rate", behind + 10)))).await;
+    assert!(matches!(again, Applied::Limited { budget: false, .. }), "{again:?}");
+    // Another account is not limited by this one's admissions.
+    assert!(matches!(one(&right, Write::Insert(Box::new(row("other-0", "acct-other", now)))).await, Applied::Inserted { .. }));
+}

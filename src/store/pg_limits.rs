@@ -1,5 +1,5 @@
 //! PostgreSQL: an account's limits counted over every replica, in the admitting transaction
-//! (migration `0006_account_limits.sql`).
+//! (migrations `0006_account_limits.sql`, `0007_admitted_at.sql`).
 //!
 //! A batch that admits runs of accounts with limits takes each such account's advisory lock (in
 //! the one order of the batch's locks, see `postgres::lock_keys`), then, after each insert,
@@ -65,9 +65,11 @@ const MINUTE_MS: i64 = 60_000;
 
 /// After `row` was inserted (it counts itself): why it takes its account past a limit, if it
 /// does. Counted over every replica's runs and spend (the account's advisory lock is held, so no
-/// other admission of the account is between the count and the commit). The minute and the
-/// budget window are judged by the admitting replica's clock (`createdAt`), as the run documents
-/// and the proxies' spend records show them: replicas' clocks must agree (NTP).
+/// other admission of the account is between the count and the commit). The minute is judged by
+/// the database's clock (`admitted_at`, migration `0007_admitted_at.sql`), so replicas whose clocks
+/// disagree still count each other's runs; the budget window is the admitting replica's (`createdAt`),
+/// as the proxies' spend records are, which needs replicas' clocks to agree to within a small part
+/// of the period (NTP).
 pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) -> Result<Option<Applied>, sqlx::Error> {
     let account = &row.billing_account_id;
     if let Some((max, period_sec)) = l.max_tokens {
@@ -90,14 +92,17 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
     if l.max_concurrent.is_none() && l.max_runs_per_minute.is_none() {
         return Ok(None);
     }
-    let since = row.created_at_ms.saturating_sub(MINUTE_MS);
-    let (live, recent, oldest): (i64, i64, Option<i64>) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE created_at >= $2), \
-           min(created_at) FILTER (WHERE created_at >= $2) \
-         FROM runs WHERE billing_account_id = $1 AND (finished_at IS NULL OR created_at >= $2)",
+    // The statement's start on the database's clock: every row is compared with one instant, later
+    // than the insert above (whose `admitted_at` is the database's `clock_timestamp()`).
+    let (live, recent, oldest, now): (i64, i64, Option<i64>, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE admitted_at >= (extract(epoch from statement_timestamp()) * 1000)::bigint - $2), \
+           min(admitted_at) FILTER (WHERE admitted_at >= (extract(epoch from statement_timestamp()) * 1000)::bigint - $2), \
+           (extract(epoch from statement_timestamp()) * 1000)::bigint \
+         FROM runs WHERE billing_account_id = $1 \
+           AND (finished_at IS NULL OR admitted_at >= (extract(epoch from statement_timestamp()) * 1000)::bigint - $2)",
     )
     .bind(account)
-    .bind(since)
+    .bind(MINUTE_MS)
     .fetch_one(&mut **tx)
     .await?;
     if let Some(max) = l.max_concurrent.filter(|max| live > *max) {
@@ -108,7 +113,7 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
         }));
     }
     if let Some(max) = l.max_runs_per_minute.filter(|max| recent > *max) {
-        let wait_ms = oldest.map_or(MINUTE_MS, |t| t.saturating_add(MINUTE_MS).saturating_sub(row.created_at_ms));
+        let wait_ms = oldest.map_or(MINUTE_MS, |t| t.saturating_add(MINUTE_MS).saturating_sub(now));
         let wait = u64::try_from(wait_ms.clamp(1, MINUTE_MS)).unwrap_or(1).div_ceil(1000).max(1);
         return Ok(Some(Applied::Limited {
             budget: false,
