@@ -482,6 +482,11 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         if b.is_suspended() {
             return unavailable(&state, "run_suspended", &format!("run {} is suspended here while the run store is out of reach", b.run_id));
         }
+        // Another replica's run, and the store has not answered for a while: it may have ended
+        // without this replica hearing it (cut from the database). Its calls wait for the store.
+        if state.remote.as_ref().is_some_and(|r| !r.ends_heard()) && !state.attributions.is_local(b) {
+            return unavailable(&state, "store_unavailable", &format!("run {} belongs to another replica and the run store has not answered for a while", b.run_id));
+        }
     }
     let incoming: Vec<(String, String)> = req
         .headers()
@@ -783,6 +788,26 @@ mod tests {
         assert_eq!(stops.load(Ordering::SeqCst), 0, "a store blip is no budget stop");
         store.down.store(false, Ordering::SeqCst);
         assert_eq!(call(&state, TRACE).await.0, 502, "the spend is read again: forwarded");
+    }
+
+    /// A replica that has not heard from the shared store for a while (cut from the database)
+    /// cannot know whether another replica's run ended: that run's calls wait (503), and are
+    /// forwarded again once the store answers.
+    #[actix_rt::test]
+    async fn a_remote_runs_calls_wait_while_the_store_is_not_heard_from() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        probe.put("run-1", "acct-1", TRACE);
+        let (remote, attributions) = crate::remote_runs::tests::remote_runs_heard_within(probe.clone(), std::time::Duration::from_millis(200)).await;
+        let state = proxy(attributions, None, Some(remote.clone()));
+        assert_eq!(call(&state, TRACE).await.0, 502, "found in the store: forwarded (to an upstream that is down)");
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert_eq!(call(&state, TRACE).await, unavailable(), "the store has not answered since");
+        probe.ends_fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(remote.look_for_ends().await.is_err());
+        assert_eq!(call(&state, TRACE).await, unavailable());
+        probe.ends_fail.store(false, std::sync::atomic::Ordering::SeqCst);
+        remote.look_for_ends().await.expect("the store answers");
+        assert_eq!(call(&state, TRACE).await.0, 502, "forwarded again");
     }
 
     #[actix_rt::test]

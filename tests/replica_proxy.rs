@@ -413,3 +413,64 @@ async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_i
     assert_eq!(seen["headers"]["x-cogni-run-id"], "run-s");
     gw.stop().await;
 }
+
+/// A replica cut from the database cannot hear that another replica's run ended: once it has not
+/// heard from the store for a while (5 s), that run's calls through its proxy are answered `503`
+/// (the gateway retries) instead of forwarded and billed for a run that may be over; with the
+/// database back, the end is heard and the calls are refused (`409`). Before, the cut replica kept
+/// forwarding the ended run's calls for as long as it was cut off.
+#[actix_rt::test]
+async fn pg_a_replica_cut_from_the_database_stops_forwarding_other_replicas_runs() {
+    let Some(url) = database("pg_cut_replica_stops_forwarding").await else { return };
+    let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
+    let dir = common::temp_dir("xattr-cut");
+    let llm = FakeLlm::start(&dir.join("llm"));
+    let gw = paused_gateway();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let owner = replica("c0", &gw, &url, &llm, &key, &http).await;
+    let cut = replica_with_lease("c1", &gw, relayed.as_str(), &llm, &key, &http, "10").await;
+    let (trace, traceparent) = new_traceparent();
+    post_run(&http, &owner.app.base, "run-c", "acct-c", &traceparent).await;
+    assert_eq!(call(&http, &cut.proxy, Some(&call_tp(&trace)), &chat_body("known CUTKNOWN", false)).await.0, 200, "forwarded for its owner");
+
+    relay.refuse(true);
+    relay.cut_all();
+    let r = http.post(format!("{}/v1/runs/run-c/abort", owner.app.base)).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while doc(&http, &owner.app.base, "run-c").await["status"] != "aborted" {
+        assert!(Instant::now() < deadline, "the owner did not end the run");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Within the trust window (5 s) and a look (1 s), with slack: every later call waits.
+    let cut_at = Instant::now();
+    let first_503 = loop {
+        let (status, body) = call(&http, &cut.proxy, Some(&call_tp(&trace)), &chat_body("cut CUTLATE", false)).await;
+        if status == 503 {
+            assert!(body.contains("attribution_unavailable"), "{body}");
+            break cut_at.elapsed();
+        }
+        assert_eq!(status, 200, "{body}");
+        assert!(cut_at.elapsed() < Duration::from_secs(15), "the cut replica still forwards the ended run's calls: {}", cut.app.log());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    eprintln!("a replica cut from the database answered a remote run's call 503 {:.1} s after the run ended", first_503.as_secs_f64());
+    for _ in 0..5 {
+        assert_eq!(call(&http, &cut.proxy, Some(&call_tp(&trace)), &chat_body("cut CUTLATE", false)).await.0, 503, "forwarded again while cut off");
+    }
+
+    relay.refuse(false);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = call(&http, &cut.proxy, Some(&call_tp(&trace)), &chat_body("back CUTBACK", false)).await;
+        if status == 409 {
+            break;
+        }
+        assert_eq!(status, 503, "{body}");
+        assert!(Instant::now() < deadline, "the end was never heard once the database answered: {}", cut.app.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("CUTBACK"))), "a call of the ended run was forwarded");
+    gw.stop().await;
+}

@@ -16,7 +16,9 @@
 //! (`clawmux_ended`), or found by the look every [`REVOKE_POLL`] (a notification lost while the
 //! listener reconnected): its streams in flight are cut and its calls refused, as on its owner.
 //! Its end is remembered for a while ([`crate::attribution::ENDED_TTL`]): a lookup that read the
-//! run just before its end does not add it back. A takeover here adopts the remote run as this
+//! run just before its end does not add it back. A replica that has not heard from the store for
+//! [`HEARD_WITHIN`] (cut from the database, it could not hear an end) answers remote runs' calls
+//! `503` until it does. A takeover here adopts the remote run as this
 //! process's own (same counters).
 
 pub mod cache;
@@ -28,7 +30,7 @@ use crate::store::{AbortReason, CallKey, LiveRun, RunStore, StoreError};
 use crate::tenants::budget::Budgets;
 use dashmap::DashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long a trace id or token the store did not know is not looked up again. Short: a run
 /// admitted just after its trace id was probed has its calls answered `503` (retried by the
@@ -40,6 +42,12 @@ pub const MAX_MISSES: usize = 10_000;
 
 /// How often the remote runs' ends are looked for in the store (besides being told).
 pub const REVOKE_POLL: Duration = Duration::from_secs(1);
+
+/// How long after the store last answered (a lookup, or a look for ends) the remote runs' calls
+/// are still forwarded. A replica cut from the database cannot hear that a remote run ended: past
+/// this, their calls are answered `503` (retried by the gateway) until the store answers again,
+/// instead of being forwarded, and billed, for a run that may have ended long ago.
+pub const HEARD_WITHIN: Duration = Duration::from_secs(5);
 
 /// How long the proxy waits for the owner to end a run whose budget it found spent, before it
 /// answers the refused call anyway.
@@ -93,6 +101,11 @@ pub struct RemoteRuns {
     /// Budget stops waiting for their runs' ends, by run id: woken by the end's notification
     /// instead of asking the store over and over.
     ends: DashMap<String, EndWaiters>,
+    /// When the store last answered about remote runs (the start of that question: what it
+    /// said was true at least then).
+    heard: std::sync::Mutex<Option<Instant>>,
+    /// How long an answer is trusted ([`HEARD_WITHIN`]).
+    heard_within: Duration,
 }
 
 impl RemoteRuns {
@@ -103,7 +116,36 @@ impl RemoteRuns {
 
     /// The same, with misses believed for `ttl` (tests: one that no test run outlasts).
     pub fn with_miss_ttl(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>, ttl: Duration) -> Arc<Self> {
-        Arc::new(Self { store, attributions, budgets, cache: cache::Resolver::new(ttl, MAX_MISSES), ends: DashMap::new() })
+        Self::with_ttls(store, attributions, budgets, ttl, HEARD_WITHIN)
+    }
+
+    /// The same, with the store's answers trusted for `heard_within` (tests).
+    pub fn with_ttls(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>, ttl: Duration, heard_within: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            attributions,
+            budgets,
+            cache: cache::Resolver::new(ttl, MAX_MISSES),
+            ends: DashMap::new(),
+            heard: std::sync::Mutex::new(None),
+            heard_within,
+        })
+    }
+
+    /// The store answered a question asked at `asked`.
+    fn heard_at(&self, asked: Instant) {
+        let mut heard = self.heard.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if heard.is_none_or(|h| h < asked) {
+            *heard = Some(asked);
+        }
+    }
+
+    /// Whether the store answered recently enough that the remote runs this process knows can be
+    /// taken as live (an end it did not hear of is at most [`HEARD_WITHIN`] old). False on a
+    /// replica cut from the database: its remote runs' calls then wait (`503`).
+    pub fn ends_heard(&self) -> bool {
+        let heard = *self.heard.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        heard.is_some_and(|h| h.elapsed() <= self.heard_within)
     }
 
     /// The live run of another replica that `key` names, from then on in this process's registry;
@@ -115,7 +157,11 @@ impl RemoteRuns {
                 // This process's own writes of the run's share (it may have owned the run before)
                 // are stored before the share is read: its counters continue from there.
                 self.store.flush().await;
-                Ok(self.store.live_run(key).await?.and_then(|run| self.remote(run)))
+                let asked = Instant::now();
+                let found = self.store.live_run(key).await?;
+                // Ends told meanwhile were handled as they came: what the store knows is known.
+                self.heard_at(asked);
+                Ok(found.and_then(|run| self.remote(run)))
             })
             .await
     }
@@ -199,6 +245,20 @@ impl RemoteRuns {
         self.ends.len()
     }
 
+    /// One look in the store for the ends of the remote runs: those ended are revoked, then the
+    /// store counts as heard ([`Self::ends_heard`]). Nothing to look for is heard too.
+    pub async fn look_for_ends(&self) -> Result<(), StoreError> {
+        let asked = Instant::now();
+        let runs = self.attributions.remote_runs();
+        if !runs.is_empty() {
+            for run_id in self.store.ended(&runs).await? {
+                self.ended(&run_id);
+            }
+        }
+        self.heard_at(asked);
+        Ok(())
+    }
+
     /// Looks for the ends of the remote runs every [`REVOKE_POLL`] (the notification of an end may
     /// have been lost).
     pub fn spawn_revocations(self: &Arc<Self>) {
@@ -209,20 +269,11 @@ impl RemoteRuns {
             let mut failing = false;
             loop {
                 every.tick().await;
-                let runs = me.attributions.remote_runs();
-                if runs.is_empty() {
-                    continue;
-                }
-                match me.store.ended(&runs).await {
-                    Ok(ended) => {
-                        failing = false;
-                        for run_id in ended {
-                            me.ended(&run_id);
-                        }
-                    }
+                match me.look_for_ends().await {
+                    Ok(()) => failing = false,
                     Err(e) if !failing => {
                         failing = true;
-                        tracing::warn!(error = %e, "cannot look for the ends of the runs whose LLM calls this replica forwards; told ends still revoke them");
+                        tracing::warn!(error = %e, "cannot look for the ends of the runs whose LLM calls this replica forwards; their calls wait until it can");
                     }
                     Err(_) => {}
                 }

@@ -26,6 +26,10 @@ pub(crate) struct Probe {
     pub(crate) end_looks: AtomicUsize,
     /// Happens during the next lookup.
     meanwhile: Mutex<Option<Meanwhile>>,
+    /// Looks for ends fail (the database out of reach) while set.
+    pub(crate) ends_fail: std::sync::atomic::AtomicBool,
+    /// Runs the next look for ends finds ended.
+    pub(crate) ended: Mutex<Vec<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -91,9 +95,12 @@ impl Store for Probe {
         }
         Ok(found)
     }
-    async fn ended(&self, _run_ids: &[String]) -> Result<Vec<String>, StoreError> {
+    async fn ended(&self, run_ids: &[String]) -> Result<Vec<String>, StoreError> {
         self.end_looks.fetch_add(1, Ordering::SeqCst);
-        Ok(Vec::new())
+        if self.ends_fail.load(Ordering::SeqCst) {
+            return Err(StoreError("the run store is out of reach (probe)".into()));
+        }
+        Ok(std::mem::take(&mut *lock(&self.ended)).into_iter().filter(|r| run_ids.contains(r)).collect())
     }
     async fn request_abort(&self, _run_id: &str, _reason: AbortReason) -> Result<bool, StoreError> {
         Ok(true)
@@ -102,13 +109,18 @@ impl Store for Probe {
 
 /// Remote runs over `probe`, misses believed longer than any test runs; and their registry.
 pub(crate) async fn remote_runs(probe: Arc<Probe>) -> (Arc<RemoteRuns>, Arc<Attributions>) {
+    remote_runs_heard_within(probe, HEARD_WITHIN).await
+}
+
+/// The same, the store's answers trusted for `heard_within`.
+pub(crate) async fn remote_runs_heard_within(probe: Arc<Probe>, heard_within: Duration) -> (Arc<RemoteRuns>, Arc<Attributions>) {
     let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
     let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
     let tenants = Arc::new(MemoryStore::new());
     let store = RunStore::with_backend(probe, tenants.clone(), retention, metrics, "probe:".into(), None);
     let budgets = Budgets::load(tenants, store.writer(), true, true).await.expect("budgets");
     let attributions = Arc::new(Attributions::new());
-    (RemoteRuns::with_miss_ttl(store, attributions.clone(), budgets, Duration::from_secs(3600)), attributions)
+    (RemoteRuns::with_ttls(store, attributions.clone(), budgets, Duration::from_secs(3600), heard_within), attributions)
 }
 
 const TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
@@ -189,4 +201,27 @@ async fn a_budget_stop_whose_caller_went_away_forgets_its_wait() {
     assert_eq!(remote.waiting_for_ends(), 1, "the other stop still waits");
     drop(second);
     assert_eq!(remote.waiting_for_ends(), 0);
+}
+
+/// A replica cut from the database cannot hear a remote run's end: its remote runs count as
+/// live only while the store answered recently (a lookup, or a look for ends), and a look that
+/// finds ends revokes them before the store counts as heard again.
+#[actix_rt::test]
+async fn remote_runs_are_trusted_only_while_the_store_answers() {
+    let probe = Arc::new(Probe::default());
+    probe.put("r1", "acct", TRACE);
+    let (remote, attributions) = remote_runs_heard_within(probe.clone(), Duration::from_millis(200)).await;
+    assert!(!remote.ends_heard(), "nothing heard yet");
+    assert!(matches!(remote.find(&CallKey::Trace(TRACE.into())).await, Ok(cache::Resolved::Found(_))));
+    assert!(remote.ends_heard(), "the lookup was an answer");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!remote.ends_heard(), "no answer for longer than trusted");
+    probe.ends_fail.store(true, Ordering::SeqCst);
+    assert!(remote.look_for_ends().await.is_err());
+    assert!(!remote.ends_heard(), "a failed look is no answer");
+    probe.ends_fail.store(false, Ordering::SeqCst);
+    lock(&probe.ended).push("r1".into());
+    remote.look_for_ends().await.expect("the store answers again");
+    assert!(remote.ends_heard());
+    assert!(attributions.remote_runs().is_empty() && attributions.lookup(TRACE).is_none(), "the end it found was revoked");
 }
