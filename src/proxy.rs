@@ -484,7 +484,7 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         }
         // Another replica's run, and the store has not answered for a while: it may have ended
         // without this replica hearing it (cut from the database). Its calls wait for the store.
-        if state.remote.as_ref().is_some_and(|r| !r.ends_heard()) && !state.attributions.is_local(b) {
+        if !state.attributions.is_local(b) && state.remote.as_ref().is_some_and(|r| !r.ends_heard()) {
             return unavailable(&state, "store_unavailable", &format!("run {} belongs to another replica and the run store has not answered for a while", b.run_id));
         }
     }

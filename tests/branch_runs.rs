@@ -16,6 +16,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "common/own_postgres.rs"]
+mod own_postgres;
 
 use clawmux::replay::{ReplayConfig, ReplayGateway, ReplayHandle};
 use clawmux::server::{self, Running, StartOptions};
@@ -447,11 +449,7 @@ async fn replica(gw: &ReplayHandle, workspace: &FakeWorkspace, url: &str, id: &s
 /// the first publishes is given to the first one's replica and waits for the branch there.
 #[actix_rt::test]
 async fn pg_two_replicas_never_work_on_one_branch_key_at_once() {
-    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
-        assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
-        eprintln!("SKIP pg_two_replicas_never_work_on_one_branch_key_at_once: no CLAWMUX_TEST_PG_URL");
-        return;
-    };
+    let Some(server) = own_postgres::server_url("pg_two_replicas_never_work_on_one_branch_key_at_once") else { return };
     let url = clawmux::store::postgres::create_test_database(&server, "cmx_branch").await.unwrap();
     let gw = gateway();
     let (ws, mut held) = FakeWorkspace::new();
@@ -482,11 +480,7 @@ async fn pg_two_replicas_never_work_on_one_branch_key_at_once() {
 /// between the store and the registry (its checks come first, before either).
 #[actix_rt::test]
 async fn pg_a_branch_run_with_slow_checks_keeps_its_session_keys_order_across_replicas() {
-    let Some(server) = std::env::var("CLAWMUX_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
-        assert!(!std::env::var("CLAWMUX_REQUIRE_PG").is_ok_and(|v| v == "1"), "CLAWMUX_REQUIRE_PG=1 but CLAWMUX_TEST_PG_URL is not set");
-        eprintln!("SKIP pg_a_branch_run_with_slow_checks_keeps_its_session_keys_order_across_replicas: no CLAWMUX_TEST_PG_URL");
-        return;
-    };
+    let Some(server) = own_postgres::server_url("pg_a_branch_run_with_slow_checks_keeps_its_session_keys_order_across_replicas") else { return };
     let url = clawmux::store::postgres::create_test_database(&server, "cmx_branch_order").await.unwrap();
     let gw = gateway();
     gw.set_paused(true);

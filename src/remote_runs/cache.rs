@@ -92,7 +92,8 @@ pub struct Resolver<K, V> {
     misses: Mutex<Misses<K>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// The guard of `m`, also after a holder panicked (every update here leaves the maps whole).
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

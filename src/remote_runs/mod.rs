@@ -111,15 +111,11 @@ pub struct RemoteRuns {
 impl RemoteRuns {
     /// Lookups in `store` (shared by replicas), kept in `attributions`.
     pub fn new(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>) -> Arc<Self> {
-        Self::with_miss_ttl(store, attributions, budgets, MISS_TTL)
+        Self::with_ttls(store, attributions, budgets, MISS_TTL, HEARD_WITHIN)
     }
 
-    /// The same, with misses believed for `ttl` (tests: one that no test run outlasts).
-    pub fn with_miss_ttl(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>, ttl: Duration) -> Arc<Self> {
-        Self::with_ttls(store, attributions, budgets, ttl, HEARD_WITHIN)
-    }
-
-    /// The same, with the store's answers trusted for `heard_within` (tests).
+    /// The same, with misses believed for `ttl` and the store's answers trusted for
+    /// `heard_within` (tests: times that suit them).
     pub fn with_ttls(store: Arc<RunStore>, attributions: Arc<Attributions>, budgets: Arc<Budgets>, ttl: Duration, heard_within: Duration) -> Arc<Self> {
         Arc::new(Self {
             store,
@@ -134,7 +130,7 @@ impl RemoteRuns {
 
     /// The store answered a question asked at `asked`.
     fn heard_at(&self, asked: Instant) {
-        let mut heard = self.heard.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut heard = cache::lock(&self.heard);
         if heard.is_none_or(|h| h < asked) {
             *heard = Some(asked);
         }
@@ -144,7 +140,7 @@ impl RemoteRuns {
     /// taken as live (an end it did not hear of is at most [`HEARD_WITHIN`] old). False on a
     /// replica cut from the database: its remote runs' calls then wait (`503`).
     pub fn ends_heard(&self) -> bool {
-        let heard = *self.heard.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let heard = *cache::lock(&self.heard);
         heard.is_some_and(|h| h.elapsed() <= self.heard_within)
     }
 

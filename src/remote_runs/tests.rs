@@ -1,6 +1,7 @@
 //! [`RemoteRuns`] against a store whose answers each test chooses (no database): what a lookup
 //! finds, what happens while it runs, when a run ends.
 
+use super::cache::lock;
 use super::*;
 use crate::store::memory::MemoryStore;
 use crate::store::writer::StoreMetrics;
@@ -32,9 +33,6 @@ pub(crate) struct Probe {
     pub(crate) ended: Mutex<Vec<String>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 impl Probe {
     /// Stores an unfinished run of `account` with trace id `trace`.

@@ -32,6 +32,9 @@ pub(super) struct AccountLimits {
     max_tokens: Option<(i64, i64)>,
 }
 
+/// A row of `account_limits`: account, max concurrent, max per minute, max tokens, period (s).
+type LimitsRow = (String, Option<i64>, Option<i64>, Option<i64>, Option<i64>);
+
 /// The limits of the billing accounts of the batch's new runs that have any.
 pub(super) async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMap<String, AccountLimits>, sqlx::Error> {
     let mut accounts: Vec<&str> = batch
@@ -44,9 +47,8 @@ pub(super) async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMa
     if accounts.is_empty() {
         return Ok(HashMap::new());
     }
-    accounts.sort_unstable();
-    accounts.dedup();
-    let rows: Vec<(String, Option<i64>, Option<i64>, Option<i64>, Option<i64>)> = sqlx::query_as(
+    super::postgres::sorted_unique(&mut accounts);
+    let rows: Vec<LimitsRow> = sqlx::query_as(
         "SELECT billing_account_id, max_concurrent, max_runs_per_minute, max_tokens, period_sec FROM account_limits \
          WHERE billing_account_id = ANY($1) \
            AND (max_concurrent IS NOT NULL OR max_runs_per_minute IS NOT NULL OR (max_tokens IS NOT NULL AND period_sec IS NOT NULL))",
@@ -62,6 +64,9 @@ pub(super) async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMa
 
 /// The window the per-minute limit counts admissions in.
 const MINUTE_MS: i64 = 60_000;
+
+/// The start of the current statement on the database's clock, in milliseconds.
+const STATEMENT_MS: &str = "(extract(epoch from statement_timestamp()) * 1000)::bigint";
 
 /// After `row` was inserted (it counts itself): why it takes its account past a limit, if it
 /// does. Counted over every replica's runs and spend (the account's advisory lock is held, so no
@@ -93,14 +98,13 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
         return Ok(None);
     }
     // The statement's start on the database's clock: every row is compared with one instant, later
-    // than the insert above (whose `admitted_at` is the database's `clock_timestamp()`).
-    let (live, recent, oldest, now): (i64, i64, Option<i64>, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE admitted_at >= (extract(epoch from statement_timestamp()) * 1000)::bigint - $2), \
-           min(admitted_at) FILTER (WHERE admitted_at >= (extract(epoch from statement_timestamp()) * 1000)::bigint - $2), \
-           (extract(epoch from statement_timestamp()) * 1000)::bigint \
-         FROM runs WHERE billing_account_id = $1 \
-           AND (finished_at IS NULL OR admitted_at >= (extract(epoch from statement_timestamp()) * 1000)::bigint - $2)",
-    )
+    // than the insert above (whose `admitted_at` is the database's `clock_timestamp()`). Stable
+    // within the statement, so the account's `admitted_at` index serves the comparison.
+    let (live, recent, oldest, now): (i64, i64, Option<i64>, i64) = sqlx::query_as(&format!(
+        "SELECT count(*) FILTER (WHERE finished_at IS NULL), count(*) FILTER (WHERE admitted_at >= {STATEMENT_MS} - $2), \
+           min(admitted_at) FILTER (WHERE admitted_at >= {STATEMENT_MS} - $2), {STATEMENT_MS} \
+         FROM runs WHERE billing_account_id = $1 AND (finished_at IS NULL OR admitted_at >= {STATEMENT_MS} - $2)"
+    ))
     .bind(account)
     .bind(MINUTE_MS)
     .fetch_one(&mut **tx)

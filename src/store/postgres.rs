@@ -209,6 +209,12 @@ impl PgStore {
 
 type Tx<'a> = Transaction<'a, Postgres>;
 
+/// Sorts and deduplicates the keys a batch locks or reads: one order for every batch's locks.
+pub(super) fn sorted_unique<T: Ord>(keys: &mut Vec<T>) {
+    keys.sort_unstable();
+    keys.dedup();
+}
+
 /// `INSERT` of a run without an owner (a store no replica serves). `$15` and `$16` (owner, lease)
 /// are bound but unused: one list of arguments serves both statements.
 const INSERT_UNOWNED: &str = "INSERT INTO runs (run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, \
@@ -438,8 +444,7 @@ async fn lock_keys(tx: &mut Tx<'_>, batch: &[Write], session_keys: bool, limited
     if keys.is_empty() {
         return Ok(());
     }
-    keys.sort_unstable();
-    keys.dedup();
+    sorted_unique(&mut keys);
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended(k, 14)) FROM UNNEST($1::text[]) WITH ORDINALITY AS t(k, n) ORDER BY n")
         .bind(&keys)
         .execute(&mut **tx)
@@ -465,8 +470,7 @@ async fn fence(tx: &mut Tx<'_>, batch: &[Write], lease: &Lease) -> Result<HashSe
         return Ok(HashSet::new());
     }
     // One order for every batch's locks.
-    ids.sort_unstable();
-    ids.dedup();
+    sorted_unique(&mut ids);
     let rows: Vec<(String, Option<String>)> =
         sqlx::query_as("SELECT run_id, owner FROM runs WHERE run_id = ANY($1) ORDER BY run_id FOR KEY SHARE")
             .bind(&ids)

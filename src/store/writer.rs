@@ -266,13 +266,16 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
+    /// Which batches a probe fails.
+    type FailsWhen = Box<dyn Fn(&[Write]) -> bool + Send + Sync>;
+
     /// A store that records the batches it is given, holds the first one until told, and fails
     /// a batch when `fails` says so.
     struct Probe {
         batches: Mutex<Vec<Vec<String>>>,
         hold: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
         holding: AtomicBool,
-        fails: Box<dyn Fn(&[Write]) -> bool + Send + Sync>,
+        fails: FailsWhen,
         /// Failures are the store's own (a database out of reach), not the writes'.
         down: AtomicBool,
     }
