@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use crate::remote_runs::cache::Misses;
+use crate::expiring::ExpiringKeys;
 
 /// The billing identity of a run and the usage of its LLM calls so far.
 #[derive(Debug)]
@@ -116,7 +116,7 @@ impl RunBilling {
     }
 
     fn others(&self) -> MutexGuard<'_, HashMap<String, Usage>> {
-        self.others.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.others)
     }
 
     /// Another replica's share of the run's usage (absolute totals, which only grow: a share heard
@@ -164,7 +164,7 @@ impl RunBilling {
             // Totals read and handed on under one lock: two calls finishing at once hand them on
             // in increasing order, so the store (which keeps the last it is given) never goes
             // back to a smaller total.
-            let _in_order = self.usage_order.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _in_order = lock(&self.usage_order);
             (hook.0)(self.totals(), tokens);
         }
     }
@@ -233,7 +233,7 @@ pub struct Attributions {
     /// handled: kept then, the entry would live until the next poll, and a run of another account
     /// admitted meanwhile with the same trace id (trace ids are unique only among unfinished
     /// runs) would have its calls billed to the ended one. Taken under `moves`, like the entries.
-    ended: Mutex<Misses<String>>,
+    ended: Mutex<ExpiringKeys<String>>,
 }
 
 impl Default for Attributions {
@@ -243,7 +243,7 @@ impl Default for Attributions {
             by_token: DashMap::new(),
             remote: Remote::default(),
             moves: Mutex::new(()),
-            ended: Mutex::new(Misses::new(ENDED_TTL, MAX_ENDED)),
+            ended: Mutex::new(ExpiringKeys::new(ENDED_TTL, MAX_ENDED)),
         }
     }
 }
@@ -288,6 +288,13 @@ pub const TOKEN_MARKER: &str = "clawmux-attribution: ";
 /// A fresh, unguessable attribution token.
 pub fn new_token() -> String {
     format!("cmx-{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
+}
+
+/// Whether `t` has the shape of a token [`new_token`](crate::admission::new_token) makes (`cmx-`
+/// and 64 hex digits). Anything else belongs to no run, and is never looked up or remembered:
+/// a token comes from a request body, up to its size limit.
+pub fn is_token(t: &str) -> bool {
+    t.len() == 68 && t.starts_with("cmx-") && t.as_bytes()[4..].iter().all(u8::is_ascii_hexdigit)
 }
 
 /// The attribution tokens named in a request body (raw bytes; JSON escaping does not touch them).

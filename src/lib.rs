@@ -46,6 +46,7 @@ pub mod ephemeral;
 
 pub mod config;
 pub mod exit;
+pub mod expiring;
 pub mod lease;
 pub mod load;
 pub mod record;

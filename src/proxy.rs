@@ -461,6 +461,9 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
                 [] => {
                     return refuse(&state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned())
                 }
+                [token] if !crate::attribution::is_token(token) => {
+                    return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned())
+                }
                 [token] => match find(&state, CallKey::Token(token.clone()), state.attributions.lookup_token(token)).await {
                     Ok(Resolved::Found(b)) => Some(b),
                     Ok(Resolved::Missing) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
@@ -484,7 +487,7 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         }
         // Another replica's run, and the store has not answered for a while: it may have ended
         // without this replica hearing it (cut from the database). Its calls wait for the store.
-        if !state.attributions.is_local(b) && state.remote.as_ref().is_some_and(|r| !r.ends_heard()) {
+        if state.remote.as_ref().is_some_and(|r| !state.attributions.is_local(b) && !r.ends_heard()) {
             return unavailable(&state, "store_unavailable", &format!("run {} belongs to another replica and the run store has not answered for a while", b.run_id));
         }
     }
@@ -808,6 +811,27 @@ mod tests {
         probe.ends_fail.store(false, std::sync::atomic::Ordering::SeqCst);
         remote.look_for_ends().await.expect("the store answers");
         assert_eq!(call(&state, TRACE).await.0, 502, "forwarded again");
+    }
+
+    /// A token that is not of the shape clawmux makes (here 1 MiB long, from the request body)
+    /// is refused at once: never looked up in the store nor remembered as a miss.
+    #[actix_rt::test]
+    async fn a_malformed_attribution_token_is_refused_without_a_lookup() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let (remote, attributions) = crate::remote_runs::tests::remote_runs(probe.clone()).await;
+        let state = proxy(attributions, None, Some(remote));
+        let app = web_test::init_service(actix_web::App::new().app_data(state.clone()).configure(routes)).await;
+        for token in [format!("cmx-{}", "a".repeat(1 << 20)), "cmx-short".to_owned(), format!("cmx-{}", "z".repeat(64))] {
+            let content = format!("{}{token}", crate::attribution::TOKEN_MARKER);
+            let req = web_test::TestRequest::post()
+                .uri("/v1/chat/completions")
+                .set_json(serde_json::json!({"model": "m", "messages": [{"role": "system", "content": content}]}))
+                .to_request();
+            let resp = web_test::call_service(&app, req).await;
+            assert_eq!(resp.status().as_u16(), 409, "{}", &token[..12]);
+        }
+        assert_eq!(probe.lookups.load(std::sync::atomic::Ordering::SeqCst), 0, "looked up in the store");
+        assert_eq!(state.metrics.refusals.with_label_values(&["unknown_token"]).get(), 3);
     }
 
     #[actix_rt::test]

@@ -1,14 +1,15 @@
 //! The lookups of the LLM proxy in a shared store, kept cheap: concurrent lookups of one key share
 //! ONE query (a burst of calls of a run costs one), and a key the store did not know is not looked
-//! up again for a while (a burst of calls nobody owns costs one query per [`Misses`] lifetime, in
+//! up again for a while (a burst of calls nobody owns costs one query per miss's lifetime, in
 //! bounded memory). What was found is not kept here: the caller keeps it as a remote run until the
 //! run ends. A lookup that fails is not kept either: the next call asks the store again. A miss
 //! answered from memory says so ([`Resolved::MissingCached`]): the key may be known by now. A
 //! lookup whose every caller went away is forgotten with the last of them, so made-up keys whose
 //! callers disconnect cannot pile up either.
 
+use crate::expiring::ExpiringKeys;
 use crate::store::StoreError;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,60 +18,6 @@ use tokio::sync::OnceCell;
 
 /// The answer a lookup gives, shared by everyone who waited for it.
 type Shared<V> = Arc<OnceCell<Result<Option<V>, StoreError>>>;
-
-/// Keys the store did not know, each until its time is up; at most `max` of them (the oldest go
-/// first: they expire first, every key living equally long).
-#[derive(Debug)]
-pub struct Misses<K> {
-    /// Each key's expiry.
-    until: HashMap<K, Instant>,
-    /// Keys in the order they were missed (with the expiry they had then).
-    order: VecDeque<(K, Instant)>,
-    /// How long a miss is believed.
-    ttl: Duration,
-    /// The most keys kept.
-    max: usize,
-}
-
-impl<K: Eq + Hash + Clone> Misses<K> {
-    /// Misses believed for `ttl`, at most `max` of them.
-    pub fn new(ttl: Duration, max: usize) -> Self {
-        Self { until: HashMap::new(), order: VecDeque::new(), ttl, max: max.max(1) }
-    }
-
-    /// True when `key` was missed less than the lifetime ago.
-    pub fn contains(&self, key: &K, now: Instant) -> bool {
-        self.until.get(key).is_some_and(|t| *t > now)
-    }
-
-    /// Remembers a miss of `key` at `now`.
-    pub fn insert(&mut self, key: K, now: Instant) {
-        while let Some((k, t)) = self.order.front() {
-            if *t > now && self.order.len() < self.max {
-                break;
-            }
-            // Expired, or the oldest of a full cache. A key missed again since has a later expiry
-            // in the map: it stays.
-            if self.until.get(k) == Some(t) {
-                self.until.remove(k);
-            }
-            self.order.pop_front();
-        }
-        let t = now + self.ttl;
-        self.until.insert(key.clone(), t);
-        self.order.push_back((key, t));
-    }
-
-    /// Keys kept (tests).
-    pub fn len(&self) -> usize {
-        self.until.len()
-    }
-
-    /// True when no key is kept.
-    pub fn is_empty(&self) -> bool {
-        self.until.is_empty()
-    }
-}
 
 /// What a lookup says of a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +36,7 @@ pub struct Resolver<K, V> {
     /// Lookups under way, by key: whoever comes while one runs waits for its answer.
     inflight: Mutex<HashMap<K, Shared<V>>>,
     /// Keys recently not found.
-    misses: Mutex<Misses<K>>,
+    misses: Mutex<ExpiringKeys<K>>,
 }
 
 /// The guard of `m`, also after a holder panicked (every update here leaves the maps whole).
@@ -131,7 +78,7 @@ impl<K: Eq + Hash + Clone, V> Drop for Waiter<'_, K, V> {
 impl<K: Eq + Hash + Clone, V: Clone> Resolver<K, V> {
     /// Misses believed for `ttl`, at most `max` of them kept.
     pub fn new(ttl: Duration, max: usize) -> Self {
-        Self { inflight: Mutex::new(HashMap::new()), misses: Mutex::new(Misses::new(ttl, max)) }
+        Self { inflight: Mutex::new(HashMap::new()), misses: Mutex::new(ExpiringKeys::new(ttl, max)) }
     }
 
     /// What `lookup` says of `key`, unless a lookup of it is under way (its answer is shared) or
@@ -152,7 +99,11 @@ impl<K: Eq + Hash + Clone, V: Clone> Resolver<K, V> {
         let answer = shared.get_or_init(lookup).await.clone();
         if let Ok(None) = answer {
             // Remembered before the lookup is forgotten: a caller in between must not ask again.
-            lock(&self.misses).insert(key.clone(), Instant::now());
+            // Once: every caller that shared the lookup gets here.
+            let (mut misses, now) = (lock(&self.misses), Instant::now());
+            if !misses.contains(key, now) {
+                misses.insert(key.clone(), now);
+            }
         }
         drop(waiter);
         answer.map(|found| found.map_or(Resolved::Missing, Resolved::Found))
@@ -273,28 +224,5 @@ mod tests {
         // A caller dropped before its first poll holds nothing.
         drop(r.resolve(&key, std::future::pending));
         assert_eq!((r.inflight(), r.misses()), (0, 0));
-    }
-
-    #[test]
-    fn misses_are_bounded_and_expire_and_the_oldest_go_first() {
-        let now = Instant::now();
-        let at = |s: u64| now + Duration::from_secs(s);
-        let key = |k: &str| k.to_owned();
-        let mut m = Misses::new(Duration::from_secs(10), 4);
-        for k in ["a", "b", "c"] {
-            m.insert(key(k), now);
-        }
-        // Missed again later: when its first entry expires, the newer one stays.
-        m.insert(key("b"), at(5));
-        m.insert(key("d"), at(11));
-        assert!(m.contains(&key("b"), at(12)), "b was missed again at +5 s");
-        assert!(!m.contains(&key("a"), at(11)) && !m.contains(&key("c"), at(11)));
-        assert_eq!(m.len(), 2, "expired keys are gone");
-        // Full: the oldest goes, even before its time.
-        for k in ["e", "f", "g"] {
-            m.insert(key(k), at(11));
-        }
-        assert_eq!(m.len(), 4);
-        assert!(!m.contains(&key("b"), at(11)) && m.contains(&key("g"), at(11)));
     }
 }

@@ -12,6 +12,7 @@
 //!   replicas stop forwarding its calls and cut its streams), a share (`clawmux_usage`, with its
 //!   totals: the owner's documents show it at once), an abort for an owner (`clawmux_abort`).
 
+use super::postgres::i64_of;
 use super::columns::json_text;
 use super::{CallKey, LiveRun, RunRow, SpecRecord, UsageShares};
 use crate::attribution::Usage;
@@ -38,10 +39,7 @@ pub struct ShareNote {
     pub usage: Usage,
 }
 
-fn i64_of(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
+/// A count read from the store: a negative one (damaged contents) reads as 0.
 fn u64_of(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }

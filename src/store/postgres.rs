@@ -169,7 +169,8 @@ fn redact(e: &str, url: &str) -> String {
     }
 }
 
-fn i64_of(v: u64) -> i64 {
+/// A count stored as PostgreSQL's `int8`: one past its range is stored as its largest.
+pub(super) fn i64_of(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 

@@ -453,10 +453,13 @@ impl RunStore {
     /// Another replica owns `run_id` now: stops it here without cancelling it (see
     /// [`RunLog::lose`]) and serves it from the store from now on; a run suspended here is no
     /// longer taken back.
-    pub fn lose(&self, run_id: &str) -> bool {
+    pub async fn lose(&self, run_id: &str) -> bool {
         if let Some((_, old)) = self.suspended.remove(run_id) {
             old.release_billing();
-            // Its old writes stay held until the next continuation here flushes them away.
+            // Its writes queued while it was suspended are dropped (it is held), then it is let go
+            // of: nothing of it is held any more, whether or not it ever comes back here.
+            self.writer.flush().await;
+            self.writer.release(run_id);
             return true;
         }
         match self.live.remove(run_id) {
@@ -639,5 +642,27 @@ impl RunStore {
     /// Live runs without their terminal event.
     pub fn unfinished(&self) -> usize {
         self.live.iter().filter(|l| !l.is_finished()).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run suspended here and then found taken over by another replica is let go of wholly: its
+    /// writes are no longer held (they were, forever, when it never came back here).
+    #[actix_rt::test]
+    async fn a_suspended_run_lost_to_another_replica_is_no_longer_held() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let store = RunStore::with_backend(probe, Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        assert!(matches!(store.insert(super::super::backend_tests::row("r1", "acct", 1)).await, Ok(Insert::New(_))));
+        store.suspend_all();
+        assert_eq!(store.suspended(), 1);
+        assert!(store.writer().is_held("r1"), "its queued writes are dropped while it is suspended");
+        assert!(store.lose("r1").await);
+        assert_eq!(store.suspended(), 0);
+        assert!(!store.writer().is_held("r1"), "still held after it was lost");
     }
 }
