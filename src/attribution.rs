@@ -290,7 +290,7 @@ pub fn new_token() -> String {
     format!("cmx-{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
 }
 
-/// Whether `t` has the shape of a token [`new_token`](crate::admission::new_token) makes (`cmx-`
+/// Whether `t` has the shape of a token [`new_token`] makes (`cmx-`
 /// and 64 hex digits). Anything else belongs to no run, and is never looked up or remembered:
 /// a token comes from a request body, up to its size limit.
 pub fn is_token(t: &str) -> bool {
@@ -428,6 +428,34 @@ impl Attributions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Untrusted request bodies: whatever surrounds a real token, it is found and has clawmux's
+        /// shape; nothing else found in the body passes [`is_token`] unless it is that shape, and no
+        /// body makes the scan panic.
+        #[test]
+        fn tokens_in_any_body_are_found_and_only_real_ones_pass(
+            before in proptest::collection::vec(any::<u8>(), 0..200),
+            after in proptest::collection::vec(any::<u8>(), 0..200),
+            junk in "[a-zA-Z0-9-]{0,100}",
+        ) {
+            let token = new_token();
+            let mut body = before.clone();
+            body.extend_from_slice(format!("{TOKEN_MARKER}{token}").as_bytes());
+            // Ends the token (a byte it cannot contain), then more untrusted bytes.
+            body.push(b'"');
+            body.extend_from_slice(format!("{TOKEN_MARKER}cmx-{junk}").as_bytes());
+            body.extend_from_slice(&after);
+            let found = tokens_in(&body);
+            prop_assert!(found.contains(&token), "{found:?}");
+            prop_assert!(is_token(&token));
+            for t in &found {
+                let shaped = t.len() == 68 && t[4..].bytes().all(|b| b.is_ascii_hexdigit());
+                prop_assert_eq!(is_token(t), shaped, "{}", t);
+            }
+        }
+    }
 
     /// The store keeps the last totals it is given: calls finishing at once on many threads must
     /// hand them on in increasing order (one thread's totals overtaking another's made the stored
