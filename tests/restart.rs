@@ -44,6 +44,11 @@ fn gateway_at(speed: f64) -> ReplayHandle {
 /// clawmux as a child process against `gw`, on a store of its own of `kind` (`sqlite`: a file in
 /// its directory; `postgres`: a database of its own on the test server).
 async fn clawmux(kind: &str, gw: &ReplayHandle, extra: &[(&str, &str)]) -> Clawmux {
+    clawmux_and_database(kind, gw, extra).await.0
+}
+
+/// [`clawmux`], and the URL of its PostgreSQL database (`None` on SQLite).
+async fn clawmux_and_database(kind: &str, gw: &ReplayHandle, extra: &[(&str, &str)]) -> (Clawmux, Option<String>) {
     let pg_url = match kind {
         "postgres" => {
             let server = std::env::var("CLAWMUX_TEST_PG_URL").expect("CLAWMUX_TEST_PG_URL");
@@ -56,7 +61,8 @@ async fn clawmux(kind: &str, gw: &ReplayHandle, extra: &[(&str, &str)]) -> Clawm
         env.push(("CLAWMUX_STORE_URL", u.as_str()));
     }
     env.extend_from_slice(extra);
-    Clawmux::new(&gw.url(), GW_TOKEN, &env)
+    let app = Clawmux::new(&gw.url(), GW_TOKEN, &env);
+    (app, pg_url)
 }
 
 fn body(i: usize, tag: &str) -> Value {
@@ -512,6 +518,67 @@ async fn case_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_proces
     assert!(http.post(format!("{}/v1/runs?wait=false", app.base)).json(&body(9, "term503")).send().await.is_err(), "still answering after exit");
 }
 
+/// Stored contents are input too: after a `kill -9`, one run's stored events are damaged (an
+/// event of a kind this version does not know, as a newer version could write during a rolling
+/// upgrade). The restart ends that run `internal`, saying why, and continues every other run to
+/// its `final` (before, it continued none: every run stayed unfinished).
+async fn case_a_run_with_an_unreadable_stored_event_ends_internal_and_the_restart_continues_the_others(kind: &str) {
+    const N: usize = 6;
+    let gw = slow_gateway();
+    let http = http();
+    let (mut app, pg_url) = clawmux_and_database(kind, &gw, &[]).await;
+    app.start(&http).await;
+    let ids = post_runs(&http, &app.base, N, "damaged").await;
+    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(60)).await;
+    eventually(Duration::from_secs(30), "every run streams", || seen.values().all(|s| s.lock().unwrap().text().len() > 20)).await;
+    app.kill_9();
+    for r in readers {
+        r.await.unwrap();
+    }
+    let damaged = &ids[2];
+    let statement = format!("UPDATE events SET name = 'from_a_newer_version' WHERE run_id = '{damaged}' AND id = 2");
+    match &pg_url {
+        Some(url) => {
+            use sqlx::Connection;
+            let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+            assert_eq!(sqlx::query(&statement).execute(&mut c).await.unwrap().rows_affected(), 1);
+        }
+        None => {
+            let c = rusqlite::Connection::open(app.dir.join("runs.db")).unwrap();
+            assert_eq!(c.execute(&statement, []).unwrap(), 1);
+        }
+    }
+
+    app.start(&http).await;
+    let last_seen = seen[damaged].lock().unwrap().last_id();
+    let mut others = seen.clone();
+    others.remove(damaged);
+    for r in attach_all(&http, &app.base, &others, Duration::from_secs(60)).await {
+        r.await.unwrap();
+    }
+    for (i, id) in ids.iter().enumerate() {
+        if id == damaged {
+            continue;
+        }
+        let s = seen[id].lock().unwrap();
+        assert!(s.problems().is_none(), "{id}: {:?}", s.problems());
+        let content = s.terminal().unwrap().data["content"].as_str().unwrap_or_default().to_owned();
+        assert!(content.starts_with(&format!("<damaged-{i}> [track:long] | ")), "{id}: {content:?}");
+    }
+    let d = doc(&http, &app.base, damaged).await;
+    assert_eq!((d["status"].as_str(), d["error"]["code"].as_str()), (Some("error"), Some("internal")), "{d}");
+    assert!(d["error"]["message"].as_str().unwrap().contains("from_a_newer_version"), "{d}");
+    // A client re-attaching to it gets its end, numbered after every event it had.
+    let resp = attach(&http, &app.base, damaged, last_seen).await;
+    let after = Arc::new(Mutex::new(Seen::default()));
+    read_stream(resp, after.clone(), Duration::from_secs(10)).await;
+    let after = after.lock().unwrap();
+    let end = after.terminal().expect("its end");
+    assert_eq!((end.event.as_str(), end.data["code"].as_str()), ("error", Some("internal")), "{end:?}");
+    assert!(end.id > last_seen, "{} after {last_seen}", end.id);
+}
+
 on_sqlite_and_postgres! {
     kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing, pg_kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing: case_kill_9_with_200_runs_in_flight_then_a_restart_loses_nothing;
     sigterm_hands_runs_off_to_the_next_start, pg_sigterm_hands_runs_off_to_the_next_start: case_sigterm_hands_runs_off_to_the_next_start;
@@ -520,4 +587,5 @@ on_sqlite_and_postgres! {
     kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once, pg_kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once: case_kill_9_before_the_ack_sends_the_run_again_under_its_key_and_the_gateway_runs_it_once;
     kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected, pg_kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected: case_kill_9_then_a_gateway_restart_ends_the_resumed_runs_gateway_disconnected;
     sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits, pg_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits: case_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_process_exits;
+    a_run_with_an_unreadable_stored_event_ends_internal_and_the_restart_continues_the_others, pg_a_run_with_an_unreadable_stored_event_ends_internal_and_the_restart_continues_the_others: case_a_run_with_an_unreadable_stored_event_ends_internal_and_the_restart_continues_the_others;
 }

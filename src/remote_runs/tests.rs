@@ -5,7 +5,7 @@ use super::cache::lock;
 use super::*;
 use crate::store::memory::MemoryStore;
 use crate::store::writer::StoreMetrics;
-use crate::store::{Applied, ListQuery, Retention, RunRow, Store, StoredEvent, Write};
+use crate::store::{Applied, ListQuery, Retention, RunRow, Store, Write};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -69,8 +69,8 @@ impl Store for Probe {
     async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
         self.mem.by_idempotency_key(account, key).await
     }
-    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
-        self.mem.events(run_id, after).await
+    async fn raw_events(&self, run_id: &str, after: u64) -> Result<Vec<crate::store::RawEvent>, StoreError> {
+        self.mem.raw_events(run_id, after).await
     }
     async fn list(&self, query: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
         self.mem.list(query).await

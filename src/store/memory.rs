@@ -2,7 +2,7 @@
 //! durable backends; nothing survives a restart.
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
-use super::{Applied, ListQuery, Retention, RunRow, Store, StoreError, StoredEvent, Write};
+use super::{Applied, ListQuery, RawEvent, Retention, RunRow, Store, StoreError, StoredEvent, Write};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 
@@ -166,6 +166,11 @@ impl Store for MemoryStore {
 
     async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
         Ok(self.lock().events.get(run_id).map(|v| v.iter().filter(|e| e.id > after).cloned().collect()).unwrap_or_default())
+    }
+
+    async fn raw_events(&self, run_id: &str, after: u64) -> Result<Vec<RawEvent>, StoreError> {
+        let raw = |e: StoredEvent| RawEvent { id: i64::try_from(e.id).unwrap_or(i64::MAX), name: e.name.as_str().to_owned(), data: e.data };
+        Ok(self.events(run_id, after).await?.into_iter().map(raw).collect())
     }
 
     async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {

@@ -114,6 +114,42 @@ pub struct StoredEvent {
     pub data: String,
 }
 
+/// An event as a store holds it, its kind not checked yet: stored contents are input too (a
+/// damaged row, or a kind of event a newer version wrote during a rolling upgrade). Reads that
+/// must go on past one such event (continuing runs after a restart) decode them one run at a
+/// time with [`decode_events`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawEvent {
+    /// As stored (a negative one is read as 0).
+    pub id: i64,
+    /// As stored.
+    pub name: String,
+    /// JSON data.
+    pub data: String,
+}
+
+/// A stored event this version cannot read.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("holds an event of unknown kind {name:?} (event {id} of run {run_id:?})")]
+pub struct Unreadable {
+    /// Its run.
+    pub run_id: String,
+    /// Its id as stored.
+    pub id: i64,
+    /// Its kind as stored.
+    pub name: String,
+}
+
+/// A run's stored events, checked: the first one of a kind clawmux does not write is an error.
+pub fn decode_events(run_id: &str, raw: Vec<RawEvent>) -> Result<Vec<StoredEvent>, Unreadable> {
+    raw.into_iter()
+        .map(|e| match EventName::parse(&e.name) {
+            Some(name) => Ok(StoredEvent { id: u64::try_from(e.id).unwrap_or(0), name, data: e.data }),
+            None => Err(Unreadable { run_id: run_id.to_owned(), id: e.id, name: e.name }),
+        })
+        .collect()
+}
+
 impl StoredEvent {
     /// True for `final` and `error`.
     pub fn is_terminal(&self) -> bool {
@@ -481,8 +517,13 @@ pub trait Store: Send + Sync + 'static {
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError>;
     /// The run a billing account admitted under an `Idempotency-Key`, if any.
     async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError>;
-    /// A run's events after `after`, in order.
-    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError>;
+    /// A run's events after `after`, in order, as stored.
+    async fn raw_events(&self, run_id: &str, after: u64) -> Result<Vec<RawEvent>, StoreError>;
+    /// A run's events after `after`, in order; one this version cannot read is an error naming
+    /// the store.
+    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
+        decode_events(run_id, self.raw_events(run_id, after).await?).map_err(|e| StoreError(format!("the run store ({}) {e}", self.kind())))
+    }
     /// History, newest first.
     async fn list(&self, query: &ListQuery) -> Result<Vec<RunRow>, StoreError>;
     /// Every run without a terminal event, in admission order.

@@ -13,7 +13,7 @@ use super::columns::{decode_row, json_text as json, patch_columns, Columns};
 use super::pg_limits::{self, account_lock, AccountLimits};
 use super::pg_shares;
 use super::{
-    AbortReason, Applied, CallKey, EventName, Lease, ListQuery, LiveRun, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError,
+    AbortReason, Applied, CallKey, Lease, ListQuery, LiveRun, RawEvent, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError,
     StoredEvent, UsageShares, Write,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
@@ -658,19 +658,14 @@ impl Store for PgStore {
         Ok(row.map(|r| self.decode_rows(vec![r])).unwrap_or_default().pop())
     }
 
-    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
+    async fn raw_events(&self, run_id: &str, after: u64) -> Result<Vec<RawEvent>, StoreError> {
         let rows: Vec<(i64, String, String)> = sqlx::query_as("SELECT id, name, data FROM events WHERE run_id = $1 AND id > $2 ORDER BY id")
             .bind(run_id)
             .bind(i64_of(after))
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
-        rows.into_iter()
-            .map(|(id, name, data)| {
-                let name = EventName::parse(&name).ok_or_else(|| self.err(format!("holds an event of unknown kind {name:?}")))?;
-                Ok(StoredEvent { id: u64::try_from(id).unwrap_or(0), name, data })
-            })
-            .collect()
+        Ok(rows.into_iter().map(|(id, name, data)| RawEvent { id, name, data }).collect())
     }
 
     async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {

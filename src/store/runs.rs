@@ -14,6 +14,7 @@ use super::{
     StoredEvent, UsageShares, Write,
 };
 use crate::attribution::Usage;
+use clawmux_actors::{ErrorCode, RunEvent, RunOutcome, RunSink};
 use dashmap::DashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -21,6 +22,14 @@ use std::time::Duration;
 /// How long a finished run's log stays in memory (re-attaching clients are served from it; after
 /// that from the store).
 const LINGER: Duration = Duration::from_secs(60);
+
+/// A stored run's new log, before it goes live.
+struct Built {
+    log: Arc<RunLog>,
+    row: RunRow,
+    /// Why its events could not be read (it is ended instead of continued).
+    unreadable: Option<super::Unreadable>,
+}
 
 /// How an admission went.
 pub enum Insert {
@@ -488,14 +497,16 @@ impl RunStore {
     }
 
     async fn logs_of(&self, rows: Vec<RunRow>) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
-        let logs = self.build_logs(rows).await?;
-        Ok(self.go_live(logs))
+        let built = self.build_logs(rows).await?;
+        Ok(self.go_live(built))
     }
 
-    /// The logs of stored runs with their events; all or none (a read failing partway leaves no
-    /// log live that nobody continues: the runs' leases are then not renewed, and they are
-    /// claimed again).
-    async fn build_logs(&self, rows: Vec<RunRow>) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
+    /// The logs of stored runs with their events; all or none when the store fails (a read
+    /// failing partway leaves no log live that nobody continues: the runs' leases are then not
+    /// renewed, and they are claimed again). A run whose stored events this version cannot read
+    /// gets a log without them (numbered after them) and the reason, to be ended: it must not keep
+    /// every other run from being continued.
+    async fn build_logs(&self, rows: Vec<RunRow>) -> Result<Vec<Built>, StoreError> {
         // A run suspended here once, then taken over elsewhere, comes back: the writes its old
         // log queued are gone after a flush, and its new log's go through.
         if rows.iter().any(|r| self.writer.is_held(&r.run_id)) {
@@ -507,19 +518,40 @@ impl RunStore {
             }
         }
         let mut out = Vec::new();
-        for row in rows {
-            let events = self.backend.events(&row.run_id, 0).await?;
-            out.push((self.new_log(row.clone(), events), row));
+        for mut row in rows {
+            let raw = self.backend.raw_events(&row.run_id, 0).await?;
+            // The ids go on after every stored one, read or not.
+            let last = raw.iter().map(|e| u64::try_from(e.id).unwrap_or(0)).max().unwrap_or(0);
+            let (events, unreadable) = match super::decode_events(&row.run_id, raw) {
+                Ok(events) => (events, None),
+                Err(e) => {
+                    row.last_event_id = row.last_event_id.max(last);
+                    (Vec::new(), Some(e))
+                }
+            };
+            out.push(Built { log: self.new_log(row.clone(), events), row, unreadable });
         }
         Ok(out)
     }
 
-    /// Makes built logs the live ones of their runs.
-    fn go_live(&self, logs: Vec<(Arc<RunLog>, RunRow)>) -> Vec<(Arc<RunLog>, RunRow)> {
-        for (log, row) in &logs {
+    /// Makes built logs the live ones of their runs and returns those to continue, in order. A
+    /// run whose events cannot be read ends here (`internal`, its gateway run not cancelled: as
+    /// one that cannot be admitted again, see `server::continue_runs`); its log stays live until
+    /// that end is stored.
+    fn go_live(&self, built: Vec<Built>) -> Vec<(Arc<RunLog>, RunRow)> {
+        let mut go_on = Vec::new();
+        for Built { log, row, unreadable } in built {
             self.live.insert(row.run_id.clone(), log.clone());
+            match unreadable {
+                None => go_on.push((log, row)),
+                Some(e) => {
+                    tracing::error!(run_id = %row.run_id, store = self.kind(), error = %e, "a stored run cannot be continued: the run store holds an event of it this version cannot read; it ends `internal`");
+                    let msg = format!("clawmux could not continue the run (after a restart, a takeover or a store outage): the run store {e}");
+                    log.emit(RunEvent::Finished(RunOutcome::failed(ErrorCode::Internal, msg, String::new())));
+                }
+            }
         }
-        logs
+        go_on
     }
 
     /// The run a billing account admitted under an `Idempotency-Key`, if any.
@@ -664,5 +696,53 @@ mod tests {
         assert!(store.lose("r1").await);
         assert_eq!(store.suspended(), 0);
         assert!(!store.writer().is_held("r1"), "still held after it was lost");
+    }
+
+    /// Stored contents are input: a run whose events this version cannot read (damaged, or of a
+    /// kind a newer version wrote) ends `internal` after a restart, and every other run is
+    /// continued (before, the restart read all logs or none: one such run left every run
+    /// unfinished, their clients waiting for good).
+    #[actix_rt::test]
+    async fn a_run_with_an_unreadable_event_ends_internal_and_the_others_are_continued_after_a_restart() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("runs.db");
+        let url = StoreUrl::Sqlite(path.clone());
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let open = || async {
+            let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+            RunStore::open(&url, retention, metrics, None).await.expect("opens")
+        };
+        let first = open().await;
+        for id in ["r1", "r2", "r3"] {
+            let Ok(Insert::New(log)) = first.insert(super::super::backend_tests::row(id, "acct", 1)).await else { panic!("{id} not stored") };
+            log.emit(RunEvent::Accepted { gateway_run_id: format!("gw-{id}") });
+            log.emit(RunEvent::TextDelta(format!("text of {id}")));
+        }
+        first.flush().await;
+        drop(first);
+        let c = rusqlite::Connection::open(&path).expect("open");
+        c.execute("UPDATE events SET name = 'from_a_newer_version' WHERE run_id = 'r2' AND id = 2", []).expect("damage");
+
+        let second = open().await;
+        let lease = Lease { replica: "test".into(), ms: 60_000 };
+        let continued: Vec<String> = second.resume(&lease).await.expect("resumed").into_iter().map(|(_, r)| r.run_id).collect();
+        assert_eq!(continued, ["r1", "r3"]);
+        second.flush().await;
+        let r2 = second.backend.run("r2").await.expect("read").expect("r2");
+        assert_eq!(r2.status, "error");
+        let (code, message) = r2.error.expect("an error");
+        assert_eq!(code, "internal");
+        assert!(message.contains("from_a_newer_version") && message.contains("unknown kind"), "{message}");
+        // Its end comes after the events it had (ids go on from the stored ones), and it is live
+        // until that end is stored, then served as any finished run.
+        let log = second.live("r2").expect("its log");
+        assert!(log.is_finished());
+        assert_eq!(r2.last_event_id, 3);
+        for id in ["r1", "r3"] {
+            let log = second.live(id).expect("continued");
+            assert!(!log.is_finished(), "{id}");
+            let row = second.backend.run(id).await.expect("read").expect("row");
+            assert!(row.finished_at_ms.is_none() && row.error.is_none(), "{id}: {row:?}");
+        }
     }
 }

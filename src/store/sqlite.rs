@@ -12,7 +12,7 @@
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
-use super::{Applied, EventName, ListQuery, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, StoredEvent, Write};
+use super::{Applied, ListQuery, RawEvent, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, Write};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
 use std::collections::HashMap;
@@ -417,19 +417,12 @@ impl Store for SqliteStore {
         Ok(rows.pop())
     }
 
-    async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
-        let raw: Vec<(i64, String, String)> = self.read(|c| {
+    async fn raw_events(&self, run_id: &str, after: u64) -> Result<Vec<RawEvent>, StoreError> {
+        self.read(|c| {
             let mut st = c.prepare_cached("SELECT id, name, data FROM events WHERE run_id = ? AND id > ? ORDER BY id")?;
-            let rows = st.query_map(params![run_id, i64::try_from(after).unwrap_or(i64::MAX)], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            let rows = st.query_map(params![run_id, i64::try_from(after).unwrap_or(i64::MAX)], |r| Ok(RawEvent { id: r.get(0)?, name: r.get(1)?, data: r.get(2)? }))?;
             rows.collect()
-        })?;
-        raw.into_iter()
-            .map(|(id, name, data)| {
-                let name = EventName::parse(&name)
-                    .ok_or_else(|| StoreError(format!("the run store {} holds an event of unknown kind {name:?}", self.path.display())))?;
-                Ok(StoredEvent { id: u64::try_from(id).unwrap_or(0), name, data })
-            })
-            .collect()
+        })
     }
 
     async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
@@ -660,6 +653,7 @@ impl TenantStore for SqliteStore {
 mod tests {
     use super::*;
     use crate::store::backend_tests::row;
+    use crate::store::{EventName, StoredEvent};
 
     fn frames_in_wal(c: &Connection) -> i64 {
         c.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get(1)).expect("checkpoint")
@@ -703,7 +697,7 @@ mod tests {
 #[cfg(test)]
 mod probe {
     use super::*;
-    use crate::store::SpecRecord;
+    use crate::store::{EventName, SpecRecord, StoredEvent};
 
     /// Not a test: `cargo test --release -p clawmux --lib store::sqlite::probe -- --ignored --nocapture`
     /// prints what a batch of events costs the SQLite store on this machine.

@@ -262,7 +262,7 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{ListQuery, Retention, RunPatch, RunRow, StoredEvent};
+    use crate::store::{ListQuery, Retention, RunPatch, RunRow};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
@@ -314,7 +314,7 @@ mod tests {
         async fn by_idempotency_key(&self, _: &str, _: &str) -> Result<Option<RunRow>, StoreError> {
             Ok(None)
         }
-        async fn events(&self, _: &str, _: u64) -> Result<Vec<StoredEvent>, StoreError> {
+        async fn raw_events(&self, _: &str, _: u64) -> Result<Vec<super::super::RawEvent>, StoreError> {
             Ok(Vec::new())
         }
         async fn list(&self, _: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
