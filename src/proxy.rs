@@ -356,7 +356,7 @@ impl CallFinisher {
             "LLM call"
         );
         if let Some(w) = &self.state.shared_audit {
-            w.submit(crate::store::Write::LlmCall(Box::new(rec.clone())), None);
+            w.submit(crate::store::Write::LlmCall { id: crate::store::BillingId::new(), record: Box::new(rec.clone()) }, None);
         }
         self.state.audit.write(rec);
         let _ = &self.billing;

@@ -14,6 +14,8 @@ mod common;
 mod child;
 #[path = "common/own_postgres.rs"]
 mod own_postgres;
+#[path = "common/tcp_chaos.rs"]
+mod tcp_chaos;
 
 use child::{attach, read_stream, Clawmux, Seen};
 use own_postgres::{server_url, OwnPostgres};
@@ -319,4 +321,68 @@ async fn pg_doctor_reports_the_store_without_its_password() {
     let (out, ok) = doctor(&gw, &format!("postgres://clawmux:secret-pw-7@127.0.0.1:{port}/clawmux")).await;
     assert!(!ok && out.contains("not reachable") && !out.contains("secret-pw-7"), "{out}");
     assert!(t0.elapsed() < Duration::from_secs(60), "doctor took {:?}", t0.elapsed());
+}
+
+/// A commit that the database carries out but whose answer never arrives (the connection reset
+/// after `COMMIT` went out): the writer cannot know it happened, takes the store as out of reach
+/// and writes the batch's billing records again once it answers. Each is counted once: the
+/// account's spend is the call's tokens, not twice them, and the call is recorded once (before,
+/// both were doubled).
+#[actix_rt::test]
+async fn pg_billing_records_of_a_commit_whose_answer_was_lost_are_counted_once() {
+    use clawmux::store::{BillingId, Write};
+    let Some(server) = server_url("pg_billing_records_of_a_commit_whose_answer_was_lost") else { return };
+    let url = clawmux::store::postgres::create_test_database(&server, "cmx_ambiguous").await.unwrap();
+    let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
+    let store = Arc::new(clawmux::store::postgres::PgStore::open(&relayed, "ambiguous").await.unwrap());
+    let metrics = clawmux::store::writer::StoreMetrics::new(&prometheus::Registry::new()).unwrap();
+    let writer = clawmux::store::writer::Writer::start(store, metrics);
+    let record = clawmux::audit::AuditRecord {
+        time: "2026-11-27T00:00:00Z".into(),
+        run_id: "run-ambiguous".into(),
+        billing_account_id: "acct-ambiguous".into(),
+        model: Some("m".into()),
+        path: "/v1/chat/completions".into(),
+        status: 200,
+        outcome: "ok".into(),
+        latency_ms: 3,
+        streamed: false,
+        input_tokens: Some(40),
+        output_tokens: Some(2),
+        upstream_call_id: None,
+    };
+    relay.mute_after(b"COMMIT");
+    writer.submit(Write::Spend { account: "acct-ambiguous".into(), window_start_ms: 0, tokens: 42, id: BillingId::new() }, None);
+    writer.submit(Write::LlmCall { id: BillingId::new(), record: Box::new(record) }, None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !relay.muted() {
+        assert!(Instant::now() < deadline, "no COMMIT went through the relay");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The database commits (its answer is dropped), then the connection is reset.
+    let direct = sqlx::PgPool::connect(&url).await.unwrap();
+    let spend = || async { sqlx::query_scalar::<_, Option<i64>>("SELECT sum(tokens)::int8 FROM spend WHERE billing_account_id = 'acct-ambiguous'").fetch_one(&direct).await.unwrap() };
+    while spend().await.is_none() {
+        assert!(Instant::now() < deadline, "the commit did not happen");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    relay.cut_all();
+    relay.unmute();
+    // The writer takes the store as out of reach (the commit failed), then writes the records
+    // again once it answers.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !writer.store_down() {
+        assert!(Instant::now() < deadline, "the writer did not see the commit fail");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while writer.store_down() {
+        assert!(Instant::now() < deadline, "the writer did not write again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.flush().await;
+    assert_eq!(spend().await, Some(42), "the spend was counted again");
+    let calls: i64 = sqlx::query_scalar("SELECT count(*) FROM llm_calls WHERE run_id = 'run-ambiguous'").fetch_one(&direct).await.unwrap();
+    assert_eq!(calls, 1, "the call was recorded again");
+    let ids: i64 = sqlx::query_scalar("SELECT count(*) FROM billing_writes").fetch_one(&direct).await.unwrap();
+    assert_eq!(ids, 2);
 }

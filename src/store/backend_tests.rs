@@ -528,7 +528,7 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert_eq!(t.limits("acct-a").await.expect("limits"), Some(limits), "{kind}");
     assert_eq!(t.all_limits().await.expect("all"), [("acct-a".to_owned(), limits)], "{kind}");
 
-    let spend = |tokens| Write::Spend { account: "acct-a".into(), window_start_ms: 60_000, tokens };
+    let spend = |tokens| Write::Spend { account: "acct-a".into(), window_start_ms: 60_000, tokens, id: super::BillingId::new() };
     s.apply(&[spend(5), spend(7)]).await.expect("spend");
     s.apply(&[spend(30)]).await.expect("spend");
     assert_eq!(t.spend("acct-a", 60_000).await.expect("spend"), 42, "{kind}");

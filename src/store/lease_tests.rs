@@ -94,7 +94,7 @@ async fn pg_a_replica_that_lost_a_run_is_fenced_told_by_its_renewal_and_aborts_r
     let got = b.claim(&lb, false).await.expect("claim");
     assert_eq!(got.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), ["r1"]);
     // A's next writes are dropped (fenced), b's are stored; a's renewal reports the loss.
-    assert_eq!(a.apply(&[delta("r1", 2), Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 1 }]).await.expect("batch"), [Applied::Fenced, Applied::Done]);
+    assert_eq!(a.apply(&[delta("r1", 2), Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 1, id: super::BillingId::new() }]).await.expect("batch"), [Applied::Fenced, Applied::Done]);
     assert_eq!(b.apply(&[delta("r1", 2)]).await.expect("b writes"), [Applied::Done]);
     let texts: Vec<String> = b.events("r1", 0).await.expect("events").into_iter().map(|e| e.data).collect();
     assert_eq!(texts, ["{\"text\":\"r1-1\"}", "{\"text\":\"r1-2\"}"]);

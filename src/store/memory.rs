@@ -137,7 +137,8 @@ impl Store for MemoryStore {
                     st.delete(run_id);
                     Applied::Done
                 }
-                Write::Spend { account, window_start_ms, tokens } => {
+                // One process, in memory: a write is never applied twice (ids are for ambiguous commits).
+                Write::Spend { account, window_start_ms, tokens, .. } => {
                     let t = st.spend.entry((account.clone(), *window_start_ms)).or_default();
                     *t = t.saturating_add(*tokens);
                     Applied::Done
@@ -149,7 +150,7 @@ impl Store for MemoryStore {
                     }
                     Applied::Done
                 }
-                Write::LlmCall(_) => Applied::Done,
+                Write::LlmCall { .. } => Applied::Done,
             });
         }
         Ok(out)

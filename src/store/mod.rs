@@ -357,7 +357,7 @@ pub enum Write {
         /// A webhook delivery to queue with it (the terminal event: both or neither are stored).
         webhook: Option<NewDelivery>,
     },
-    /// Tokens an account spent in a budget window (added to what is stored).
+    /// Tokens an account spent in a budget window (added to what is stored, once per `id`).
     Spend {
         /// Billing account.
         account: String,
@@ -365,6 +365,8 @@ pub enum Write {
         window_start_ms: i64,
         /// Tokens to add.
         tokens: u64,
+        /// This write's own id (see [`BillingId`]).
+        id: BillingId,
     },
     /// The end of a run whose writes failed: its `internal` error event, which clients have seen
     /// right after the last event stored. Events the store took after that one are dropped (no
@@ -398,7 +400,32 @@ pub enum Write {
     /// An LLM call's audit record. Shared stores keep them, so that `GET /v1/runs/{id}/llm-calls`
     /// on any replica lists the calls every replica forwarded; the others have the audit log file
     /// of their one process and drop it.
-    LlmCall(Box<crate::audit::AuditRecord>),
+    LlmCall {
+        /// This write's own id (see [`BillingId`]).
+        id: BillingId,
+        /// The record.
+        record: Box<crate::audit::AuditRecord>,
+    },
+}
+
+/// The id a billing record (spend, an LLM call's record) is written under, made once with the
+/// record: written again after a commit whose outcome the writer could not know (the connection
+/// lost after `COMMIT` was sent), the record is not counted twice. Stores whose commits cannot be
+/// ambiguous (SQLite: a failed commit is rolled back) need not keep it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BillingId(pub String);
+
+impl BillingId {
+    /// A new one (a random UUID).
+    pub fn new() -> Self {
+        Self(uuid::Uuid::new_v4().to_string())
+    }
+}
+
+impl Default for BillingId {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// A webhook delivery queued with a run's terminal event.

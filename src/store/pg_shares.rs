@@ -72,6 +72,26 @@ pub(super) async fn store_shares(tx: &mut Transaction<'_, Postgres>, replica: &s
     Ok(())
 }
 
+/// Records the ids of a batch's billing records; returns those not recorded before (the records
+/// to store: the others were stored by an earlier commit of the same records, whose outcome the
+/// writer could not know).
+pub(super) async fn new_billing_ids(tx: &mut Transaction<'_, Postgres>, ids: &[&str], now_ms: i64) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Default::default());
+    }
+    let new: Vec<String> = sqlx::query_scalar("INSERT INTO billing_writes (id, written_at) SELECT UNNEST($1::text[]), $2 ON CONFLICT DO NOTHING RETURNING id")
+        .bind(ids)
+        .bind(now_ms)
+        .fetch_all(&mut **tx)
+        .await?;
+    Ok(new.into_iter().collect())
+}
+
+/// How long the ids of billing records are kept: a record written again later than this after a
+/// commit that did store it would be counted twice (its writer retries every second while the
+/// store is out of reach, so that takes an outage of a day after the commit).
+pub const BILLING_IDS_KEPT_MS: i64 = 24 * 3_600_000;
+
 /// Stores a batch's audit records of LLM calls.
 pub(super) async fn store_calls(tx: &mut Transaction<'_, Postgres>, replica: &str, calls: &[&crate::audit::AuditRecord]) -> Result<(), sqlx::Error> {
     if calls.is_empty() {

@@ -13,7 +13,7 @@ use super::columns::{decode_row, json_text as json, patch_columns, Columns};
 use super::pg_limits::{self, account_lock, AccountLimits};
 use super::pg_shares;
 use super::{
-    AbortReason, Applied, CallKey, Lease, ListQuery, LiveRun, RawEvent, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError,
+    AbortReason, Applied, BillingId, CallKey, Lease, ListQuery, LiveRun, RawEvent, Renewed, Replica, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError,
     StoredEvent, UsageShares, Write,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
@@ -498,12 +498,12 @@ impl PgStore {
         let mut events = Events::default();
         // Runs that got events: other replicas' followers are told at commit (see `follow`).
         let mut notify: HashSet<String> = HashSet::new();
-        // Tokens per account and window, added once at the end (in a fixed order: two replicas'
-        // batches never wait on each other's spend rows in opposite orders).
-        let mut spend: std::collections::BTreeMap<(&str, i64), u64> = Default::default();
-        // This replica's usage shares (the last totals per run) and audit records of LLM calls.
+        // Billing records: spend (tokens per account and window) and audit records of LLM calls,
+        // stored at the end, each once by its id (see `BillingId`).
+        let mut spends: Vec<(&BillingId, (&str, i64), u64)> = Vec::new();
+        let mut calls: Vec<(&BillingId, &crate::audit::AuditRecord)> = Vec::new();
+        // This replica's usage shares (the last totals per run).
         let mut shares: BTreeMap<&str, crate::attribution::Usage> = BTreeMap::new();
-        let mut calls: Vec<&crate::audit::AuditRecord> = Vec::new();
         for w in batch {
             out.push(match w {
                 Write::Insert(row) => {
@@ -556,9 +556,8 @@ impl PgStore {
                     p.exact = Some(event.id);
                     Applied::Done
                 }
-                Write::Spend { account, window_start_ms, tokens } => {
-                    let t = spend.entry((account.as_str(), *window_start_ms)).or_default();
-                    *t = t.saturating_add(*tokens);
+                Write::Spend { account, window_start_ms, tokens, id } => {
+                    spends.push((id, (account.as_str(), *window_start_ms), *tokens));
                     Applied::Done
                 }
                 Write::Delete { run_id } => {
@@ -576,8 +575,8 @@ impl PgStore {
                     shares.insert(run_id.as_str(), *usage);
                     Applied::Done
                 }
-                Write::LlmCall(record) => {
-                    calls.push(record);
+                Write::LlmCall { id, record } => {
+                    calls.push((id, record));
                     Applied::Done
                 }
             });
@@ -596,8 +595,18 @@ impl PgStore {
         }
         let me = lease.map_or("", |l| l.replica.as_str());
         pg_shares::store_shares(&mut tx, me, &shares).await?;
+        let ids: Vec<&str> = spends.iter().map(|s| s.0 .0.as_str()).chain(calls.iter().map(|c| c.0 .0.as_str())).collect();
+        let new = pg_shares::new_billing_ids(&mut tx, &ids, super::now_ms()).await?;
+        let calls: Vec<&crate::audit::AuditRecord> = calls.into_iter().filter(|(id, _)| new.contains(id.0.as_str())).map(|(_, r)| r).collect();
         pg_shares::store_calls(&mut tx, me, &calls).await?;
         pg_shares::notify_ended(&mut tx, &ended).await?;
+        // Tokens per account and window, added in a fixed order: two replicas' batches never wait
+        // on each other's spend rows in opposite orders.
+        let mut spend: BTreeMap<(&str, i64), u64> = BTreeMap::new();
+        for (_, key, tokens) in spends.into_iter().filter(|(id, _, _)| new.contains(id.0.as_str())) {
+            let t = spend.entry(key).or_default();
+            *t = t.saturating_add(tokens);
+        }
         for ((account, window), tokens) in spend {
             sqlx::query(
                 "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES ($1, $2, $3) \
@@ -870,7 +879,7 @@ impl Store for PgStore {
         // Past the age, and beyond the newest `max_count` finished runs; events first, in the same
         // statement. Usage shares and call records of runs that are gone go too (a proxy's record
         // written after its run was swept, or deleted as a refused admission, would stay forever).
-        sqlx::query_scalar(
+        let gone = sqlx::query_scalar(
             "WITH doomed AS (SELECT run_id FROM runs WHERE finished_at IS NOT NULL AND (finished_at <= $1 OR run_id IN \
                (SELECT run_id FROM runs WHERE finished_at IS NOT NULL ORDER BY finished_at DESC, seq DESC OFFSET $2))), \
              gone_events AS (DELETE FROM events WHERE run_id IN (SELECT run_id FROM doomed)), \
@@ -884,7 +893,13 @@ impl Store for PgStore {
         .bind(max)
         .fetch_all(&self.pool)
         .await
-        .map_err(|e| self.err(e))
+        .map_err(|e| self.err(e))?;
+        sqlx::query("DELETE FROM billing_writes WHERE written_at < $1")
+            .bind(now_ms.saturating_sub(pg_shares::BILLING_IDS_KEPT_MS))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(gone)
     }
 }
 

@@ -149,7 +149,7 @@ async fn pg_every_replica_lists_the_calls_any_replica_recorded_and_they_go_with_
     let (b, _) = open(&url, "b").await;
     insert(&a, row("r1", "acct", 1)).await;
     let call = |n: u64| {
-        Write::LlmCall(Box::new(crate::audit::AuditRecord {
+        Write::LlmCall { id: super::BillingId::new(), record: Box::new(crate::audit::AuditRecord {
             time: "2026-11-21T00:00:00Z".into(),
             run_id: "r1".into(),
             billing_account_id: "acct".into(),
@@ -162,7 +162,7 @@ async fn pg_every_replica_lists_the_calls_any_replica_recorded_and_they_go_with_
             input_tokens: Some(n),
             output_tokens: Some(1),
             upstream_call_id: Some(format!("c{n}")),
-        }))
+        }) }
     };
     a.apply(&[call(1)]).await.expect("a's call");
     b.apply(&[call(2), call(3)]).await.expect("b's calls");
@@ -195,4 +195,50 @@ async fn pg_ends_and_shares_are_notified_at_commit() {
     let note: ShareNote = serde_json::from_str(&got[0].1).expect("a share note");
     assert_eq!(note, ShareNote { run_id: "r1".into(), replica: "b".into(), usage: usage(4, 2, 1) });
     assert_eq!(got[1], (ENDED.to_owned(), "r1".to_owned()));
+}
+
+/// A commit can fail without saying whether it happened; the writer then writes the batch's
+/// billing records again. Written again under their ids, they are counted once: the spend is not
+/// added twice and the call is listed once (both were before). Ids are forgotten after a day.
+#[tokio::test]
+async fn pg_billing_records_written_again_after_an_ambiguous_commit_count_once() {
+    use crate::store::tenants::TenantStore;
+    let Some(url) = pg_url("pg_billing_records_written_again").await else { return };
+    let (a, _) = open(&url, "a").await;
+    insert(&a, row("r1", "acct", 1)).await;
+    let record = crate::audit::AuditRecord {
+        time: "2026-11-27T00:00:00Z".into(),
+        run_id: "r1".into(),
+        billing_account_id: "acct".into(),
+        model: None,
+        path: "/v1/chat/completions".into(),
+        status: 200,
+        outcome: "ok".into(),
+        latency_ms: 5,
+        streamed: false,
+        input_tokens: Some(40),
+        output_tokens: Some(2),
+        upstream_call_id: None,
+    };
+    let (spend_id, call_id) = (super::BillingId::new(), super::BillingId::new());
+    let batch = [
+        Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 42, id: spend_id.clone() },
+        Write::LlmCall { id: call_id.clone(), record: Box::new(record.clone()) },
+    ];
+    a.apply(&batch).await.expect("the first commit");
+    a.apply(&batch).await.expect("the same records again");
+    // And once more with a new spend beside them: only the new one is added.
+    let more = Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 8, id: super::BillingId::new() };
+    a.apply(&[batch[0].clone(), more]).await.expect("again, with a new one");
+    assert_eq!(a.spend("acct", 0).await.expect("spend"), 50);
+    let (calls, _) = a.llm_calls("r1", 10).await.expect("read").expect("kept");
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    // The sweep forgets ids older than a day, not newer ones.
+    let now = super::now_ms();
+    a.sweep(super::Retention { max_age_ms: i64::MAX, max_count: usize::MAX }, now).await.expect("sweep");
+    a.apply(&batch[..1]).await.expect("within a day");
+    assert_eq!(a.spend("acct", 0).await.expect("spend"), 50);
+    a.sweep(super::Retention { max_age_ms: i64::MAX, max_count: usize::MAX }, now + super::pg_shares::BILLING_IDS_KEPT_MS + 1_000).await.expect("sweep");
+    a.apply(&batch[..1]).await.expect("a day later");
+    assert_eq!(a.spend("acct", 0).await.expect("spend"), 92, "the id was forgotten");
 }

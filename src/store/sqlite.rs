@@ -356,7 +356,7 @@ impl SqliteStore {
                         patches[i].3 = Some(event.id);
                         Applied::Done
                     }
-                    Write::Spend { account, window_start_ms, tokens } => {
+                    Write::Spend { account, window_start_ms, tokens, .. } => {
                         tx.prepare_cached(
                             "INSERT INTO spend (billing_account_id, window_start, tokens) VALUES (?, ?, ?) \
                              ON CONFLICT (billing_account_id, window_start) DO UPDATE SET tokens = CASE WHEN tokens > 9223372036854775807 - excluded.tokens THEN 9223372036854775807 ELSE tokens + excluded.tokens END",
@@ -375,7 +375,7 @@ impl SqliteStore {
                         Applied::Done
                     }
                     // The audit log file of the one process has it.
-                    Write::LlmCall(_) => Applied::Done,
+                    Write::LlmCall { .. } => Applied::Done,
                 });
             }
         }

@@ -150,7 +150,7 @@ impl Writer {
 fn run_of_write(w: &Write) -> Option<&str> {
     match w {
         Write::Append { run_id, .. } | Write::Fail { run_id, .. } => Some(run_id),
-        Write::Insert(_) | Write::Spend { .. } | Write::Delete { .. } | Write::Usage { .. } | Write::LlmCall(_) => None,
+        Write::Insert(_) | Write::Spend { .. } | Write::Delete { .. } | Write::Usage { .. } | Write::LlmCall { .. } => None,
     }
 }
 
@@ -158,7 +158,7 @@ fn run_of_write(w: &Write) -> Option<&str> {
 /// kept and written again when the store was out of reach, since nothing else would (a run goes
 /// on through an outage, and so do its calls).
 fn is_billing_record(w: &Write) -> bool {
-    matches!(w, Write::Spend { .. } | Write::Usage { .. } | Write::LlmCall(_))
+    matches!(w, Write::Spend { .. } | Write::Usage { .. } | Write::LlmCall { .. })
 }
 
 /// The most billing records kept for the store's return (the oldest go first beyond it).
@@ -514,7 +514,7 @@ mod tests {
     #[actix_rt::test]
     async fn billing_records_are_written_again_once_the_store_is_back() {
         let (probe, failing, writer) = out_of_reach();
-        writer.submit(Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 7 }, None);
+        writer.submit(Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 7, id: crate::store::BillingId::new() }, None);
         assert!(writer.apply(write("lost")).await.is_err(), "the store is out of reach");
         failing.store(false, Ordering::SeqCst);
         probe.down.store(false, Ordering::SeqCst);

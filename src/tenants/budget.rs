@@ -307,7 +307,7 @@ impl Budgets {
         } else if let Some(mut s) = self.spend.get_mut(&(account.to_owned(), start)) {
             *s = s.saturating_add(tokens);
         }
-        self.writer.submit(Write::Spend { account: account.to_owned(), window_start_ms: start, tokens }, None);
+        self.writer.submit(Write::Spend { account: account.to_owned(), window_start_ms: start, tokens, id: crate::store::BillingId::new() }, None);
     }
 
     /// Ends `run_id`: its account's budget is spent. Resolves once the run's session has the cancel
@@ -427,7 +427,7 @@ pub(crate) mod tests {
         assert_eq!(b.check_call_at("acct", t0 + SHARED_SPEND_TTL / 2).await, CallBudget::Allowed);
         assert_eq!(reads(), 1, "read lately: not read again");
         // Another replica spent the budget meanwhile: seen at the next read.
-        store.inner.apply(&[Write::Spend { account: "acct".into(), window_start_ms: window(86_400, now_ms()).0, tokens: 100 }]).await.expect("spend");
+        store.inner.apply(&[Write::Spend { account: "acct".into(), window_start_ms: window(86_400, now_ms()).0, tokens: 100, id: crate::store::BillingId::new() }]).await.expect("spend");
         assert_eq!(b.check_call_at("acct", t0 + SHARED_SPEND_TTL).await, CallBudget::Exceeded);
         assert_eq!(reads(), 2);
         // A read that fails is not kept: the next call asks again.

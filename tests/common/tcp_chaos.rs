@@ -8,7 +8,10 @@
 //!   WebSocket close frame: a crashed middlebox or a dropped NAT entry;
 //! - `stall`/`resume`: a partition that keeps the sockets open; the relay stops reading, so the
 //!   kernel buffers fill and both peers see backpressure, then everything arrives, in order;
-//! - `refuse`: new connections are accepted and reset at once: the gateway "is not there".
+//! - `refuse`: new connections are accepted and reset at once: the gateway "is not there";
+//! - `mute_after`: once a client sends the given bytes (say a database's `COMMIT`), they reach
+//!   the upstream but nothing the upstream sends back reaches any client until `unmute`: with a
+//!   `cut_all` after it, a request that was carried out but never answered.
 //!
 //! Usage: `let relay = ChaosRelay::start(gateway_addr).await?;` then point clawmux at
 //! `relay.url()`. Dropping the relay stops it and resets every connection it carries.
@@ -17,7 +20,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -35,6 +38,10 @@ struct Shared {
     /// Bytes forwarded towards the upstream (gateway) and back towards the client.
     bytes_up: AtomicU64,
     bytes_down: AtomicU64,
+    /// Bytes that, sent by a client, mute the relay (see `mute_after`); taken when seen.
+    mute_on: Mutex<Option<Vec<u8>>>,
+    /// Nothing from the upstream is forwarded while set.
+    muted: AtomicBool,
 }
 
 /// The relay. See the module docs.
@@ -64,6 +71,8 @@ impl ChaosRelay {
             live: AtomicUsize::new(0),
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
+            mute_on: Mutex::new(None),
+            muted: AtomicBool::new(false),
         });
         let (stall_tx, stall_rx) = watch::channel(false);
         let (cut_tx, cut_rx) = watch::channel(0u64);
@@ -100,6 +109,23 @@ impl ChaosRelay {
     /// combine with `cut_all` for an outage).
     pub fn refuse(&self, on: bool) {
         self.shared.refusing.store(on, Ordering::SeqCst);
+    }
+
+    /// The next time a client sends bytes containing `pattern`, they are forwarded, and from
+    /// then on nothing the upstream sends reaches any client (it is read and dropped) until
+    /// [`Self::unmute`]. See [`Self::muted`].
+    pub fn mute_after(&self, pattern: &[u8]) {
+        *self.shared.mute_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern.to_vec());
+    }
+
+    /// True once `mute_after`'s bytes went by (and until `unmute`).
+    pub fn muted(&self) -> bool {
+        self.shared.muted.load(Ordering::SeqCst)
+    }
+
+    /// Forwards the upstream's bytes again (to connections made from now on, after a `cut_all`).
+    pub fn unmute(&self) {
+        self.shared.muted.store(false, Ordering::SeqCst);
     }
 
     /// Connections accepted and forwarded so far.
@@ -178,8 +204,8 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stall_rx: watch
             let (cr, cw) = client.into_split();
             let (ur, uw) = upstream.into_split();
             tokio::join!(
-                pump(cr, uw, &shared.bytes_up, stall_rx.clone(), cut_rx.clone()),
-                pump(ur, cw, &shared.bytes_down, stall_rx, cut_rx),
+                pump(cr, uw, &shared, Way::Up, stall_rx.clone(), cut_rx.clone()),
+                pump(ur, cw, &shared, Way::Down, stall_rx, cut_rx),
             );
             shared.live.fetch_sub(1, Ordering::SeqCst);
             // Both halves of both sockets drop here: RST if the pumps ended by a cut.
@@ -201,16 +227,26 @@ async fn wait_unstalled(stall_rx: &mut watch::Receiver<bool>, cut_rx: &mut watch
     }
 }
 
+/// Which way a pump copies.
+#[derive(Clone, Copy, PartialEq)]
+enum Way {
+    /// Client → upstream.
+    Up,
+    /// Upstream → client.
+    Down,
+}
+
 /// Copies `from` → `to` until EOF (then half-closes `to`, as TCP would), an error, or a cut (then
 /// resets: the socket closes with SO_LINGER 0 once the other direction lets go of it too).
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
-    counter: &AtomicU64,
+    shared: &Shared,
+    way: Way,
     stall_rx: watch::Receiver<bool>,
     cut_rx: watch::Receiver<u64>,
 ) {
-    if copy(&mut from, &mut to, counter, stall_rx, cut_rx).await {
+    if copy(&mut from, &mut to, shared, way, stall_rx, cut_rx).await {
         let _ = to.shutdown().await;
     } else {
         // Dropping a write half would send FIN first (tokio shuts it down on drop), and the peer
@@ -223,10 +259,12 @@ async fn pump(
 async fn copy(
     from: &mut OwnedReadHalf,
     to: &mut OwnedWriteHalf,
-    counter: &AtomicU64,
+    shared: &Shared,
+    way: Way,
     mut stall_rx: watch::Receiver<bool>,
     mut cut_rx: watch::Receiver<u64>,
 ) -> bool {
+    let counter = if way == Way::Up { &shared.bytes_up } else { &shared.bytes_down };
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         // Stalled: read nothing, so the peers see backpressure rather than a sink.
@@ -251,6 +289,18 @@ async fn copy(
         // A stall that began while these bytes were read holds them until `resume`.
         if !wait_unstalled(&mut stall_rx, &mut cut_rx).await {
             return false;
+        }
+        match way {
+            // Muted before these bytes leave: the upstream's answer to them is never forwarded.
+            Way::Up => {
+                let mut mute_on = shared.mute_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if mute_on.as_ref().is_some_and(|p| !p.is_empty() && buf[..n].windows(p.len()).any(|w| w == p.as_slice())) {
+                    *mute_on = None;
+                    shared.muted.store(true, Ordering::SeqCst);
+                }
+            }
+            Way::Down if shared.muted.load(Ordering::SeqCst) => continue,
+            Way::Down => {}
         }
         tokio::select! {
             r = to.write_all(&buf[..n]) => if r.is_err() { return false },
