@@ -631,7 +631,7 @@ async fn doctor_store(cfg: &Config) -> bool {
     let schema = store.schema().await;
     let query = crate::store::ListQuery { statuses: vec!["queued".into(), "running".into()], limit: 500, ..Default::default() };
     let unfinished = store.list(&query).await.map(|(r, _)| r.len());
-    let (report, ok) = store_report(&store.url(), store.kind(), &schema, &unfinished);
+    let (report, ok) = store_report(store.url(), store.kind(), &schema, &unfinished);
     print!("{report}");
     match store.replicas().await {
         Ok(Some(replicas)) => println!("{}", replicas_report(&replicas, crate::store::now_ms())),

@@ -284,8 +284,10 @@ async fn wait_live(state: &web::Data<AppState>, log: std::sync::Arc<crate::store
 /// `FALLBACK_POLL`. Without a shared store (no follower) the run cannot be live elsewhere: its
 /// document is answered at once, as before.
 async fn wait_elsewhere(state: &web::Data<AppState>, run_id: &str, mut view: RunView, mut guard: DisconnectGuard) -> Result<HttpResponse, ApiError> {
-    // Subscribed before the reads below: an end stored in between wakes the wait.
-    let Some(mut notified) = state.store.follow(run_id) else {
+    // Subscribed before the reads below: an end stored in between wakes the wait. Only the end
+    // wakes it (not each batch of the run's events: a read of the run per batch, per waiting
+    // caller); a takeover by this replica is seen at the next look, within `FALLBACK_POLL`.
+    let Some(mut notified) = state.store.follow_end(run_id) else {
         guard.disarm();
         return Ok(HttpResponse::Accepted().json(view.doc()));
     };

@@ -47,6 +47,8 @@ pub struct Follow {
     pool: PgPool,
     /// A counter per followed run, bumped by each notification naming it.
     runs: Arc<DashMap<String, watch::Sender<u64>>>,
+    /// A counter per run whose end is awaited, bumped when its end is notified.
+    ends: Arc<DashMap<String, watch::Sender<u64>>>,
     /// The listener task, started by the first follower (or [`Follow::wake_on_assigned`]).
     started: OnceLock<()>,
     /// This replica's id and what to wake when another replica assigned it a run.
@@ -58,7 +60,14 @@ pub struct Follow {
 impl Follow {
     /// Followers over the store's `pool` (nothing runs until the first one).
     pub fn new(pool: PgPool) -> Arc<Self> {
-        Arc::new(Self { pool, runs: Arc::new(DashMap::new()), started: OnceLock::new(), assigned: Arc::new(OnceLock::new()), notes: Arc::new(OnceLock::new()) })
+        Arc::new(Self {
+            pool,
+            runs: Arc::new(DashMap::new()),
+            ends: Arc::new(DashMap::new()),
+            started: OnceLock::new(),
+            assigned: Arc::new(OnceLock::new()),
+            notes: Arc::new(OnceLock::new()),
+        })
     }
 
     /// Starts listening now; `notes` hears of the other replicas' ends, shares and aborts.
@@ -76,7 +85,8 @@ impl Follow {
 
     fn start(&self) {
         self.started.get_or_init(|| {
-            tokio::spawn(listen(self.pool.clone(), self.runs.clone(), self.assigned.clone(), self.notes.clone()));
+            let followed = Followed { runs: self.runs.clone(), ends: self.ends.clone() };
+            tokio::spawn(listen(self.pool.clone(), followed, self.assigned.clone(), self.notes.clone()));
         });
     }
 
@@ -89,16 +99,44 @@ impl Follow {
         self.runs.retain(|_, tx| tx.receiver_count() > 0);
         rx
     }
+
+    /// Wakes when the end of `run_id` is stored (by any replica), not at each of its events: for
+    /// a wait on a run's end, which would otherwise read the run again at every batch of its
+    /// events. Check the store after subscribing, then wait.
+    pub fn subscribe_end(&self, run_id: &str) -> watch::Receiver<u64> {
+        self.start();
+        let rx = self.ends.entry(run_id.to_owned()).or_insert_with(|| watch::channel(0).0).subscribe();
+        self.ends.retain(|_, tx| tx.receiver_count() > 0);
+        rx
+    }
 }
 
-async fn listen(
-    pool: PgPool,
+/// The runs followed (each event batch) and awaited (their end), by run id.
+#[derive(Clone)]
+struct Followed {
     runs: Arc<DashMap<String, watch::Sender<u64>>>,
-    assigned: Arc<OnceLock<(String, Arc<tokio::sync::Notify>)>>,
-    notes: Arc<OnceLock<Notes>>,
-) {
-    let wake_all = |runs: &DashMap<String, watch::Sender<u64>>| {
-        for r in runs.iter() {
+    ends: Arc<DashMap<String, watch::Sender<u64>>>,
+}
+
+impl Followed {
+    /// Wakes the followers of `run_id` in `map`; forgets the run when nobody follows it.
+    fn wake(map: &DashMap<String, watch::Sender<u64>>, run_id: &str) {
+        let gone = match map.get(run_id) {
+            Some(tx) => {
+                tx.send_modify(|c| *c += 1);
+                tx.receiver_count() == 0
+            }
+            None => false,
+        };
+        if gone {
+            map.remove_if(run_id, |_, tx| tx.receiver_count() == 0);
+        }
+    }
+}
+
+async fn listen(pool: PgPool, followed: Followed, assigned: Arc<OnceLock<(String, Arc<tokio::sync::Notify>)>>, notes: Arc<OnceLock<Notes>>) {
+    let wake_all = |f: &Followed| {
+        for r in f.runs.iter().chain(f.ends.iter()) {
             r.send_modify(|n| *n += 1);
         }
         if let Some((_, wake)) = assigned.get() {
@@ -128,7 +166,7 @@ async fn listen(
         }
         failing = false;
         // What was notified while nobody listened is in the store: followers look now.
-        wake_all(&runs);
+        wake_all(&followed);
         loop {
             match listener.try_recv().await {
                 Ok(Some(n)) if n.channel() == ASSIGNED => {
@@ -139,6 +177,7 @@ async fn listen(
                     }
                 }
                 Ok(Some(n)) if n.channel() == ENDED => {
+                    Followed::wake(&followed.ends, n.payload());
                     if let Some(notes) = notes.get() {
                         (notes.ended)(n.payload());
                     }
@@ -155,20 +194,9 @@ async fn listen(
                         (notes.abort)(n.payload());
                     }
                 }
-                Ok(Some(n)) => {
-                    let gone = match runs.get(n.payload()) {
-                        Some(tx) => {
-                            tx.send_modify(|c| *c += 1);
-                            tx.receiver_count() == 0
-                        }
-                        None => false,
-                    };
-                    if gone {
-                        runs.remove_if(n.payload(), |_, tx| tx.receiver_count() == 0);
-                    }
-                }
+                Ok(Some(n)) => Followed::wake(&followed.runs, n.payload()),
                 // The connection broke; the listener reconnects on the next call.
-                Ok(None) => wake_all(&runs),
+                Ok(None) => wake_all(&followed),
                 Err(_) => break,
             }
         }

@@ -89,7 +89,9 @@ pub(super) async fn new_billing_ids(tx: &mut Transaction<'_, Postgres>, ids: &[&
 
 /// How long the ids of billing records are kept: a record written again later than this after a
 /// commit that did store it would be counted twice (its writer retries every second while the
-/// store is out of reach, so that takes an outage of a day after the commit).
+/// store is out of reach, so that takes an outage of a day after the commit). Records not written
+/// yet are kept in the writer's memory only (at most `MAX_KEPT`): a replica that stops during an
+/// outage loses them, it never counts them twice.
 pub const BILLING_IDS_KEPT_MS: i64 = 24 * 3_600_000;
 
 /// Stores a batch's audit records of LLM calls.

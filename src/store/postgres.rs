@@ -595,15 +595,17 @@ impl PgStore {
         }
         let me = lease.map_or("", |l| l.replica.as_str());
         pg_shares::store_shares(&mut tx, me, &shares).await?;
-        let ids: Vec<&str> = spends.iter().map(|s| s.0 .0.as_str()).chain(calls.iter().map(|c| c.0 .0.as_str())).collect();
-        let new = pg_shares::new_billing_ids(&mut tx, &ids, super::now_ms()).await?;
-        let calls: Vec<&crate::audit::AuditRecord> = calls.into_iter().filter(|(id, _)| new.contains(id.0.as_str())).map(|(_, r)| r).collect();
+        let mut ids: Vec<&str> = spends.iter().map(|s| s.0 .0.as_str()).chain(calls.iter().map(|c| c.0 .0.as_str())).collect();
+        sorted_unique(&mut ids);
+        // Each id stores one record: taken out of the set as it is used.
+        let mut new = pg_shares::new_billing_ids(&mut tx, &ids, super::now_ms()).await?;
+        let calls: Vec<&crate::audit::AuditRecord> = calls.into_iter().filter(|(id, _)| new.remove(id.0.as_str())).map(|(_, r)| r).collect();
         pg_shares::store_calls(&mut tx, me, &calls).await?;
         pg_shares::notify_ended(&mut tx, &ended).await?;
         // Tokens per account and window, added in a fixed order: two replicas' batches never wait
         // on each other's spend rows in opposite orders.
         let mut spend: BTreeMap<(&str, i64), u64> = BTreeMap::new();
-        for (_, key, tokens) in spends.into_iter().filter(|(id, _, _)| new.contains(id.0.as_str())) {
+        for (_, key, tokens) in spends.into_iter().filter(|(id, _, _)| new.remove(id.0.as_str())) {
             let t = spend.entry(key).or_default();
             *t = t.saturating_add(tokens);
         }

@@ -242,3 +242,31 @@ async fn pg_billing_records_written_again_after_an_ambiguous_commit_count_once()
     a.apply(&batch[..1]).await.expect("a day later");
     assert_eq!(a.spend("acct", 0).await.expect("spend"), 92, "the id was forgotten");
 }
+
+/// A wait for a run's end (a `?wait=true` POST served by a replica that does not own the run) is
+/// woken by the end, not by each batch of the run's events (before, it read the run again at
+/// every batch).
+#[tokio::test]
+async fn pg_a_wait_for_a_runs_end_is_woken_by_its_end_not_by_its_events() {
+    let Some(url) = pg_url("pg_a_wait_for_a_runs_end").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let follow = super::follow::Follow::new(a.pool().clone());
+    let mut end = follow.subscribe_end("r1");
+    let mut batches = follow.subscribe("r1");
+    let mut other = follow.subscribe_end("r2");
+    // The listener is up once a reconnect's wake-up (which wakes every follower) went by.
+    tokio::time::timeout(Duration::from_secs(10), end.changed()).await.expect("listening").expect("open");
+    end.borrow_and_update();
+    batches.borrow_and_update();
+    other.borrow_and_update();
+    let notify = |channel: &'static str| {
+        let pool = a.pool().clone();
+        async move { sqlx::query("SELECT pg_notify($1, 'r1')").bind(channel).execute(&pool).await.expect("notify") }
+    };
+    notify(super::follow::CHANNEL).await;
+    tokio::time::timeout(Duration::from_secs(10), batches.changed()).await.expect("the batch is heard").expect("open");
+    assert!(!end.has_changed().expect("open"), "an event batch woke the wait for the end");
+    notify(ENDED).await;
+    tokio::time::timeout(Duration::from_secs(10), end.changed()).await.expect("the end is heard").expect("open");
+    assert!(!other.has_changed().expect("open"), "another run's wait was woken");
+}

@@ -365,6 +365,11 @@ impl RunStore {
         self.follow.as_ref().map(|f| f.subscribe(run_id))
     }
 
+    /// Wakes when the end of `run_id` is stored by any replica (`None`: the store is not shared).
+    pub fn follow_end(&self, run_id: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.follow.as_ref().map(|f| f.subscribe_end(run_id))
+    }
+
     /// Wakes `wake` when another replica assigns `replica` a run (stores shared by replicas).
     pub fn wake_on_assigned(&self, replica: &str, wake: Arc<tokio::sync::Notify>) {
         if let Some(f) = &self.follow {
@@ -567,9 +572,20 @@ impl RunStore {
         Ok(self.backend.run(run_id).await?.map(|r| RunView::Stored(Box::new(r))))
     }
 
-    /// A stored run's events after `after`.
+    /// A stored run's events after `after`, for its clients. One of a kind this version cannot
+    /// read is left out, with a warning: its run ended `internal` saying why if this version was
+    /// to continue it, and a kind a newer version wrote is one an older reader need not show
+    /// (its clients get every other event and the run's end, not an error they would retry).
     pub async fn events(&self, run_id: &str, after: u64) -> Result<Vec<StoredEvent>, StoreError> {
-        self.backend.events(run_id, after).await
+        let raw = self.backend.raw_events(run_id, after).await?;
+        let mut out = Vec::with_capacity(raw.len());
+        for e in raw {
+            match super::decode_event(run_id, e) {
+                Ok(e) => out.push(e),
+                Err(e) => tracing::warn!(store = self.kind(), "a stored event is left out of a stream: the run store {e}"),
+            }
+        }
+        Ok(out)
     }
 
     /// History: documents newest first, and, when more runs follow, the admission order of the
