@@ -755,3 +755,24 @@ async fn pg_replicas_take_a_due_webhook_once() {
     b.record_delivery(id, &DeliveryOutcome::Delivered, now + 60_002).await.expect("delivered");
     assert!(!a.claim_delivery(id, now + 200_000, now + 300_000).await.expect("claim"), "a delivered webhook is never taken again");
 }
+
+/// One process on SQLite: a run whose row cannot be read is ended `internal` when a start takes
+/// the unfinished runs up (it stayed unfinished for good before), and the others are taken up.
+#[tokio::test]
+async fn sqlite_an_unreadable_run_is_ended_when_a_start_takes_the_runs_up() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("runs.db");
+    let s = SqliteStore::open(&path).await.expect("sqlite opens");
+    insert(&s, row("bad", "a", 1)).await;
+    insert(&s, row("good", "a", 2)).await;
+    let c = rusqlite::Connection::open(&path).expect("open");
+    c.execute("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'", []).expect("damage");
+    let lease = super::Lease { replica: "one".into(), ms: 60_000 };
+    let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"]);
+    let (status, code, finished): (String, Option<String>, Option<i64>) =
+        c.query_row("SELECT status, error_code, finished_at FROM runs WHERE run_id = 'bad'", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).expect("read");
+    assert_eq!((status.as_str(), code.as_deref(), finished.is_some()), ("error", Some("internal"), true));
+    let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"], "taken up again at the next start, the ended one not");
+}

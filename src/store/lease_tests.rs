@@ -233,3 +233,36 @@ async fn pg_the_per_minute_limit_counts_admissions_by_the_databases_clock_not_th
     // Another account is not limited by this one's admissions.
     assert!(matches!(one(&right, Write::Insert(Box::new(row("other-0", "acct-other", now)))).await, Applied::Inserted { .. }));
 }
+
+/// A run whose row cannot be read (damaged contents), taken over after its owner died: it can
+/// be neither continued nor shown, so the claimer ends it `internal` (and tells the others), and
+/// it no longer holds its session key: a later run of the key starts where it is admitted instead
+/// of being assigned, for good, to the claimer of a run that never ends.
+#[tokio::test]
+async fn pg_an_unreadable_run_taken_over_is_ended_and_frees_its_session_key() {
+    let Some(url) = pg_url("pg_an_unreadable_run_taken_over").await else { return };
+    let (dead, _) = open(&url, "dead", -1000).await;
+    let keyed = |id: &str, key: &str, at: i64| {
+        let mut r = row(id, "acct", at);
+        r.session_key = format!("agent:main:clawmux:acct.s.{key}");
+        Write::Insert(Box::new(r))
+    };
+    assert!(dead.apply(&[keyed("bad", "k1", 1), keyed("good", "k2", 2)]).await.expect("insert").iter().all(|a| matches!(a, Applied::Inserted { .. })));
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    sqlx::query("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'").execute(&pool).await.expect("damage");
+    let mut listener = sqlx::postgres::PgListener::connect(&url).await.expect("listen");
+    listener.listen(super::pg_shares::ENDED).await.expect("listen");
+
+    let (b, lb) = open(&url, "b", 60_000).await;
+    let claimed: Vec<String> = b.claim(&lb, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"]);
+    let (status, code, message, finished): (String, Option<String>, Option<String>, Option<i64>) =
+        sqlx::query_as("SELECT status, error_code, error_message, finished_at FROM runs WHERE run_id = 'bad'").fetch_one(&pool).await.expect("read");
+    assert_eq!((status.as_str(), code.as_deref(), message.as_deref(), finished.is_some()), ("error", Some("internal"), Some(super::UNREADABLE_RUN), true));
+    let note = tokio::time::timeout(std::time::Duration::from_secs(10), listener.recv()).await.expect("notified").expect("note");
+    assert_eq!(note.payload(), "bad");
+    // Nothing left to claim, and the key is free: another replica's run of it is its own.
+    assert!(b.claim(&lb, false).await.expect("claim").is_empty());
+    let (c, _) = open(&url, "c", 60_000).await;
+    assert!(matches!(one(&c, keyed("next", "k1", 3)).await, Applied::Inserted { .. }));
+}

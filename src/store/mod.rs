@@ -128,6 +128,11 @@ pub struct RawEvent {
     pub data: String,
 }
 
+/// The error a run is ended with when its stored row cannot be read (damaged contents): taken
+/// up by a restart or a takeover, it can be neither continued nor shown, and left unfinished it
+/// would hold its session key (and branch key) for good, every later run of them waiting behind it.
+pub const UNREADABLE_RUN: &str = "the run store holds this run in a form clawmux cannot read (damaged contents); it could not be continued and was ended";
+
 /// A stored event this version cannot read.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("holds an event of unknown kind {name:?} (event {id} of run {run_id:?})")]

@@ -213,6 +213,11 @@ impl SqliteStore {
     /// Rows for listings: one unreadable row (store contents are input too) is reported and
     /// skipped, never taken for another run and never hiding the others. It stays in the file.
     fn query_rows(&self, sql: &str, args: Vec<SqlValue>) -> Result<Vec<RunRow>, StoreError> {
+        Ok(self.query_rows_naming_unreadable(sql, args)?.0)
+    }
+
+    /// The rows that decode, and the ids of those that do not (each reported).
+    fn query_rows_naming_unreadable(&self, sql: &str, args: Vec<SqlValue>) -> Result<(Vec<RunRow>, Vec<String>), StoreError> {
         let raw: Vec<(String, Result<RunRow, String>)> = self.read(|c| {
             let mut st = c.prepare_cached(sql)?;
             let rows = st.query_map(params_from_iter(args.iter()), |r| {
@@ -221,16 +226,17 @@ impl SqliteStore {
             })?;
             rows.collect()
         })?;
-        Ok(raw
-            .into_iter()
-            .filter_map(|(id, row)| match row {
-                Ok(row) => Some(row),
+        let (mut rows, mut unreadable) = (Vec::new(), Vec::new());
+        for (id, row) in raw {
+            match row {
+                Ok(row) => rows.push(row),
                 Err(e) => {
                     tracing::error!(store = %self.path.display(), run_id = %id, error = %e, "unreadable run in the store; skipped");
-                    None
+                    unreadable.push(id);
                 }
-            })
-            .collect())
+            }
+        }
+        Ok((rows, unreadable))
     }
 }
 
@@ -461,6 +467,26 @@ impl Store for SqliteStore {
 
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
         self.query_rows(UNFINISHED, Vec::new())
+    }
+
+    /// One process: every unfinished run at start, none later. One whose row cannot be read is
+    /// ended (see [`super::UNREADABLE_RUN`]) instead of left unfinished for good.
+    async fn claim(&self, _lease: &super::Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+        if !at_start {
+            return Ok(Vec::new());
+        }
+        let (rows, unreadable) = self.query_rows_naming_unreadable(UNFINISHED, Vec::new())?;
+        if !unreadable.is_empty() {
+            let conn = lock(&self.write);
+            let mut end = conn
+                .prepare_cached("UPDATE runs SET status = 'error', error_code = 'internal', error_message = ?, finished_at = ? WHERE run_id = ? AND finished_at IS NULL")
+                .map_err(|e| self.err(e))?;
+            for id in &unreadable {
+                end.execute(params![super::UNREADABLE_RUN, super::now_ms(), id]).map_err(|e| self.err(e))?;
+            }
+            tracing::error!(store = %self.path.display(), runs = unreadable.len(), "unreadable runs in the store cannot be continued; they ended `internal`");
+        }
+        Ok(rows)
     }
 
     async fn schema(&self) -> Result<Option<SchemaVersion>, StoreError> {
