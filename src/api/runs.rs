@@ -280,8 +280,7 @@ async fn wait_live(state: &web::Data<AppState>, log: std::sync::Arc<crate::store
 }
 
 /// Waits for the end of a run another replica owns (PostgreSQL store), woken by the store's
-/// notifications of its events (a terminal event is one), re-reading at least every
-/// `FALLBACK_POLL`. Without a shared store (no follower) the run cannot be live elsewhere: its
+/// notification of its end, re-reading at least every `FALLBACK_POLL`. Without a shared store (no follower) the run cannot be live elsewhere: its
 /// document is answered at once, as before.
 async fn wait_elsewhere(state: &web::Data<AppState>, run_id: &str, mut view: RunView, mut guard: DisconnectGuard) -> Result<HttpResponse, ApiError> {
     // Subscribed before the reads below: an end stored in between wakes the wait. Only the end
@@ -291,6 +290,9 @@ async fn wait_elsewhere(state: &web::Data<AppState>, run_id: &str, mut view: Run
         guard.disarm();
         return Ok(HttpResponse::Accepted().json(view.doc()));
     };
+    // `view` was read before the subscription: read again at once, an end stored in between is
+    // seen now rather than at the next poll.
+    notified.mark_changed();
     let mut stopping = state.stopping.clone();
     loop {
         if view.is_finished() {

@@ -768,6 +768,14 @@ async fn sqlite_an_unreadable_run_is_ended_when_a_start_takes_the_runs_up() {
     let c = rusqlite::Connection::open(&path).expect("open");
     c.execute("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'", []).expect("damage");
     let lease = super::Lease { replica: "one".into(), ms: 60_000 };
+    // Ending it can fail too (a trigger refuses it here): the readable runs are taken up all the
+    // same (the start continued none before), and the next start ends it.
+    c.execute_batch("CREATE TRIGGER refuse_end BEFORE UPDATE OF status ON runs BEGIN SELECT RAISE(ABORT, 'refused'); END;").expect("trigger");
+    let claimed: Vec<String> = s.claim(&lease, true).await.expect("the claim stands").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"]);
+    let finished: Option<i64> = c.query_row("SELECT finished_at FROM runs WHERE run_id = 'bad'", [], |r| r.get(0)).expect("read");
+    assert_eq!(finished, None);
+    c.execute_batch("DROP TRIGGER refuse_end;").expect("drop");
     let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     let (status, code, finished): (String, Option<String>, Option<i64>) =

@@ -266,3 +266,29 @@ async fn pg_an_unreadable_run_taken_over_is_ended_and_frees_its_session_key() {
     let (c, _) = open(&url, "c", 60_000).await;
     assert!(matches!(one(&c, keyed("next", "k1", 3)).await, Applied::Inserted { .. }));
 }
+
+/// Ending an unreadable run can fail too (here a trigger refuses it): the readable runs claimed
+/// with it are still returned, to be continued (the claim failed as a whole before), and the next
+/// claim ends it.
+#[tokio::test]
+async fn pg_a_failed_end_of_an_unreadable_run_still_gives_the_claimer_the_readable_ones() {
+    let Some(url) = pg_url("pg_a_failed_end_of_an_unreadable_run").await else { return };
+    let (dead, _) = open(&url, "dead", -1000).await;
+    assert!(dead.apply(&[Write::Insert(Box::new(row("bad", "acct", 1))), Write::Insert(Box::new(row("good", "acct", 2)))]).await.expect("insert").len() == 2);
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    sqlx::query("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'").execute(&pool).await.expect("damage");
+    sqlx::query("CREATE FUNCTION refuse_end() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'refused'; END $$ LANGUAGE plpgsql").execute(&pool).await.expect("function");
+    sqlx::query("CREATE TRIGGER refuse_end BEFORE UPDATE OF status ON runs FOR EACH ROW EXECUTE FUNCTION refuse_end()").execute(&pool).await.expect("trigger");
+    // Its leases expire at once: the next claimer takes everything again.
+    let (b, lb) = open(&url, "b", -1000).await;
+    let claimed: Vec<String> = b.claim(&lb, false).await.expect("the claim stands").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"]);
+    let unfinished: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id = 'bad' AND finished_at IS NULL").fetch_one(&pool).await.expect("read");
+    assert_eq!(unfinished, 1);
+    sqlx::query("DROP TRIGGER refuse_end ON runs").execute(&pool).await.expect("drop");
+    let (c, lc) = open(&url, "c", 60_000).await;
+    let claimed: Vec<String> = c.claim(&lc, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"]);
+    let code: Option<String> = sqlx::query_scalar("SELECT error_code FROM runs WHERE run_id = 'bad'").fetch_one(&pool).await.expect("read");
+    assert_eq!(code.as_deref(), Some("internal"));
+}

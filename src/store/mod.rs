@@ -825,7 +825,8 @@ mod tests {
     proptest! {
         /// Stored events are input: any kind, id and data decode without a panic; a run's events
         /// are read as stored when every kind is one clawmux writes, and otherwise the first
-        /// unknown one is named (never skipped: its run ends `internal` instead).
+        /// unknown one is named (a run to be continued ends `internal` then; a stream read from
+        /// the store leaves such events out, see `RunStore::events`).
         #[test]
         fn stored_events_decode_or_name_the_first_unknown_kind(events in proptest::collection::vec((any::<i64>(), prop_oneof![
             Just("accepted".to_owned()), Just("text_delta".to_owned()), Just("final".to_owned()), Just("error".to_owned()), ".{0,12}"

@@ -208,28 +208,35 @@ impl PgStore {
     }
 
     /// Rows this replica just claimed: the readable ones, in order; the unreadable ones are
-    /// ended (see [`super::UNREADABLE_RUN`]) and their end notified, so they hold no key.
-    async fn decode_claimed(&self, rows: Vec<PgRow>, replica: &str) -> Result<Vec<RunRow>, StoreError> {
+    /// ended (see [`super::UNREADABLE_RUN`]) and their end notified, so they hold no key. A
+    /// failure to end them is logged, not returned: the readable runs are this replica's now and
+    /// must be continued (the unreadable ones stay unfinished for the next claim to end).
+    async fn decode_claimed(&self, rows: Vec<PgRow>, replica: &str) -> Vec<RunRow> {
         let mut out = Vec::with_capacity(rows.len());
-        let mut unreadable: Vec<String> = Vec::new();
+        // By `seq`: an integer column always reads, where the run id may be what is damaged.
+        let mut unreadable: Vec<i64> = Vec::new();
         for r in &rows {
             match decode_row(r) {
                 Ok(row) => out.push(row),
                 Err(e) => {
                     let id: String = r.try_get("run_id").unwrap_or_default();
                     tracing::error!(store = %self.display, run_id = %id, error = %e, "an unreadable run in the store cannot be continued; it ends `internal`");
-                    unreadable.push(id);
+                    unreadable.extend(r.try_get::<i64, _>("seq").ok());
                 }
             }
         }
         if !unreadable.is_empty() {
             let sql = format!(
-                "WITH e AS (UPDATE runs SET status = 'error', error_code = 'internal', error_message = $3, finished_at = {DB_NOW_MS}                    WHERE run_id = ANY($1) AND owner = $2 AND finished_at IS NULL RETURNING run_id)                  SELECT count(pg_notify($4, run_id)) FROM e"
+                "WITH e AS (UPDATE runs SET status = 'error', error_code = 'internal', error_message = $3, finished_at = {DB_NOW_MS} \
+                   WHERE seq = ANY($1) AND owner = $2 AND finished_at IS NULL RETURNING run_id) \
+                 SELECT count(pg_notify($4, run_id)) FROM e"
             );
             let ended = sqlx::query_scalar::<_, i64>(&sql).bind(&unreadable).bind(replica).bind(super::UNREADABLE_RUN).bind(pg_shares::ENDED);
-            self.bounded(async { ended.fetch_one(&self.pool).await.map_err(|e| self.err(e)) }).await?;
+            if let Err(e) = self.bounded(async { ended.fetch_one(&self.pool).await.map_err(|e| self.err(e)) }).await {
+                tracing::error!(error = %e, runs = unreadable.len(), "cannot end the unreadable runs just claimed; the next claim tries again");
+            }
         }
-        Ok(out)
+        out
     }
 }
 
@@ -795,7 +802,7 @@ impl Store for PgStore {
             .filter(|r| r.try_get::<bool, _>("was_assigned").unwrap_or(false))
             .filter_map(|r| r.try_get::<String, _>("run_id").ok())
             .collect();
-        let mut rows = self.decode_claimed(rows, &lease.replica).await?;
+        let mut rows = self.decode_claimed(rows, &lease.replica).await;
         // `ifBusy: interrupt` is done once, when the replica its session key runs on first takes
         // the run up; a run claimed again (a restart, a takeover) does not interrupt again.
         for r in &mut rows {

@@ -134,6 +134,9 @@ pub struct RunStore {
     weak_self: std::sync::Weak<RunStore>,
     /// This process's replica id (set with its lease).
     me: OnceLock<String>,
+    /// Stored events left out of streams lately (run, event id): each is warned of once a minute,
+    /// not at every read of every follower.
+    left_out: std::sync::Mutex<crate::expiring::ExpiringKeys<(String, i64)>>,
 }
 
 impl RunStore {
@@ -207,6 +210,7 @@ impl RunStore {
             suspended: DashMap::new(),
             weak_self: me.clone(),
             me: OnceLock::new(),
+            left_out: std::sync::Mutex::new(crate::expiring::ExpiringKeys::new(Duration::from_secs(60), 1_000)),
         })
     }
 
@@ -582,7 +586,15 @@ impl RunStore {
         for e in raw {
             match super::decode_event(run_id, e) {
                 Ok(e) => out.push(e),
-                Err(e) => tracing::warn!(store = self.kind(), "a stored event is left out of a stream: the run store {e}"),
+                Err(e) => {
+                    let now = std::time::Instant::now();
+                    let mut left_out = self.left_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let key = (e.run_id.clone(), e.id);
+                    if !left_out.contains(&key, now) {
+                        left_out.insert(key, now);
+                        tracing::warn!(store = self.kind(), "a stored event is left out of a stream: the run store {e}");
+                    }
+                }
             }
         }
         Ok(out)

@@ -216,23 +216,24 @@ impl SqliteStore {
         Ok(self.query_rows_naming_unreadable(sql, args)?.0)
     }
 
-    /// The rows that decode, and the ids of those that do not (each reported).
-    fn query_rows_naming_unreadable(&self, sql: &str, args: Vec<SqlValue>) -> Result<(Vec<RunRow>, Vec<String>), StoreError> {
-        let raw: Vec<(String, Result<RunRow, String>)> = self.read(|c| {
+    /// The rows that decode, and the admission order (`seq`: an integer always reads, where the
+    /// run id may be what is damaged) of those that do not (each reported).
+    fn query_rows_naming_unreadable(&self, sql: &str, args: Vec<SqlValue>) -> Result<(Vec<RunRow>, Vec<i64>), StoreError> {
+        let raw: Vec<(String, Option<i64>, Result<RunRow, String>)> = self.read(|c| {
             let mut st = c.prepare_cached(sql)?;
             let rows = st.query_map(params_from_iter(args.iter()), |r| {
                 let id: String = r.get("run_id").unwrap_or_default();
-                Ok((id, decode_row(r)))
+                Ok((id, r.get("seq").ok(), decode_row(r)))
             })?;
             rows.collect()
         })?;
         let (mut rows, mut unreadable) = (Vec::new(), Vec::new());
-        for (id, row) in raw {
+        for (id, seq, row) in raw {
             match row {
                 Ok(row) => rows.push(row),
                 Err(e) => {
                     tracing::error!(store = %self.path.display(), run_id = %id, error = %e, "unreadable run in the store; skipped");
-                    unreadable.push(id);
+                    unreadable.extend(seq);
                 }
             }
         }
@@ -477,14 +478,25 @@ impl Store for SqliteStore {
         }
         let (rows, unreadable) = self.query_rows_naming_unreadable(UNFINISHED, Vec::new())?;
         if !unreadable.is_empty() {
-            let conn = lock(&self.write);
-            let mut end = conn
-                .prepare_cached("UPDATE runs SET status = 'error', error_code = 'internal', error_message = ?, finished_at = ? WHERE run_id = ? AND finished_at IS NULL")
-                .map_err(|e| self.err(e))?;
-            for id in &unreadable {
-                end.execute(params![super::UNREADABLE_RUN, super::now_ms(), id]).map_err(|e| self.err(e))?;
+            // In one transaction. A failure is logged, not returned: the readable runs are
+            // continued all the same, and the next start tries again.
+            let end = || -> rusqlite::Result<()> {
+                let mut conn = lock(&self.write);
+                let tx = conn.transaction()?;
+                {
+                    let mut end = tx.prepare_cached(
+                        "UPDATE runs SET status = 'error', error_code = 'internal', error_message = ?, finished_at = ? WHERE seq = ? AND finished_at IS NULL",
+                    )?;
+                    for seq in &unreadable {
+                        end.execute(params![super::UNREADABLE_RUN, super::now_ms(), seq])?;
+                    }
+                }
+                tx.commit()
+            };
+            match end() {
+                Ok(()) => tracing::error!(store = %self.path.display(), runs = unreadable.len(), "unreadable runs in the store cannot be continued; they ended `internal`"),
+                Err(e) => tracing::error!(store = %self.path.display(), error = %e, "cannot end the unreadable runs of the store; the next start tries again"),
             }
-            tracing::error!(store = %self.path.display(), runs = unreadable.len(), "unreadable runs in the store cannot be continued; they ended `internal`");
         }
         Ok(rows)
     }
