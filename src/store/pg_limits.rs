@@ -89,7 +89,7 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
             let wait = u64::try_from(end.saturating_sub(row.created_at_ms)).unwrap_or(0).div_ceil(1000).max(1);
             return Ok(Some(Applied::Limited {
                 budget: true,
-                message: format!("billing account {account:?} has spent {spent} of its {max} tokens for this period; the next period starts in {wait} s"),
+                message: super::tenants::budget_spent(account, spent, max, wait),
                 retry_after_sec: wait,
             }));
         }
@@ -112,7 +112,7 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
     if let Some(max) = l.max_concurrent.filter(|max| live > *max) {
         return Ok(Some(Applied::Limited {
             budget: false,
-            message: format!("billing account {account:?} has {max} runs in flight, its limit; retry when one ends"),
+            message: super::tenants::too_many_in_flight(account, max),
             retry_after_sec: 1,
         }));
     }
@@ -121,7 +121,7 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
         let wait = u64::try_from(wait_ms.clamp(1, MINUTE_MS)).unwrap_or(1).div_ceil(1000).max(1);
         return Ok(Some(Applied::Limited {
             budget: false,
-            message: format!("billing account {account:?} started {max} runs in the last minute, its limit; retry in {wait} s"),
+            message: super::tenants::too_many_per_minute(account, max, wait),
             retry_after_sec: wait,
         }));
     }

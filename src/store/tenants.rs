@@ -10,6 +10,23 @@ pub fn window(period_sec: u64, now_ms: i64) -> (i64, i64) {
     let start = now_ms - now_ms.rem_euclid(p);
     (start, start.saturating_add(p))
 }
+
+/// Why an account's new run is refused, in the words both admission paths use (one process:
+/// `tenants::budget`; replicas on PostgreSQL: the store's `pg_limits`): its token budget is spent.
+pub fn budget_spent(account: &str, spent: impl std::fmt::Display, max: impl std::fmt::Display, wait_sec: u64) -> String {
+    format!("billing account {account:?} has spent {spent} of its {max} tokens for this period; the next period starts in {wait_sec} s")
+}
+
+/// See [`budget_spent`]: its runs in flight are at their limit.
+pub fn too_many_in_flight(account: &str, max: impl std::fmt::Display) -> String {
+    format!("billing account {account:?} has {max} runs in flight, its limit; retry when one ends")
+}
+
+/// See [`budget_spent`]: it started its limit of runs in the last minute.
+pub fn too_many_per_minute(account: &str, max: impl std::fmt::Display, wait_sec: u64) -> String {
+    format!("billing account {account:?} started {max} runs in the last minute, its limit; retry in {wait_sec} s")
+}
+
 use serde::{Deserialize, Serialize};
 
 /// An API key as stored (the secret only as its SHA-256).

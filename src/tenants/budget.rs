@@ -204,10 +204,7 @@ impl Budgets {
         if let (Some(max), Some((spent, (_, end)))) = (l.max_tokens, self.spent(account).await?) {
             if spent >= max {
                 return Ok(Err(Refusal::BudgetExceeded {
-                    message: format!(
-                        "billing account {account:?} has spent {spent} of its {max} tokens for this period; the next period starts in {} s",
-                        secs_until(end)
-                    ),
+                    message: crate::store::tenants::budget_spent(account, spent, max, secs_until(end)),
                     retry_after_sec: secs_until(end),
                 }));
             }
@@ -221,7 +218,7 @@ impl Budgets {
         if let Some(max) = l.max_concurrent {
             if a.live.len() as u64 >= max {
                 return Ok(Err(Refusal::RateLimited {
-                    message: format!("billing account {account:?} has {max} runs in flight, its limit; retry when one ends"),
+                    message: crate::store::tenants::too_many_in_flight(account, max),
                     retry_after_sec: 1,
                 }));
             }
@@ -231,7 +228,7 @@ impl Budgets {
                 let oldest = a.recent.front().map_or(Duration::ZERO, |t| now.duration_since(*t));
                 let wait = Duration::from_secs(60).saturating_sub(oldest).as_secs().max(1);
                 return Ok(Err(Refusal::RateLimited {
-                    message: format!("billing account {account:?} started {max} runs in the last minute, its limit; retry in {wait} s"),
+                    message: crate::store::tenants::too_many_per_minute(account, max, wait),
                     retry_after_sec: wait,
                 }));
             }
