@@ -339,6 +339,15 @@ mod cases {
         let gone = s.sweep(Retention { max_age_ms: 1_000_000, max_count: 1 }, 5_000).await.expect("sweep");
         assert_eq!(gone.len(), 2, "{}: {gone:?}", s.kind());
         assert_eq!(kept(s.clone()).await, ["done-5", "new-unfinished", "old-unfinished"], "{}", s.kind());
+        // Runs finished at the same time: the later admitted is the newer one.
+        for id in ["tie-1", "tie-2"] {
+            insert(&*s, row(id, "a", 7)).await;
+            s.apply(&[append(id, Some(event(1, EventName::Final, "{}")), finish(4_500))]).await.expect("finish");
+        }
+        let gone = s.sweep(Retention { max_age_ms: 1_000_000, max_count: 2 }, 5_000).await.expect("sweep");
+        assert_eq!(gone, ["tie-1"], "{}", s.kind());
+        let gone = s.sweep(Retention { max_age_ms: 1_000_000, max_count: 1 }, 5_000).await.expect("sweep");
+        assert_eq!(gone, ["tie-2"], "{}", s.kind());
         // Nothing unfinished ever goes, however old or many.
         s.sweep(Retention { max_age_ms: 0, max_count: 0 }, i64::MAX).await.expect("sweep");
         assert_eq!(kept(s.clone()).await, ["new-unfinished", "old-unfinished"], "{}", s.kind());
@@ -625,6 +634,58 @@ async fn pg_batch_cost() {
         }
         println!("{}", if leased { "with leases (clawmux serve):" } else { "without leases:" });
         batch_cost(&s).await;
+    }
+}
+
+/// Not a test: `CLAWMUX_TEST_PG_URL=… cargo test --release -p clawmux --lib pg_sweep_cost -- --ignored --nocapture`
+/// prints what one retention sweep costs PostgreSQL with many stored runs, their usage shares and
+/// LLM-call records (the sweep runs every 10 s on every replica).
+#[tokio::test]
+#[ignore]
+async fn pg_sweep_cost() {
+    let Some(url) = pg_url("pg_sweep_cost").await else { return };
+    let pool = open_pg(&url).await.pool().clone();
+    for (runs, calls_per_run) in [(10_000i64, 5i64), (100_000, 5)] {
+        sqlx::query("TRUNCATE runs, run_usage, llm_calls").execute(&pool).await.expect("truncate");
+        sqlx::query(
+            "INSERT INTO runs (run_id, fingerprint, billing_account_id, session_key, spec, status, content, created_at, finished_at) \
+             SELECT 'r' || g, 'fp', 'acct', 'agent:main:clawmux:acct.r.' || g, '{}', 'ok', '', 1, 2 FROM generate_series(1, $1) g",
+        )
+        .bind(runs)
+        .execute(&pool)
+        .await
+        .expect("runs");
+        sqlx::query("INSERT INTO run_usage (run_id, replica, input_tokens, output_tokens, llm_calls) SELECT 'r' || g, 'a', 1, 1, 1 FROM generate_series(1, $1) g")
+            .bind(runs)
+            .execute(&pool)
+            .await
+            .expect("usage");
+        sqlx::query("INSERT INTO llm_calls (run_id, replica, record) SELECT 'r' || (g % $1 + 1), 'a', '{}' FROM generate_series(1, $1 * $2) g")
+            .bind(runs)
+            .bind(calls_per_run)
+            .execute(&pool)
+            .await
+            .expect("calls");
+        sqlx::query("ANALYZE").execute(&pool).await.expect("analyze");
+        // The default count (`CLAWMUX_RUN_RETENTION_MAX`), and none.
+        for max_count in [10_000, usize::MAX] {
+            let keep = Retention { max_age_ms: i64::MAX, max_count };
+            // A fresh store's first sweep also looks for orphaned records (then every 10 minutes).
+            let s = open_pg(&url).await;
+            let t0 = std::time::Instant::now();
+            let gone = s.sweep(keep, super::now_ms()).await.expect("sweep").len();
+            let first = t0.elapsed();
+            let t0 = std::time::Instant::now();
+            for _ in 0..5 {
+                s.sweep(keep, super::now_ms()).await.expect("sweep");
+            }
+            println!(
+                "{runs} runs, {} call records, max_count {max_count}: first sweep (with orphans, {gone} runs deleted) {:.1} ms, then {:.1} ms per sweep",
+                runs * calls_per_run,
+                first.as_secs_f64() * 1000.0,
+                t0.elapsed().as_secs_f64() * 1000.0 / 5.0
+            );
+        }
     }
 }
 

@@ -1,0 +1,5 @@
+-- The retention sweep (every 10 s on every replica) finds the newest `max_count` finished runs'
+-- boundary by walking this index from its newest end, instead of sorting every finished run.
+CREATE INDEX runs_finished_order ON runs (finished_at, seq) WHERE finished_at IS NOT NULL;
+-- It serves every use of the old one (a range of `finished_at`).
+DROP INDEX runs_finished_at;
