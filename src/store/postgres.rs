@@ -202,16 +202,25 @@ impl PgStore {
     /// Rows for listings: one unreadable row is reported and skipped, never taken for another
     /// run and never hiding the others.
     fn decode_rows(&self, rows: Vec<PgRow>) -> Vec<RunRow> {
-        rows.iter()
-            .filter_map(|r| match decode_row(r) {
-                Ok(row) => Some(row),
+        self.split_rows(&rows).0
+    }
+
+    /// The rows that decode, and the admission order (`seq`: an integer always reads, where the
+    /// run id may be what is damaged) of those that do not (each reported).
+    fn split_rows(&self, rows: &[PgRow]) -> (Vec<RunRow>, Vec<i64>) {
+        let mut out = Vec::with_capacity(rows.len());
+        let mut unreadable = Vec::new();
+        for r in rows {
+            match decode_row(r) {
+                Ok(row) => out.push(row),
                 Err(e) => {
                     let id: String = r.try_get("run_id").unwrap_or_default();
                     tracing::error!(store = %self.display, run_id = %id, error = %e, "unreadable run in the store; skipped");
-                    None
+                    unreadable.extend(r.try_get::<i64, _>("seq").ok());
                 }
-            })
-            .collect()
+            }
+        }
+        (out, unreadable)
     }
 
     /// Rows this replica just claimed: the readable ones, in order; the unreadable ones are
@@ -219,19 +228,7 @@ impl PgStore {
     /// failure to end them is logged, not returned: the readable runs are this replica's now and
     /// must be continued (the unreadable ones stay unfinished for the next claim to end).
     async fn decode_claimed(&self, rows: Vec<PgRow>, replica: &str) -> Vec<RunRow> {
-        let mut out = Vec::with_capacity(rows.len());
-        // By `seq`: an integer column always reads, where the run id may be what is damaged.
-        let mut unreadable: Vec<i64> = Vec::new();
-        for r in &rows {
-            match decode_row(r) {
-                Ok(row) => out.push(row),
-                Err(e) => {
-                    let id: String = r.try_get("run_id").unwrap_or_default();
-                    tracing::error!(store = %self.display, run_id = %id, error = %e, "an unreadable run in the store cannot be continued; it ends `internal`");
-                    unreadable.extend(r.try_get::<i64, _>("seq").ok());
-                }
-            }
-        }
+        let (out, unreadable) = self.split_rows(&rows);
         if !unreadable.is_empty() {
             let sql = format!(
                 "WITH e AS (UPDATE runs SET status = 'error', error_code = 'internal', error_message = $3, finished_at = {DB_NOW_MS} \
