@@ -35,6 +35,9 @@ pub mod postgres;
 pub mod query;
 pub mod runs;
 pub mod sqlite;
+mod sqlite_events;
+#[cfg(test)]
+mod sqlite_events_tests;
 pub mod tenants;
 pub mod writer;
 #[cfg(test)]

@@ -12,6 +12,7 @@
 
 use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
+use super::sqlite_events::{self, LiveRows};
 use super::{Applied, ListQuery, RawEvent, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, Write};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
@@ -21,10 +22,11 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 3] = [
+const MIGRATIONS: [&str; 4] = [
     include_str!("../../migrations/sqlite/0001_runs.sql"),
     include_str!("../../migrations/sqlite/0002_tenants.sql"),
     include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
+    include_str!("../../migrations/sqlite/0004_event_log.sql"),
 ];
 
 /// How often the WAL is checkpointed into the database file.
@@ -49,6 +51,9 @@ pub struct SqliteStore {
     write: Arc<Mutex<Connection>>,
     /// Idle read connections.
     read: Mutex<Vec<Connection>>,
+    /// Where the events of the runs not finished are (the event log has no index: see
+    /// [`sqlite_events`]).
+    live: LiveRows,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -92,9 +97,10 @@ impl SqliteStore {
             .query_row("SELECT count(*) FROM runs", [], |r| r.get::<_, i64>(0))
             .map_err(|e| fail("cannot be read", &e))?;
         write.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT).map_err(|e| fail("cannot be opened", &e))?;
+        let live = LiveRows::rebuild(&write).map_err(|e| fail("cannot be read", &e))?;
         let checkpoint = Connection::open(path).map_err(|e| fail("cannot be opened for checkpoints", &e))?;
         configure(&checkpoint).map_err(|e| fail("cannot be opened for checkpoints", &e))?;
-        let store = Self { path: path.to_owned(), write: Arc::new(Mutex::new(write)), read: Mutex::new(Vec::new()) };
+        let store = Self { path: path.to_owned(), write: Arc::new(Mutex::new(write)), read: Mutex::new(Vec::new()), live };
         let writer = Arc::downgrade(&store.write);
         std::thread::Builder::new()
             .name("clawmux-checkpoint".to_owned())
@@ -330,6 +336,7 @@ impl SqliteStore {
         // last event id: the highest of the batch, or exactly the id of a `Fail`.
         let mut patches: Patches<'_> = Vec::new();
         let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut places = sqlite_events::Batch::new(&self.live);
         {
             let mut ins_event = tx.prepare_cached("INSERT INTO events (run_id, id, name, data) VALUES (?, ?, ?, ?)")?;
             for w in batch {
@@ -341,6 +348,7 @@ impl SqliteStore {
                         }
                         if let Some(e) = event {
                             ins_event.execute(params![run_id, i64::try_from(e.id).unwrap_or(i64::MAX), e.name.as_str(), e.data])?;
+                            places.appended(&tx, run_id, tx.last_insert_rowid(), e.id)?;
                         }
                         // A delta changes no column of its run: its row is left alone (the last
                         // event id is the events' own maximum; the column follows real changes).
@@ -354,8 +362,9 @@ impl SqliteStore {
                     }
                     Write::Fail { run_id, event, patch, webhook } => {
                         let id = i64::try_from(event.id).unwrap_or(i64::MAX);
-                        tx.prepare_cached("DELETE FROM events WHERE run_id = ? AND id >= ?")?.execute(params![run_id, id])?;
+                        places.cut_from(&tx, run_id, event.id)?;
                         ins_event.execute(params![run_id, id, event.name.as_str(), event.data])?;
+                        places.appended(&tx, run_id, tx.last_insert_rowid(), event.id)?;
                         if let Some(w) = webhook {
                             queue_webhook(&tx, run_id, w)?;
                         }
@@ -372,7 +381,7 @@ impl SqliteStore {
                         Applied::Done
                     }
                     Write::Delete { run_id } => {
-                        tx.prepare_cached("DELETE FROM events WHERE run_id = ?")?.execute([run_id])?;
+                        places.delete_all(&tx, run_id)?;
                         tx.prepare_cached("DELETE FROM runs WHERE run_id = ?")?.execute([run_id])?;
                         Applied::Done
                     }
@@ -387,13 +396,18 @@ impl SqliteStore {
             }
         }
         for (run_id, patch, last_id, exact) in &patches {
+            if patch.finished_at_ms.is_some() {
+                places.ends(&tx, run_id)?;
+            }
             update(&tx, run_id, patch, *last_id)?;
             if let Some(id) = exact {
                 tx.prepare_cached("UPDATE runs SET last_event_id = ? WHERE run_id = ?")?
                     .execute(params![i64::try_from(*id).unwrap_or(i64::MAX), run_id])?;
             }
         }
+        places.write(&tx)?;
         tx.commit()?;
+        places.committed();
         Ok(out)
     }
 }
@@ -425,11 +439,7 @@ impl Store for SqliteStore {
     }
 
     async fn raw_events(&self, run_id: &str, after: u64) -> Result<Vec<RawEvent>, StoreError> {
-        self.read(|c| {
-            let mut st = c.prepare_cached("SELECT id, name, data FROM events WHERE run_id = ? AND id > ? ORDER BY id")?;
-            let rows = st.query_map(params![run_id, i64::try_from(after).unwrap_or(i64::MAX)], |r| Ok(RawEvent { id: r.get(0)?, name: r.get(1)?, data: r.get(2)? }))?;
-            rows.collect()
-        })
+        self.read(|c| sqlite_events::read(c, &self.live, run_id, after))
     }
 
     async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
@@ -515,13 +525,17 @@ impl Store for SqliteStore {
                  (SELECT run_id FROM runs WHERE finished_at IS NOT NULL ORDER BY finished_at DESC, seq DESC LIMIT -1 OFFSET ?2))";
             let cutoff = now_ms.saturating_sub(retention.max_age_ms);
             let max = i64::try_from(retention.max_count).unwrap_or(i64::MAX);
-            tx.execute(&format!("DELETE FROM events WHERE run_id IN ({doomed})"), params![cutoff, max])?;
             let gone = {
-                let mut st = tx.prepare(&format!("DELETE FROM runs WHERE run_id IN ({doomed}) RETURNING run_id"))?;
+                let mut st = tx.prepare(doomed)?;
                 let rows = st.query_map(params![cutoff, max], |r| r.get::<_, String>(0))?;
                 rows.collect::<rusqlite::Result<Vec<_>>>()?
             };
+            for run_id in &gone {
+                sqlite_events::delete_all(&tx, &self.live, run_id)?;
+                tx.prepare_cached("DELETE FROM runs WHERE run_id = ?")?.execute([run_id])?;
+            }
             tx.commit()?;
+            self.live.forget(&gone);
             Ok(gone)
         };
         run().map_err(|e| self.err(e))
