@@ -207,7 +207,7 @@ if m["p99"] is not None and q["p99"] is not None:
     if max(m["p99"], q["p99"]) > 0.01:
         # The histogram's buckets there are wider than the 2 ms to resolve: say so, claim nothing.
         L.append(f"- p99 added latency: `memory:` <= {ms(m['p99'])}, `sqlite://` <= {ms(q['p99'])}: both are far above the 2 ms the target "
-                 "compares, in buckets hundreds of ms wide: at C=1000 the three processes saturate both cores, and that queueing, not the "
+                 "compares, in buckets wider than that: at C=1000 the three processes saturate both cores, and that queueing, not the "
                  "store, sets p99 here. The target **cannot be judged** from this run; the commit latency column is the store's own share.")
     else:
         L.append(f"- p99 added latency grows by {d:g} ms with SQLite (target < 2 ms; bucket bounds): **{'MET' if d < 2 else 'MISSED'}**.")
