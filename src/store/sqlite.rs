@@ -822,3 +822,40 @@ mod probe {
         }
     }
 }
+
+#[cfg(test)]
+mod sweep_probe {
+    use super::*;
+
+    /// Not a test: `cargo test --release -p clawmux --lib sqlite_sweep_cost -- --ignored --nocapture`
+    /// prints what one retention sweep costs the SQLite store with many kept runs (it runs every
+    /// 10 s, holding the write connection: commits wait for it).
+    #[tokio::test]
+    #[ignore]
+    async fn sqlite_sweep_cost() {
+        for runs in [10_000i64, 100_000] {
+            let dir = tempfile::tempdir().expect("dir");
+            let s = SqliteStore::open(&dir.path().join("r.db")).await.expect("open");
+            s.write_one(|c| {
+                c.execute(
+                    "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?1) \
+                     INSERT INTO runs (run_id, fingerprint, billing_account_id, session_key, spec, status, content, created_at, finished_at) \
+                     SELECT 'r' || n, 'fp', 'acct', 's' || n, '{}', 'ok', '', 1, 2 + n FROM g",
+                    [runs],
+                )
+            })
+            .expect("runs");
+            // The count limit just reached (nothing to delete: the steady state between ends), and
+            // no limit.
+            let at = usize::try_from(runs).expect("count");
+            for max_count in [at, usize::MAX] {
+                let keep = Retention { max_age_ms: i64::MAX, max_count };
+                let t0 = std::time::Instant::now();
+                for _ in 0..5 {
+                    assert!(s.sweep(keep, 3).await.expect("sweep").is_empty());
+                }
+                println!("{runs} runs kept, max_count {max_count}: {:.2} ms per sweep", t0.elapsed().as_secs_f64() * 1000.0 / 5.0);
+            }
+        }
+    }
+}
