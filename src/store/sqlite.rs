@@ -123,6 +123,12 @@ impl SqliteStore {
         &self.path
     }
 
+    /// True while the places of `run_id`'s events are kept in memory (a run in flight).
+    #[cfg(test)]
+    pub fn keeps_places_of(&self, run_id: &str) -> bool {
+        self.live.keeps(run_id)
+    }
+
     fn err(&self, e: impl std::fmt::Display) -> StoreError {
         StoreError(format!("the run store {}: {e}", self.path.display()))
     }
@@ -347,8 +353,10 @@ impl SqliteStore {
                             queue_webhook(&tx, run_id, w)?;
                         }
                         if let Some(e) = event {
-                            ins_event.execute(params![run_id, i64::try_from(e.id).unwrap_or(i64::MAX), e.name.as_str(), e.data])?;
-                            places.appended(&tx, run_id, tx.last_insert_rowid(), e.id)?;
+                            places.append(&tx, run_id, e.id, || {
+                                ins_event.execute(params![run_id, i64::try_from(e.id).unwrap_or(i64::MAX), e.name.as_str(), e.data])?;
+                                Ok(tx.last_insert_rowid())
+                            })?;
                         }
                         // A delta changes no column of its run: its row is left alone (the last
                         // event id is the events' own maximum; the column follows real changes).
@@ -363,8 +371,10 @@ impl SqliteStore {
                     Write::Fail { run_id, event, patch, webhook } => {
                         let id = i64::try_from(event.id).unwrap_or(i64::MAX);
                         places.cut_from(&tx, run_id, event.id)?;
-                        ins_event.execute(params![run_id, id, event.name.as_str(), event.data])?;
-                        places.appended(&tx, run_id, tx.last_insert_rowid(), event.id)?;
+                        places.append(&tx, run_id, event.id, || {
+                            ins_event.execute(params![run_id, id, event.name.as_str(), event.data])?;
+                            Ok(tx.last_insert_rowid())
+                        })?;
                         if let Some(w) = webhook {
                             queue_webhook(&tx, run_id, w)?;
                         }
@@ -412,7 +422,20 @@ impl SqliteStore {
     }
 }
 
-const UNFINISHED: &str = "SELECT * FROM runs WHERE finished_at IS NULL ORDER BY seq";
+/// The columns of a run's row ([`decode_row`]): not `*`, which would read a finished run's list of
+/// event rows too (see [`sqlite_events`]).
+macro_rules! select_runs {
+    ($rest:literal) => {
+        concat!(
+            "SELECT seq, run_id, idempotency_key, fingerprint, billing_account_id, state_key, session_key, spec, status, checkpoint, \
+             gateway_run_id, content, error_code, error_message, gateway_usage, usage, relay, created_at, finished_at, last_event_id, \
+             key_id, webhook_url FROM runs ",
+            $rest
+        )
+    };
+}
+
+const UNFINISHED: &str = select_runs!("WHERE finished_at IS NULL ORDER BY seq");
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
@@ -426,13 +449,13 @@ impl Store for SqliteStore {
     }
 
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
-        let mut rows = self.query_rows("SELECT * FROM runs WHERE run_id = ?", vec![SqlValue::Text(run_id.to_owned())])?;
+        let mut rows = self.query_rows(select_runs!("WHERE run_id = ?"), vec![SqlValue::Text(run_id.to_owned())])?;
         Ok(rows.pop())
     }
 
     async fn by_idempotency_key(&self, account: &str, key: &str) -> Result<Option<RunRow>, StoreError> {
         let mut rows = self.query_rows(
-            "SELECT * FROM runs WHERE billing_account_id = ? AND idempotency_key = ?",
+            select_runs!("WHERE billing_account_id = ? AND idempotency_key = ?"),
             vec![SqlValue::Text(account.to_owned()), SqlValue::Text(key.to_owned())],
         )?;
         Ok(rows.pop())
@@ -443,7 +466,7 @@ impl Store for SqliteStore {
     }
 
     async fn list(&self, q: &ListQuery) -> Result<Vec<RunRow>, StoreError> {
-        let mut sql = String::from("SELECT * FROM runs WHERE seq < ?");
+        let mut sql = String::from(select_runs!("WHERE seq < ?"));
         let mut args = vec![SqlValue::Integer(q.before_seq.unwrap_or(i64::MAX))];
         let mut any_of = |col: &str, values: &[String]| {
             let marks = vec!["?"; values.len()].join(", ");
@@ -501,7 +524,10 @@ impl Store for SqliteStore {
                         end.execute(params![super::UNREADABLE_RUN, super::now_ms(), seq])?;
                     }
                 }
-                tx.commit()
+                let listed = sqlite_events::list_ended(&tx, &self.live, &unreadable)?;
+                tx.commit()?;
+                self.live.forget(&listed);
+                Ok(())
             };
             match end() {
                 Ok(()) => tracing::error!(store = %self.path.display(), runs = unreadable.len(), "unreadable runs in the store cannot be continued; they ended `internal`"),
