@@ -15,6 +15,7 @@ use super::RawEvent;
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OptionalExtension};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// One event's place: its row number and its event id.
@@ -159,8 +160,21 @@ fn scan(c: &Connection, run_id: &str, from: i64) -> rusqlite::Result<Vec<Place>>
     Ok(out)
 }
 
+/// When the last warning of a damaged list was logged (seconds since the epoch).
+static WARNED_AT: AtomicU64 = AtomicU64::new(0);
+
+/// True when a warning may be logged at `now` (seconds): once a minute, so that a client
+/// re-reading a damaged run does not flood the log (the list is not repaired: each read scans).
+fn warn_due(last: &AtomicU64, now: u64) -> bool {
+    let prev = last.load(Ordering::Relaxed);
+    now.saturating_sub(prev) >= 60 && last.compare_exchange(prev, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+}
+
 fn scan_suspect(c: &Connection, run_id: &str, from: i64) -> rusqlite::Result<Vec<Place>> {
-    tracing::warn!(run_id, "a run's list of event rows does not read or names rows that are not its events; its events are scanned for instead");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if warn_due(&WARNED_AT, now) {
+        tracing::warn!(run_id, "a run's list of event rows does not read or names rows that are not its events; its events are scanned for instead (logged once a minute)");
+    }
     scan(c, run_id, from)
 }
 
@@ -462,6 +476,16 @@ mod tests {
         for bad in ["1,,2", "1,x", "1;2", " 1", "1,", "99999999999999999999"] {
             assert_eq!(decode(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_damaged_list_is_warned_of_once_a_minute() {
+        let last = AtomicU64::new(0);
+        assert!(warn_due(&last, 1_000));
+        assert!(!warn_due(&last, 1_000));
+        assert!(!warn_due(&last, 1_059));
+        assert!(warn_due(&last, 1_060));
+        assert!(!warn_due(&last, 1_060));
     }
 
     proptest::proptest! {

@@ -278,7 +278,7 @@ async fn a_failures_end_cuts_the_events_after_it_and_is_listed_once_when_written
         patch: RunPatch { status: Some("error".into()), finished_at_ms: Some(10), ..RunPatch::default() },
         webhook: None,
     };
-    s.apply(&[fail.clone()]).await.expect("the end");
+    s.apply(std::slice::from_ref(&fail)).await.expect("the end");
     let got = s.events("r1", 0).await.expect("events");
     assert_eq!(got.iter().map(|e| (e.id, e.name)).collect::<Vec<_>>(), [(1, EventName::TextDelta), (2, EventName::Error)]);
     s.apply(&[fail]).await.expect("the end again");
