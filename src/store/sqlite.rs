@@ -524,9 +524,18 @@ impl Store for SqliteStore {
                         end.execute(params![super::UNREADABLE_RUN, super::now_ms(), seq])?;
                     }
                 }
-                let listed = sqlite_events::list_ended(&tx, &self.live, &unreadable)?;
+                // Their events' lists, as any run's end writes them (from its places in memory, or
+                // a scan): only those whose run id reads can have events found by it.
+                let mut places = sqlite_events::Batch::new(&self.live);
+                for seq in &unreadable {
+                    let run = tx.prepare_cached("SELECT run_id FROM runs WHERE seq = ?")?.query_row([seq], |r| Ok(r.get::<_, String>(0).ok())).optional()?.flatten();
+                    if let Some(run) = run {
+                        places.ends(&tx, &run)?;
+                    }
+                }
+                places.write(&tx)?;
                 tx.commit()?;
-                self.live.forget(&listed);
+                places.committed();
                 Ok(())
             };
             match end() {
@@ -556,12 +565,13 @@ impl Store for SqliteStore {
                 let rows = st.query_map(params![cutoff, max], |r| r.get::<_, String>(0))?;
                 rows.collect::<rusqlite::Result<Vec<_>>>()?
             };
+            let mut places = sqlite_events::Batch::new(&self.live);
             for run_id in &gone {
-                sqlite_events::delete_all(&tx, &self.live, run_id)?;
+                places.delete_all(&tx, run_id)?;
                 tx.prepare_cached("DELETE FROM runs WHERE run_id = ?")?.execute([run_id])?;
             }
             tx.commit()?;
-            self.live.forget(&gone);
+            places.committed();
             Ok(gone)
         };
         run().map_err(|e| self.err(e))

@@ -69,14 +69,6 @@ impl LiveRows {
     pub fn keeps(&self, run_id: &str) -> bool {
         self.lock().contains_key(run_id)
     }
-
-    /// Forgets runs deleted from the store.
-    pub fn forget<'a>(&self, runs: impl IntoIterator<Item = &'a String>) {
-        let mut map = self.lock();
-        for run in runs {
-            map.remove(run);
-        }
-    }
 }
 
 /// A row of `(rowid, run_id, id)`, or nothing when the row number or run id does not read (an id
@@ -256,40 +248,12 @@ fn read_listed(c: &Connection, run_id: &str, listed: &[i64], after: u64) -> rusq
     Ok(Some(out))
 }
 
-/// Deletes a run's events (the run is being deleted).
-pub fn delete_all(c: &Connection, live: &LiveRows, run_id: &str) -> rusqlite::Result<()> {
-    let places = match live.get(run_id) {
-        Some(p) => p,
-        None => match entry(c, run_id)? {
-            Some(e) => stored_places(c, run_id, &e)?,
-            None => return Ok(()),
-        },
-    };
-    delete(c, run_id, places.iter())
-}
-
 fn delete<'a>(c: &Connection, run_id: &str, places: impl Iterator<Item = &'a Place>) -> rusqlite::Result<()> {
     let mut st = c.prepare_cached("DELETE FROM events WHERE rowid = ? AND run_id = ?")?;
     for (row, _) in places {
         st.execute(params![row, run_id])?;
     }
     Ok(())
-}
-
-/// Writes the lists of runs ended without a write of their own (the unreadable rows a start ends,
-/// by admission order) from [`LiveRows`], in the caller's transaction; the run ids to
-/// [`LiveRows::forget`] once it committed.
-pub fn list_ended(c: &Connection, live: &LiveRows, seqs: &[i64]) -> rusqlite::Result<Vec<String>> {
-    let mut ended = Vec::new();
-    for seq in seqs {
-        let run: Option<String> = c.prepare_cached("SELECT run_id FROM runs WHERE seq = ?")?.query_row([seq], |r| Ok(r.get::<_, String>(0).ok())).optional()?.flatten();
-        let Some(run) = run else { continue };
-        if let Some(places) = live.get(&run) {
-            c.prepare_cached("UPDATE runs SET event_rows = ?, first_event_row = ? WHERE seq = ?")?.execute(params![encode(&places), places.iter().map(|p| p.0).min(), seq])?;
-            ended.push(run);
-        }
-    }
-    Ok(ended)
 }
 
 /// What one transaction does to its runs' event places. [`LiveRows`] is changed only once it

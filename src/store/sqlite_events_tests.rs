@@ -329,3 +329,27 @@ async fn a_run_deleted_and_admitted_again_in_one_batch_starts_over() {
     assert_eq!(count(&c, "SELECT count(*) FROM events"), 2, "the first run's events are gone");
     assert_eq!(listed(&c, "r1").expect("list").len(), 2);
 }
+
+/// A run whose row does not read is ended by the start that takes the runs up; its events are
+/// listed with that end like any run's, and no longer kept in memory.
+#[tokio::test]
+async fn a_run_ended_at_start_for_an_unreadable_row_gets_its_list() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("r.db");
+    {
+        let s = SqliteStore::open(&path).await.expect("open");
+        insert(&s, &["bad", "good"]).await;
+        s.apply(&[put("bad", 1), put("good", 1), put("bad", 2)]).await.expect("events");
+    }
+    open_raw(&path).execute("UPDATE runs SET spec = '{not json' WHERE run_id = 'bad'", []).expect("damage");
+    let s = SqliteStore::open(&path).await.expect("reopen");
+    assert!(s.keeps_places_of("bad"));
+    let lease = super::Lease { replica: "one".into(), ms: 60_000 };
+    let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["good"]);
+    assert!(!s.keeps_places_of("bad"), "an ended run's places are in its row");
+    let list = listed(&open_raw(&path), "bad").expect("its end lists its events");
+    assert_eq!(list.len(), 2);
+    assert!(list.iter().all(|(_, run)| run == "bad"), "{list:?}");
+    assert_eq!(ids(&s, "bad").await, [1, 2]);
+}
