@@ -232,13 +232,19 @@ async fn proxied_replicas_behind_a_balanced_provider_kill_9_of_one_keeps_every_r
     // whichever replica forwarded them (a call cut by the kill counts, with no tokens).
     let log = llm_log(&s);
     let calls: Vec<&Value> = log.iter().filter(|e| e["path"] == "/v1/chat/completions").collect();
-    let cut: Vec<&str> = log.iter().filter(|e| e["event"] == "stream_end" && e["completed"] == false).filter_map(|e| e["id"].as_str()).collect();
+    // The streams the upstream saw cut (the client went away mid-answer), with when.
+    let cut_at: HashMap<&str, f64> = log
+        .iter()
+        .filter(|e| e["event"] == "stream_end" && e["completed"] == false)
+        .filter_map(|e| Some((e["id"].as_str()?, e["ts"].as_f64()?)))
+        .collect();
+    let cut: Vec<&str> = cut_at.keys().copied().collect();
     let usage: HashMap<&str, (u64, u64)> = log
         .iter()
         .filter(|e| e["event"] == "usage")
         .filter_map(|e| Some((e["id"].as_str()?, (e["prompt_tokens"].as_u64()?, e["completion_tokens"].as_u64()?))))
         .collect();
-    let mut after_kill_on_r1 = 0;
+    let mut cut_by_the_kill = 0;
     for r in &runs {
         let mine: Vec<&&Value> = calls.iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains(&r.marker))).collect();
         for c in &mine {
@@ -249,7 +255,13 @@ async fn proxied_replicas_behind_a_balanced_provider_kill_9_of_one_keeps_every_r
         }
         let billed = calls.iter().filter(|e| e["headers"]["x-cogni-run-id"] == r.id.as_str()).count();
         assert_eq!(billed, mine.len(), "{}: calls of other runs billed to it", r.id);
-        after_kill_on_r1 += mine.iter().filter(|c| c["ts"].as_f64().is_some_and(|t| t > killed_at)).count();
+        // A stream of this run cut by the kill (r0's proxy died under it) must be followed by a
+        // call of the run after it: the gateway's retry, through the balancer, on r1.
+        let ts = |c: &Value| c["ts"].as_f64().unwrap_or_default();
+        if let Some(cut) = mine.iter().filter_map(|c| cut_at.get(c["id"].as_str()?)).copied().filter(|t| *t >= killed_at - 1.0).reduce(f64::max) {
+            cut_by_the_kill += 1;
+            assert!(mine.iter().any(|c| ts(c) > cut), "{}: its stream was cut by the kill and not called again", r.id);
+        }
         let (input, output) = mine
             .iter()
             .filter_map(|c| c["id"].as_str())
@@ -262,7 +274,9 @@ async fn proxied_replicas_behind_a_balanced_provider_kill_9_of_one_keeps_every_r
         let got = (doc["usage"]["inputTokens"].as_u64(), doc["usage"]["outputTokens"].as_u64(), doc["usage"]["llmCalls"].as_u64());
         assert_eq!(got, (Some(input), Some(output), Some(mine.len() as u64)), "{}: usage vs. the upstream's calls: {doc}", r.id);
     }
-    assert!(after_kill_on_r1 >= 4, "the gateway's calls after the kill (its retries of r0's cut streams at least): {after_kill_on_r1}");
+    // How many of the 8 streams went through r0 at the kill is the balancer's and the gateway's
+    // connection pool's doing (3 in one run, 4 or more in others); that the kill cut at least one is what this test needs.
+    assert!(cut_by_the_kill >= 1, "the kill of r0 cut no run's stream: nothing was retried on r1");
     // The balancer spread the gateway's calls over both replicas, and r1 forwarded calls of runs it
     // did not own (r0's, before it took them over, or r0's own calls before the kill).
     let taken = balancer.taken();
@@ -271,7 +285,7 @@ async fn proxied_replicas_behind_a_balanced_provider_kill_9_of_one_keeps_every_r
     let refused = metric_sum(&http, &apps[1].base, "clawmux_proxy_refusals_total").await;
     assert_eq!(refused, 0.0, "r1's proxy refused calls");
     eprintln!(
-        "2 replicas, 8 runs, kill -9 of r0: every run ended {:.1} s after the kill; connections per replica {taken:?}; test {:.1} s",
+        "2 replicas, 8 runs, kill -9 of r0 cut {cut_by_the_kill} streams: every run ended {:.1} s after the kill; connections per replica {taken:?}; test {:.1} s",
         ended_after.as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );
