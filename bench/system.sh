@@ -4,7 +4,8 @@
 # Prints one JSON line: clawmux CPU per run (utime+stime from /proc), peak RSS (VmHWM), the load
 # driver's latencies (accepted, first delta, terminal), finals, errors, isolation violations, and
 # clawmux's added latency during the load (`clawmux_frame_to_client_seconds`: a frame's arrival on
-# the gateway socket to its delta handed to the SSE clients; histogram bucket upper bounds).
+# the gateway socket to its delta handed to the SSE clients; histogram bucket upper bounds), and
+# where the runs' wait for `accepted` went, by stage (`clawmux_run_start_seconds`, the same way).
 #
 #   BENCH_BIN=target/release/clawmux SYS_C=1000 SYS_RUNS=2000 bench/system.sh
 #
@@ -72,22 +73,22 @@ except Exception as e:
 lat = r.get("latencyMs") or {}
 def p(s, q):
     return ((lat.get(s) or {}).get(q))
-def buckets(path, name):
-    # Cumulative bucket counts by upper bound (seconds) of one histogram in a /metrics scrape.
+def buckets(path, name, label=""):
+    # Cumulative bucket counts by upper bound (seconds) of one histogram in a /metrics scrape
+    # (its series with `label`, e.g. 'stage="turn"', when given).
     b = {}
     try:
         for line in open(path):
-            if line.startswith(name + "_bucket"):
+            if line.startswith(name + "_bucket") and label in line:
                 le = line.split('le="')[1].split('"')[0]
                 b[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
     except OSError:
         pass
     return b
-def added_latency():
-    # clawmux_frame_to_client_seconds during the load only: bucket upper bounds in ms (the true
-    # value is at most that).
-    name = "clawmux_frame_to_client_seconds"
-    b0, b1 = buckets(out + ".metrics0", name), buckets(out + ".metrics1", name)
+def during_load(name, label=""):
+    # A histogram's samples during the load only: bucket upper bounds in ms (the true value is at
+    # most that).
+    b0, b1 = buckets(out + ".metrics0", name, label), buckets(out + ".metrics1", name, label)
     d = sorted((le, n - b0.get(le, 0.0)) for le, n in b1.items())
     if not d or d[-1][1] <= 0:
         return None
@@ -97,6 +98,10 @@ def added_latency():
         le = next(le for le, n in d if n >= q * total)
         res[key] = None if le == float("inf") else round(le * 1000, 3)
     return res
+def added_latency():
+    return during_load("clawmux_frame_to_client_seconds")
+def start_stages():
+    return {s: during_load("clawmux_run_start_seconds", f'stage="{s}"') for s in ("admit", "turn", "configure", "gateway")}
 cpu = (int(cpu1) - int(cpu0)) / int(tck)
 done = max(1, (r.get("finals") or 0) + (r.get("errors") or 0))
 print(json.dumps({
@@ -109,6 +114,7 @@ print(json.dumps({
     "firstDeltaMs": {q: p("firstDelta", q) for q in ("p50", "p99")},
     "terminalMs": {q: p("terminal", q) for q in ("p50", "p99")},
     "addedLatencyMsAtMost": added_latency(),
+    "startStageMsAtMost": start_stages(),
 }))
 PY
 }

@@ -199,6 +199,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         Supervisor::start_in_arbiter(&gateway_thread.handle(), move |_| Supervisor::new(sup, metrics, status))
     };
     let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
+    let run_start = metrics.run_start.clone();
     let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
         .with_shards(shards.iter().map(actix::Arbiter::handle).collect())
         .start();
@@ -236,6 +237,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         admission,
         status,
         metrics: registry,
+        run_start,
         agents,
         attributions,
         relay,

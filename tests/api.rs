@@ -1574,6 +1574,7 @@ async fn agents_healthz_readyz_and_metrics() {
         "clawmux_runs_finished_total",
         "clawmux_runs_active",
         "clawmux_run_duration_seconds",
+        "clawmux_run_start_seconds",
         "sandbox_runs_total",
         "sandbox_run_duration_seconds",
     ] {
@@ -1591,6 +1592,9 @@ async fn agents_healthz_readyz_and_metrics() {
     assert_eq!(env.metric("clawmux_runs_active").await, 0.0);
     assert_eq!(env.metric("sandbox_runs_total{agent=\"main\",status=\"ok\"}").await, 1.0);
     assert_eq!(env.metric("sandbox_run_duration_seconds_count{agent=\"main\",status=\"ok\"}").await, 1.0);
+    for stage in ["admit", "turn", "configure", "gateway"] {
+        assert_eq!(env.metric(&format!("clawmux_run_start_seconds_count{{stage=\"{stage}\"}}")).await, 1.0, "{stage}");
+    }
 }
 
 /// `CLAWMUX_OUTBOUND_HEADERS=auto` (the default) sends no frame the official schema refuses: a

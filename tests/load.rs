@@ -44,6 +44,11 @@ async fn two_hundred_runs_at_concurrency_fifty_are_isolated() {
     // clawmux measured its own added latency for every delta it streamed.
     let observed = common::metric(&reqwest::Client::new(), &url, "clawmux_frame_to_client_seconds_count").await;
     assert!(observed >= 200.0 * 10.0, "frame-to-client latency observed for {observed} deltas");
+    // And where each run's wait for `accepted` went, one sample per stage per run.
+    for stage in ["admit", "turn", "configure", "gateway"] {
+        let n = common::metric(&reqwest::Client::new(), &url, &format!("clawmux_run_start_seconds_count{{stage=\"{stage}\"}}")).await;
+        assert_eq!(n, 200.0, "clawmux_run_start_seconds{{stage={stage}}}");
+    }
 
     // The gateway sent all of it over ONE connection.
     let stats = gw.stats();

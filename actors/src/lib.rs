@@ -16,7 +16,8 @@
 //!   implements.
 //! - Pure logic, unit- and property-tested: [`backoff`] (reconnect delays), [`delta`] (cumulative
 //!   text → increments by prefix, also across a restart), [`routes`] (the fail-closed routing
-//!   table), [`queue`] (per-key FIFO locks), [`limits`] (bounds on every number the gateway sends).
+//!   table), [`queue`] (per-key FIFO locks), [`limits`] (bounds on every number the gateway sends),
+//!   [`start_clock`] (the stages of a new run's wait for `accepted`, for a histogram).
 //! - [`metrics`]: Prometheus counters and gauges of all of the above; [`device`]: the Ed25519
 //!   device identity.
 //! - `testkit` (tests only): a probe in place of the supervisor and the registry, a recording run
@@ -40,6 +41,7 @@ pub mod registry;
 pub mod routes;
 pub mod run;
 pub mod session;
+pub mod start_clock;
 pub mod supervisor;
 #[cfg(test)]
 mod testkit;

@@ -54,6 +54,8 @@ pub struct Metrics {
     /// text delta being visible to the run's SSE clients (decode, route, diff, serialize, store,
     /// fan-out). Observed by the run store when the delta is stored.
     pub frame_to_client: Histogram,
+    /// Where a new run's wait for `accepted` goes, by `stage` (see [`crate::start_clock`]).
+    pub run_start: HistogramVec,
     /// Gateway runs clawmux gave up on and cancelled on the gateway (`chat.abort`), by when:
     /// `at_end` (the connection was up) or `after_reconnect` (sent once the same gateway process
     /// was back), or `lost` (the gateway restarted, so the run is gone anyway).
@@ -110,6 +112,18 @@ impl Metrics {
                     0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                 ]),
             )?,
+            run_start: HistogramVec::new(
+                HistogramOpts::new(
+                    "clawmux_run_start_seconds",
+                    "A new run's start by stage: admit (request parsed to admitted), turn (to its turn: start slot, session and branch locks), configure (to agent sent), gateway (to its ACK)",
+                )
+                // From the ms of a quiet start to the minutes a run may wait behind its session.
+                // (Finer from 10 to 300 ms: where a burst's stages were found to lie.)
+                .buckets(vec![
+                    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+                ]),
+                &["stage"],
+            )?,
             runs_abandoned: IntCounterVec::new(
                 Opts::new(
                     "clawmux_gateway_runs_abandoned_total",
@@ -148,6 +162,9 @@ impl Metrics {
         for r in ["closed", "connect_failed", "shutdown", "tick_timeout"] {
             m.disconnects.with_label_values(&[r]);
         }
+        for stage in crate::start_clock::StartStage::ALL {
+            m.run_start.with_label_values(&[stage.as_str()]);
+        }
         for w in ["at_end", "after_reconnect", "lost"] {
             m.runs_abandoned.with_label_values(&[w]);
         }
@@ -169,6 +186,7 @@ impl Metrics {
         registry.register(Box::new(m.runs_active.clone()))?;
         registry.register(Box::new(m.runs_queued.clone()))?;
         registry.register(Box::new(m.run_duration.clone()))?;
+        registry.register(Box::new(m.run_start.clone()))?;
         Ok(m)
     }
 
@@ -193,6 +211,11 @@ impl Metrics {
         } else {
             OTHER_AGENT
         }
+    }
+
+    /// Observes one stage of a new run's start (`clawmux_run_start_seconds`).
+    pub fn start_stage(&self, (stage, took): (crate::start_clock::StartStage, std::time::Duration)) {
+        self.run_start.with_label_values(&[stage.as_str()]).observe(took.as_secs_f64());
     }
 
     /// Counts a finished run: `clawmux_runs_finished_total`, `clawmux_run_duration_seconds` and the

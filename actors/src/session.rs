@@ -28,6 +28,7 @@ use crate::messages::{
 };
 use crate::metrics::Metrics;
 use crate::run::{CancelReason, Checkpoint, ErrorCode, Phase, Resume, ResumeStage, RunEvent, RunOutcome, RunSink, RunSpec, RunStatus};
+use crate::start_clock::StartClock;
 use actix::prelude::*;
 use clawmux_protocol::events::AgentSignal;
 use clawmux_protocol::methods::{
@@ -168,6 +169,9 @@ pub struct SessionActor {
     workspace_busy: bool,
     /// How the run ended, kept for the registry while a workspace step outlives the run's end.
     ended: Option<RunStatus>,
+    /// The stages of its start, timed for runs admitted here (not for runs continued after a
+    /// restart).
+    start_clock: Option<StartClock>,
 }
 
 impl SessionActor {
@@ -186,6 +190,7 @@ impl SessionActor {
     ) -> Self {
         let deadline = spec.deadline();
         let message = spec.message.clone();
+        let start_clock = resume.is_none().then(|| StartClock::new(Instant::now()));
         let (resume, tracker, accepted) = match resume {
             Some(r) => (Some(r.stage), DeltaTracker::resumed(r.emitted), r.accepted),
             None => (None, DeltaTracker::new(), false),
@@ -222,6 +227,7 @@ impl SessionActor {
             abort_sent: false,
             workspace_busy: false,
             ended: None,
+            start_clock,
         }
     }
 
@@ -251,21 +257,31 @@ impl SessionActor {
                 let branch = self.spec.branch.as_ref().map(|b| b.branch()).unwrap_or_default();
                 self.sink.emit(RunEvent::WaitingForBranch { branch });
             }
-            Turn::Go => match self.resume.take() {
-                Some(ResumeStage::Publishing { content, gateway_usage }) => self.publish(ctx, RunOutcome::ok(content, gateway_usage)),
-                Some(ResumeStage::Sent { .. }) => {
-                    // The gateway has (or had) the run: recover it once the connection is up.
-                    self.agent_sent = true;
-                    self.add_route(ctx);
-                    self.stage = Stage::Recovering;
-                    if let Some(link) = self.link.clone() {
-                        self.on_link_up(ctx, link);
-                    } else {
-                        self.arm_recovery_deadline(ctx);
-                    }
+            Turn::Go => {
+                if let Some(stage) = self.start_clock.as_mut().and_then(|c| c.turn(Instant::now())) {
+                    self.metrics.start_stage(stage);
                 }
-                Some(ResumeStage::Start) | None => self.prepare(ctx),
-            },
+                self.go(ctx)
+            }
+        }
+    }
+
+    /// The run's turn came: it starts, or continues where a restart left it.
+    fn go(&mut self, ctx: &mut Context<Self>) {
+        match self.resume.take() {
+            Some(ResumeStage::Publishing { content, gateway_usage }) => self.publish(ctx, RunOutcome::ok(content, gateway_usage)),
+            Some(ResumeStage::Sent { .. }) => {
+                // The gateway has (or had) the run: recover it once the connection is up.
+                self.agent_sent = true;
+                self.add_route(ctx);
+                self.stage = Stage::Recovering;
+                if let Some(link) = self.link.clone() {
+                    self.on_link_up(ctx, link);
+                } else {
+                    self.arm_recovery_deadline(ctx);
+                }
+            }
+            Some(ResumeStage::Start) | None => self.prepare(ctx),
         }
     }
 
@@ -401,6 +417,9 @@ impl SessionActor {
             self.agent_sent = true;
             self.metrics.runs_started.inc();
         }
+        if let Some(stage) = self.start_clock.as_mut().and_then(|c| c.sent(Instant::now())) {
+            self.metrics.start_stage(stage);
+        }
         let v3 = self.link.as_ref().is_some_and(|l| l.protocol < 4);
         let remaining = self.deadline.saturating_duration_since(Instant::now());
         let params = AgentParams {
@@ -471,6 +490,9 @@ impl SessionActor {
     fn accept(&mut self, gateway_run_id: String) {
         if !self.accepted {
             self.accepted = true;
+            if let Some(stage) = self.start_clock.as_mut().and_then(|c| c.accepted(Instant::now())) {
+                self.metrics.start_stage(stage);
+            }
             self.sink.emit(RunEvent::Accepted { gateway_run_id });
             self.registry.release.do_send(Release { run_id: self.spec.run_id.clone(), lock: Lock::Start });
         }

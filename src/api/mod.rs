@@ -52,6 +52,8 @@ pub struct AppState {
     pub status: StatusHandle,
     /// Prometheus registry for `/metrics`.
     pub metrics: prometheus::Registry,
+    /// `clawmux_run_start_seconds`, whose `admit` stage the HTTP layer observes.
+    pub run_start: prometheus::HistogramVec,
     /// `GET /v1/agents`.
     pub agents: AgentRegistry,
     /// Live runs by trace id (the LLM proxy attributes calls with it); `None` without a proxy.

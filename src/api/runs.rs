@@ -14,6 +14,7 @@ use crate::tenants::keys::{Action, Principal};
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use clawmux_actors::messages::{AdmitError, Cancel};
+use clawmux_actors::start_clock::StartStage;
 use clawmux_actors::CancelReason;
 use clawmux_protocol::TraceParent;
 use serde::Serialize;
@@ -135,6 +136,8 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
     let wait_false = query_wait_false(&req)?;
     let limit = state.cfg.max_message_bytes.saturating_add(BODY_OVERHEAD);
     let body = read_body(payload, limit).await?;
+    // The `admit` stage of `clawmux_run_start_seconds` starts with the whole request in hand.
+    let parsed = std::time::Instant::now();
     let limits = Limits {
         max_message_bytes: state.cfg.max_message_bytes,
         default_timeout_sec: state.cfg.run_timeout_sec,
@@ -223,6 +226,7 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
             return respond(&req, &state, view, wait_false, abort_on_disconnect).await;
         }
     };
+    state.run_start.with_label_values(&[StartStage::Admit.as_str()]).observe(parsed.elapsed().as_secs_f64());
     tracing::info!(run_id = %log.run_id, session_key = %log.doc().session_key, ?admitted, "run admitted");
     if wait_false && !wants_sse(&req) {
         // The document as stored may not show the start yet (its write is in the group commit

@@ -7,6 +7,7 @@ use super::*;
 use crate::branch::{Published, WorkspaceError};
 use crate::messages::{CallError, Lock, Wait};
 use crate::run::{Checkpoint, ErrorCode, Phase, RunEvent, RunStatus};
+use crate::start_clock::StartStage;
 use crate::testkit::*;
 use clawmux_protocol::{ErrorShape, TraceParent};
 use serde_json::json;
@@ -17,6 +18,7 @@ struct Harness {
     probe: Probe,
     sink: TestSink,
     spec: RunSpec,
+    metrics: Metrics,
 }
 
 fn cfg() -> SessionConfig {
@@ -29,6 +31,10 @@ fn cfg() -> SessionConfig {
 }
 
 fn start(spec: RunSpec, link: Option<GatewayUp>, cfg: SessionConfig, workspace: Option<Arc<dyn Workspace>>) -> Harness {
+    start_with(spec, link, cfg, workspace, None)
+}
+
+fn start_with(spec: RunSpec, link: Option<GatewayUp>, cfg: SessionConfig, workspace: Option<Arc<dyn Workspace>>, resume: Option<Resume>) -> Harness {
     let probe = Probe::start();
     let sink = TestSink::default();
     let metrics = Metrics::new(&prometheus::Registry::new()).unwrap();
@@ -39,11 +45,11 @@ fn start(spec: RunSpec, link: Option<GatewayUp>, cfg: SessionConfig, workspace: 
         probe.registry(),
         workspace,
         cfg,
-        metrics,
+        metrics.clone(),
         link,
-        None,
+        resume,
     );
-    Harness { addr: actor.start(), probe, sink, spec }
+    Harness { addr: actor.start(), probe, sink, spec, metrics }
 }
 
 fn one_minute(run_id: &str) -> RunSpec {
@@ -170,6 +176,56 @@ async fn a_run_patches_subscribes_sends_agent_streams_and_ends_once() {
             RunEvent::Finished(RunOutcome::ok("Hello world".to_owned(), Some((11, 7)))),
         ]
     );
+    h.settled(Some(&agent)).await;
+}
+
+/// `clawmux_run_start_seconds`: (count, sum) of one stage.
+fn start_stage(m: &Metrics, stage: StartStage) -> (u64, f64) {
+    let h = m.run_start.with_label_values(&[stage.as_str()]);
+    (h.get_sample_count(), h.get_sample_sum())
+}
+
+/// Each stage of a run's start is timed once, from the stage before it: the turn from admission,
+/// the configuration (patch, subscribe) from the turn, the gateway from `agent` to its ACK. The
+/// waits are the test's (50, 300, 900 ms): each stage must hold its own wait and not the next
+/// one's (the upper bounds leave that much room for a busy machine).
+#[actix_rt::test]
+async fn the_stages_of_a_start_are_each_timed_once() {
+    let mut h = start(one_minute("r1"), Some(up("A", true)), cfg(), None);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    h.addr.do_send(Turn::Go);
+    h.probe.add_route().await;
+    let patch = h.probe.call(name::SESSIONS_PATCH).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    answer(&patch, json!({"ok": true}));
+    answer(&h.probe.call(name::SESSIONS_SUBSCRIBE).await, json!({}));
+    let agent = h.probe.call(name::AGENT).await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    answer(&agent, ack(&h.spec));
+    h.sink.wait_for("accepted", |e| e.iter().any(|e| matches!(e, RunEvent::Accepted { .. }))).await;
+    let [turn, configure, gateway] = [StartStage::Turn, StartStage::Configure, StartStage::Gateway].map(|s| start_stage(&h.metrics, s));
+    assert_eq!((turn.0, configure.0, gateway.0), (1, 1, 1), "one sample per stage");
+    assert!((0.05..0.35).contains(&turn.1), "turn {:.3} s", turn.1);
+    assert!((0.3..1.2).contains(&configure.1), "configure {:.3} s", configure.1);
+    assert!((0.9..10.0).contains(&gateway.1), "gateway {:.3} s", gateway.1);
+    assert_eq!(start_stage(&h.metrics, StartStage::Admit).0, 0, "admit is the HTTP layer's");
+    answer(&agent, final_ok(&h.spec, "done"));
+    assert_eq!(h.ended().await.1, Some(RunStatus::Ok));
+    assert_eq!(start_stage(&h.metrics, StartStage::Gateway).0, 1);
+    h.settled(Some(&agent)).await;
+}
+
+/// A run continued after a restart started its stages in another process: none is timed here.
+#[actix_rt::test]
+async fn a_resumed_run_times_no_stage() {
+    let resume = Resume { stage: ResumeStage::Start, emitted: String::new(), accepted: false };
+    let mut h = start_with(one_minute("r1"), Some(up("A", true)), cfg(), None, Some(resume));
+    let agent = h.accepted(true).await;
+    for stage in StartStage::ALL {
+        assert_eq!(start_stage(&h.metrics, stage).0, 0, "{stage:?}");
+    }
+    answer(&agent, final_ok(&h.spec, "done"));
+    assert_eq!(h.ended().await.1, Some(RunStatus::Ok));
     h.settled(Some(&agent)).await;
 }
 
