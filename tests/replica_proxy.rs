@@ -319,6 +319,93 @@ async fn pg_after_a_takeover_every_call_of_the_run_counts_once_whichever_proxy_f
     gw.stop().await;
 }
 
+/// `n` calls of the run whose trace id is `trace` through `proxy`, all forwarded.
+async fn calls_through(http: &reqwest::Client, proxy: &str, trace: &str, n: usize, what: &str) {
+    let calls = (0..n).map(|i| {
+        let (http, proxy, tp) = (http.clone(), proxy.to_owned(), call_tp(trace));
+        let text = format!("{what} {i}");
+        async move { call(&http, &proxy, Some(&tp), &chat_body(&text, true)).await.0 }
+    });
+    assert!(futures_util::future::join_all(calls).await.iter().all(|s| *s == 200), "{what}: a call was not forwarded");
+}
+
+/// Waits (bounded) until `replica` owns `run_id` in the store.
+async fn until_owner(pool: &sqlx::PgPool, run_id: &str, replica: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, String>("SELECT owner FROM runs WHERE run_id = $1").bind(run_id).fetch_one(pool).await.unwrap() != replica {
+        assert!(Instant::now() < deadline, "{run_id} was not taken over by {replica}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A run taken over twice: first by a replica that forwarded NONE of its calls before (its share
+/// starts empty, the old owner's is one of the others), then by one that DID (its counters of the
+/// remote run are adopted, not added to its stored share), with a replica that never owned it
+/// forwarding calls meanwhile. Each replica's share counts once everywhere: the owner's live
+/// document (its counters plus the others' shares), every other replica's (the store's sum), the
+/// final event, `run_usage` and `runs.usage`: all equal what the upstream saw (a review suspected
+/// the claimer's share was summed twice after a takeover).
+#[actix_rt::test]
+async fn pg_a_run_taken_over_twice_counts_each_replica_share_once_in_every_document_and_row() {
+    let Some(url) = database("pg_a_run_taken_over_twice_counts_each_share_once").await else { return };
+    let dir = common::temp_dir("xattr-twice");
+    let llm = FakeLlm::start(&dir.join("llm"));
+    let gw = paused_gateway();
+    let http = http();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let mut first = replica("w0", &gw, &url, &llm, &key, &http).await;
+    let mut second = replica("w1", &gw, &url, &llm, &key, &http).await;
+    let (trace, traceparent) = new_traceparent();
+    post_run(&http, &first.app.base, "run-w", "acct-w", &traceparent).await;
+    // Through the owner only: w1 has no share and no counters of the run when it takes it over.
+    calls_through(&http, &first.proxy, &trace, 2, "owner").await;
+    let bill = upstream_bill(&llm, "run-w");
+    assert_eq!(bill.2, 2);
+    until_usage(&http, &second.app.base, "run-w", bill).await;
+    first.app.kill_9();
+    until_owner(&pool, "run-w", "w1").await;
+
+    // A replica started after the takeover (it cannot have taken the run) forwards calls of it,
+    // and so does the new owner: its live document is its counters plus w0's and w2's shares.
+    let third = replica("w2", &gw, &url, &llm, &key, &http).await;
+    calls_through(&http, &second.proxy, &trace, 2, "new owner").await;
+    calls_through(&http, &third.proxy, &trace, 3, "not the owner").await;
+    let bill = upstream_bill(&llm, "run-w");
+    assert_eq!(bill.2, 7);
+    for base in [&second.app.base, &third.app.base] {
+        until_usage(&http, base, "run-w", bill).await;
+    }
+
+    // w2, which forwarded calls of the run, takes it over from w1: its share goes on from its
+    // counters, w0's and w1's stay as they were.
+    second.app.kill_9();
+    until_owner(&pool, "run-w", "w2").await;
+    until_usage(&http, &third.app.base, "run-w", bill).await;
+    calls_through(&http, &third.proxy, &trace, 1, "last owner").await;
+    gw.set_paused(false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while doc(&http, &third.app.base, "run-w").await["status"] != "ok" {
+        assert!(Instant::now() < deadline, "run-w did not end: {}", doc(&http, &third.app.base, "run-w").await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let bill = upstream_bill(&llm, "run-w");
+    assert_eq!(bill.2, 8);
+    until_usage(&http, &third.app.base, "run-w", bill).await;
+    let stored: Vec<(String, i64)> = sqlx::query_as("SELECT replica, llm_calls FROM run_usage WHERE run_id = 'run-w' ORDER BY replica").fetch_all(&pool).await.unwrap();
+    assert_eq!(stored, [("w0".to_owned(), 2), ("w1".to_owned(), 2), ("w2".to_owned(), 4)], "each replica's share");
+    // The run's own column (written with its end from the last owner's totals) and the final
+    // event's document (what clients and webhooks got) say the same.
+    let column: String = sqlx::query_scalar("SELECT usage FROM runs WHERE run_id = 'run-w'").fetch_one(&pool).await.unwrap();
+    let fin: String = sqlx::query_scalar("SELECT data FROM events WHERE run_id = 'run-w' AND name = 'final'").fetch_one(&pool).await.unwrap();
+    let (column, fin): (Value, Value) = (serde_json::from_str(&column).unwrap(), serde_json::from_str(&fin).unwrap());
+    for u in [&column, &fin["usage"]] {
+        assert_eq!((u["inputTokens"].as_u64(), u["outputTokens"].as_u64(), u["llmCalls"].as_u64()), (Some(bill.0), Some(bill.1), Some(bill.2)), "{u}");
+    }
+    pool.close().await;
+    gw.stop().await;
+}
+
 #[actix_rt::test]
 async fn pg_a_budget_spent_through_another_replica_proxy_ends_the_run_budget_exceeded_at_its_owner() {
     let Some(url) = database("pg_a_budget_spent_through_another_replica").await else { return };

@@ -124,6 +124,34 @@ async fn pg_a_run_usage_is_the_sum_of_every_replica_share_each_written_idempoten
     assert_eq!(a.usage_shares("r2", Some(usage(1, 1, 1))).await.expect("shares").mine, usage(1, 1, 1), "a row without shares is all its own");
 }
 
+/// A claimed row's usage is the sum of every share, and the takeover hands that sum to
+/// `usage_shares` as the row's stored usage: a claimer that forwarded no call of the run must get
+/// an empty share of its own (the sum stands only for a run with no shares at all), else its
+/// counters would start at the sum and every other share be counted twice in the run's usage.
+#[tokio::test]
+async fn pg_a_claimer_without_a_share_continues_from_nothing_not_from_the_claimed_sum() {
+    let Some(url) = pg_url("pg_a_claimer_without_a_share_continues_from_nothing").await else { return };
+    let (a, _) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    let (c, lc) = open(&url, "c").await;
+    let mut r = row("r1", "acct", 1);
+    r.usage = Some(Usage::default());
+    insert(&a, r).await;
+    a.apply(&[share("r1", usage(10, 1, 1))]).await.expect("a's share");
+    b.apply(&[share("r1", usage(5, 2, 2))]).await.expect("b's share");
+    sqlx::query("UPDATE runs SET lease_until = 0").execute(&sqlx::PgPool::connect(&url).await.expect("connect")).await.expect("expire");
+    let claimed = c.claim(&lc, false).await.expect("claim");
+    assert_eq!(claimed.iter().map(|r| (r.run_id.as_str(), r.usage)).collect::<Vec<_>>(), [("r1", Some(usage(15, 3, 3)))]);
+    let shares = c.usage_shares("r1", claimed[0].usage).await.expect("shares");
+    assert_eq!(shares.mine, Usage::default(), "the claimed sum taken as the claimer's own share");
+    let mut others: Vec<(String, Usage)> = shares.others.into_iter().collect();
+    others.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(others, [("a".to_owned(), usage(10, 1, 1)), ("b".to_owned(), usage(5, 2, 2))]);
+    // c's own calls from there: the run's usage is every call once.
+    c.apply(&[share("r1", usage(1, 1, 1)), finish("r1")]).await.expect("c goes on");
+    assert_eq!(a.run("r1").await.expect("read").and_then(|r| r.usage), Some(usage(16, 4, 4)));
+}
+
 #[tokio::test]
 async fn pg_shares_at_the_top_sum_to_the_largest_int8_instead_of_failing_the_reads() {
     let Some(url) = pg_url("pg_shares_at_the_top_sum_to_the_largest_int8").await else { return };
