@@ -161,8 +161,7 @@ async fn an_ephemeral_run_streams_its_answer_and_its_socket_bills_it() {
     assert_eq!(doc["usage"]["llmCalls"], 1, "{doc}");
     assert_eq!(doc["usage"]["inputTokens"], usage.iter().map(|u| u.0).sum::<u64>());
     assert_eq!(doc["usage"]["outputTokens"], usage.iter().map(|u| u.1).sum::<u64>());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let recs = clawmux::audit::read_records(&env.audit_dir.join("audit.jsonl")).expect("audit");
+    let recs = common::audit_records_once(&env.audit_dir.join("audit.jsonl"), Duration::from_secs(20), |recs| recs.iter().any(|r| r["runId"] == "run-eph-1")).await;
     let mine: Vec<&Value> = recs.iter().filter(|r| r["runId"] == "run-eph-1").collect();
     assert_eq!(mine.len(), 1, "{recs:?}");
     assert_eq!(mine[0]["billingAccountId"], "acct-eph");

@@ -148,8 +148,8 @@ async fn proxy_attributes_calls_by_trace_id_overwrites_billing_headers_and_refus
     }
 
     // The audit log: one record per forwarded call, keyed by run id, no prompt, no key.
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let path = audit_dir.join("audit.jsonl");
+    common::audit_records_once(&path, Duration::from_secs(20), |recs| recs.iter().filter(|r| r["runId"] == "run-billed" && r["outcome"] == "ok").count() >= 2).await;
     let raw = std::fs::read_to_string(&path).expect("audit log");
     assert!(!raw.contains(&key), "the upstream key is in the audit log");
     assert!(!raw.contains("PROXYSTREAM") && !raw.contains("hello"), "prompts are in the audit log");

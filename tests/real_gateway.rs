@@ -432,11 +432,10 @@ async fn proxied_eight_runs_from_four_accounts_bill_every_llm_call_to_its_own_ru
     let environ = std::fs::read(format!("/proc/{}/environ", b.gateway_pid)).unwrap_or_default();
     assert!(!String::from_utf8_lossy(&environ).contains(&key), "the upstream key is in the gateway's environment");
     assert!(!all_events.contains(&key), "the upstream key is in an SSE event");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let recs = common::audit_records_once(&audit_dir.join("audit.jsonl"), Duration::from_secs(20), |recs| recs.len() >= 16).await;
+    assert!(recs.len() >= 16, "every LLM call is audited: {}", recs.len());
     let audit = std::fs::read_to_string(audit_dir.join("audit.jsonl")).expect("audit log");
     assert!(!audit.contains(&key), "the upstream key is in the audit log");
-    let recs = clawmux::audit::read_records(&audit_dir.join("audit.jsonl")).expect("records");
-    assert!(recs.len() >= 16, "every LLM call is audited: {}", recs.len());
     clawmux::server::shutdown(&running).await;
     let _ = std::fs::remove_dir_all(audit_dir);
 }

@@ -170,8 +170,12 @@ async fn proxied_restart_kill_9_mid_stream_keeps_every_run_its_text_and_its_bill
         .filter(|e| e["event"] == "usage")
         .filter_map(|e| Some((e["id"].as_str()?, (e["prompt_tokens"].as_u64()?, e["completion_tokens"].as_u64()?))))
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let audit = clawmux::audit::read_records(&audit_dir.join("audit.jsonl")).expect("audit records");
+    // Every call the upstream completed gets its record (written after the stream's end).
+    let completed_ids: Vec<&str> = calls.iter().filter_map(|c| c["id"].as_str()).filter(|id| stream_end.get(id) == Some(&true)).collect();
+    let audit = common::audit_records_once(&audit_dir.join("audit.jsonl"), Duration::from_secs(20), |recs| {
+        completed_ids.iter().all(|id| recs.iter().any(|a| a["upstreamCallId"] == *id))
+    })
+    .await;
     for r in &runs {
         let mine: Vec<&&Value> = calls.iter().filter(|e| e["last_user"].as_str().is_some_and(|u| u.contains(&r.marker))).collect();
         for c in &mine {

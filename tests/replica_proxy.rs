@@ -231,7 +231,10 @@ async fn pg_a_replica_forwards_the_calls_of_a_run_another_owns_billed_to_it_once
     let took = aborted.elapsed();
     assert!(cut.is_ok(), "the stream was not cut within 10 s of the run's end");
     eprintln!("a remote run's stream cut {:.0} ms after the abort answer", took.as_secs_f64() * 1000.0);
-    assert!(took < Duration::from_millis(1500), "cut after {took:?}");
+    // Told by the store's notification (or found by the look every second when one is lost) and
+    // cut: seconds at most, also through two processes and PostgreSQL on a busy machine. The
+    // streams' bound is the run's end, not a minute later.
+    assert!(took < Duration::from_secs(5), "cut after {took:?}");
     let (status, _) = call(&http, &other.proxy, Some(&call_tp(&trace)), &chat_body("hello XATTRLATE", false)).await;
     assert_eq!(status, 409, "a call of an ended run was forwarded");
     assert_eq!(call(&http, &other.proxy, None, &p3).await.0, 409, "a token of an ended run was accepted");

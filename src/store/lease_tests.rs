@@ -164,7 +164,10 @@ async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_rep
 #[tokio::test]
 async fn pg_a_renewal_renews_only_the_runs_held_and_those_assigned_not_taken_up() {
     let Some(url) = pg_url("pg_renew_only_held").await else { return };
-    let (a, la) = open(&url, "a", 300).await;
+    // Leases of 2 s: "held" is renewed right before the claim, so only a stall of 2 s could let it
+    // expire (at 300 ms, 150 ms of a busy machine between the last renewal and the claim did).
+    let (a, la) = open(&url, "a", 2000).await;
+    let inserted = std::time::Instant::now();
     for id in ["held", "orphan"] {
         assert!(matches!(one(&a, Write::Insert(Box::new(row(id, "acct", 1000)))).await, Applied::Inserted { .. }));
     }
@@ -173,11 +176,12 @@ async fn pg_a_renewal_renews_only_the_runs_held_and_those_assigned_not_taken_up(
     let mut assigned = row("assigned", "acct", 1001);
     assigned.session_key = row("held", "acct", 0).session_key;
     assert!(matches!(one(&b, Write::Insert(Box::new(assigned))).await, Applied::Assigned { .. }));
-    // `a` renews for a while, holding only "held".
-    for _ in 0..4 {
+    // `a` renews, holding only "held", until the orphan's lease has run out, and once more.
+    while inserted.elapsed() < std::time::Duration::from_millis(2300) {
         a.renew(&la, &["held".to_owned()]).await.expect("renew");
-        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     }
+    a.renew(&la, &["held".to_owned()]).await.expect("renew");
     let claimed: Vec<String> = b.claim(&lb, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["orphan"], "only the run `a` holds nowhere expired");
     let owners = claims_of(&url).await;

@@ -343,3 +343,20 @@ pub fn http_client(timeout: Option<Duration>) -> reqwest::Client {
     .build()
     .expect("http client")
 }
+
+/// The audit log's records once `done` holds for them, or when `within` has passed (the caller's
+/// assertions then say what is missing). The proxy queues a call's record only when it has seen
+/// the end of the call's stream (after the run's `final`, at times) and a thread of its own writes
+/// and syncs each one: a test reading the log at once, or after a fixed pause, can miss records on
+/// a busy machine.
+pub async fn audit_records_once(path: &std::path::Path, within: Duration, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        // Not there yet (no call ended) or a line half written: read again.
+        let records = clawmux::audit::read_records(path).unwrap_or_default();
+        if done(&records) || tokio::time::Instant::now() >= deadline {
+            return records;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

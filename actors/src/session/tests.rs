@@ -187,7 +187,7 @@ fn start_stage(m: &Metrics, stage: StartStage) -> (u64, f64) {
 
 /// Each stage of a run's start is timed once, from the stage before it: the turn from admission,
 /// the configuration (patch, subscribe) from the turn, the gateway from `agent` to its ACK. The
-/// waits are the test's (50, 300, 900 ms): each stage must hold its own wait and not the next
+/// waits are the test's (50 ms, 1 s, 2 s): each stage must hold its own wait and not the next
 /// one's (the upper bounds leave that much room for a busy machine).
 #[actix_rt::test]
 async fn the_stages_of_a_start_are_each_timed_once() {
@@ -196,18 +196,18 @@ async fn the_stages_of_a_start_are_each_timed_once() {
     h.addr.do_send(Turn::Go);
     h.probe.add_route().await;
     let patch = h.probe.call(name::SESSIONS_PATCH).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     answer(&patch, json!({"ok": true}));
     answer(&h.probe.call(name::SESSIONS_SUBSCRIBE).await, json!({}));
     let agent = h.probe.call(name::AGENT).await;
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    tokio::time::sleep(Duration::from_millis(2000)).await;
     answer(&agent, ack(&h.spec));
     h.sink.wait_for("accepted", |e| e.iter().any(|e| matches!(e, RunEvent::Accepted { .. }))).await;
     let [turn, configure, gateway] = [StartStage::Turn, StartStage::Configure, StartStage::Gateway].map(|s| start_stage(&h.metrics, s));
     assert_eq!((turn.0, configure.0, gateway.0), (1, 1, 1), "one sample per stage");
-    assert!((0.05..0.35).contains(&turn.1), "turn {:.3} s", turn.1);
-    assert!((0.3..1.2).contains(&configure.1), "configure {:.3} s", configure.1);
-    assert!((0.9..10.0).contains(&gateway.1), "gateway {:.3} s", gateway.1);
+    assert!((0.05..1.0).contains(&turn.1), "turn {:.3} s", turn.1);
+    assert!((1.0..2.0).contains(&configure.1), "configure {:.3} s", configure.1);
+    assert!((2.0..10.0).contains(&gateway.1), "gateway {:.3} s", gateway.1);
     assert_eq!(start_stage(&h.metrics, StartStage::Admit).0, 0, "admit is the HTTP layer's");
     answer(&agent, final_ok(&h.spec, "done"));
     assert_eq!(h.ended().await.1, Some(RunStatus::Ok));
