@@ -3,6 +3,8 @@
 //! unix socket (the real attribution proxy in front of the project's fake LLM), prints an envelope.
 //! The real engine is in `tests/docker_ephemeral.rs`.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 #[path = "common/ephemeral_stack.rs"]
 mod ephemeral_stack;

@@ -86,7 +86,7 @@ fn agent(message: &str, key: &str, run: &str) -> Value {
 async fn official_schema_every_frame_the_replay_gateway_sends() {
     let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let Some(checker) = schema_check::Checker::from_env(repo.clone()) else { return };
-    let cassette = Cassette::from_path(&repo.join("tests/cassettes/openclaw-2026.9.6-conformance.jsonl")).expect("cassette");
+    let cassette = Cassette::from_path(repo.join("tests/cassettes/openclaw-2026.9.6-conformance.jsonl")).expect("cassette");
     let cfg = ReplayConfig::new(cassette).token(TOKEN).speed(20.0).tick_interval_ms(50);
     let gw = ReplayGateway::start("127.0.0.1:0".parse().expect("addr"), cfg).expect("replay gateway");
 

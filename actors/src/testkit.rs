@@ -356,7 +356,7 @@ pub struct WorkspaceSteps {
 
 impl HandWorkspace {
     /// A workspace and the test's handle on it.
-    pub fn new() -> (Arc<dyn Workspace>, WorkspaceSteps) {
+    pub fn pair() -> (Arc<dyn Workspace>, WorkspaceSteps) {
         let (ptx, prx) = mpsc::unbounded_channel();
         let (utx, urx) = mpsc::unbounded_channel();
         (Arc::new(Self { prepares: ptx, publishes: utx }), WorkspaceSteps { prepares: prx, publishes: urx })

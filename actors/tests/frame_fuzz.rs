@@ -360,7 +360,7 @@ proptest! {
             let runs = route_probes(&sup);
             let callers: Vec<Addr<CallProbe>> = CALLS.iter().map(|_| CallProbe::default().start()).collect();
             for (k, (method, wait)) in CALLS.iter().enumerate() {
-                let mut call = Call::new(*method, json!({}), k as u64, Some(callers[k].clone().recipient()));
+                let mut call = Call::new(method, json!({}), k as u64, Some(callers[k].clone().recipient()));
                 call.wait = *wait;
                 sup.do_send(call);
             }

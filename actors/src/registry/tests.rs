@@ -210,7 +210,7 @@ async fn an_interrupting_run_cancels_the_running_one_and_goes_next() {
 /// order; the session key is free while the branch publishes.
 #[actix_rt::test]
 async fn the_branch_key_is_held_from_the_workspace_to_the_end_of_publishing_in_order() {
-    let (ws, mut steps) = HandWorkspace::new();
+    let (ws, mut steps) = HandWorkspace::pair();
     let mut w = world(10, Some(ws));
     let (r1, s1) = branch_run("r1", "s1", "k");
     let (r2, s2) = branch_run("r2", "s2", "k");

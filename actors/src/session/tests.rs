@@ -58,7 +58,7 @@ fn one_minute(run_id: &str) -> RunSpec {
 
 impl Harness {
     /// Gives the run its turn and answers everything up to (and returns) the `agent` call.
-    async fn to_agent(&mut self, scoped: bool) -> Call {
+    async fn up_to_agent(&mut self, scoped: bool) -> Call {
         self.addr.do_send(Turn::Go);
         let route = self.probe.add_route().await;
         assert_eq!((route.session_key.as_str(), route.gateway_run_id.as_str()), (self.spec.session_key.as_str(), self.spec.gateway_run_id.as_str()));
@@ -71,9 +71,9 @@ impl Harness {
         self.probe.call(name::AGENT).await
     }
 
-    /// As `to_agent`, then the ACK (and waits for `accepted`).
+    /// As `up_to_agent`, then the ACK (and waits for `accepted`).
     async fn accepted(&mut self, scoped: bool) -> Call {
-        let agent = self.to_agent(scoped).await;
+        let agent = self.up_to_agent(scoped).await;
         answer(&agent, ack(&self.spec));
         self.sink.wait_for("accepted", |e| e.iter().any(|e| matches!(e, RunEvent::Accepted { .. }))).await;
         agent
@@ -232,7 +232,7 @@ async fn a_resumed_run_times_no_stage() {
 #[actix_rt::test]
 async fn a_gateway_without_session_scoped_events_gets_no_subscribe() {
     let mut h = start(one_minute("r1"), Some(up("A", false)), cfg(), None);
-    let agent = h.to_agent(false).await;
+    let agent = h.up_to_agent(false).await;
     answer(&agent, ack(&h.spec));
     answer(&agent, final_ok(&h.spec, "done"));
     let (sent, status) = h.ended().await;
@@ -327,7 +327,7 @@ async fn a_queued_run_times_out_on_time_without_touching_the_gateway() {
 async fn a_run_waiting_for_its_branch_times_out_and_says_so() {
     let mut s = spec("r1", "s", Duration::from_secs(2));
     s.branch = Some(plan("k1"));
-    let (ws, mut steps) = HandWorkspace::new();
+    let (ws, mut steps) = HandWorkspace::pair();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
     h.addr.do_send(Turn::WaitingForBranch);
     let (sent, status) = h.ended().await;
@@ -394,7 +394,7 @@ async fn abort_while_queued() {
 async fn abort_while_waiting_for_the_branch() {
     let mut s = one_minute("r1");
     s.branch = Some(plan("k1"));
-    let (ws, mut steps) = HandWorkspace::new();
+    let (ws, mut steps) = HandWorkspace::pair();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
     h.addr.do_send(Turn::WaitingForBranch);
     h.sink.wait_for("waiting", |e| !e.is_empty()).await;
@@ -411,7 +411,7 @@ async fn abort_while_waiting_for_the_branch() {
 async fn abort_while_preparing_the_workspace() {
     let mut s = one_minute("r1");
     s.branch = Some(plan("k1"));
-    let (ws, mut steps) = HandWorkspace::new();
+    let (ws, mut steps) = HandWorkspace::pair();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
     h.addr.do_send(Turn::Go);
     let prep = steps.prepare().await;
@@ -436,7 +436,7 @@ async fn abort_while_preparing_the_workspace() {
 async fn a_handoff_does_not_wait_for_the_workspace_step_of_an_ended_run() {
     let mut s = one_minute("r1");
     s.branch = Some(plan("k1"));
-    let (ws, mut steps) = HandWorkspace::new();
+    let (ws, mut steps) = HandWorkspace::pair();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
     h.addr.do_send(Turn::Go);
     let _prep = steps.prepare().await;
@@ -453,7 +453,7 @@ async fn a_handoff_does_not_wait_for_the_workspace_step_of_an_ended_run() {
 async fn a_run_that_times_out_while_preparing_keeps_its_branch_until_the_prepare_is_over() {
     let mut s = spec("r1", "s", Duration::from_secs(2));
     s.branch = Some(plan("k1"));
-    let (ws, mut steps) = HandWorkspace::new();
+    let (ws, mut steps) = HandWorkspace::pair();
     let mut h = start(s, Some(up("A", false)), cfg(), Some(ws));
     h.addr.do_send(Turn::Go);
     let prep = steps.prepare().await;
@@ -508,7 +508,7 @@ async fn to_publishing(h: &mut Harness, steps: &mut WorkspaceSteps) -> (Call, St
     h.addr.do_send(Turn::Go);
     let prep = steps.prepare().await;
     let _ = prep.done.send(Ok(prepared(&prep.plan)));
-    let agent = h.to_agent_after_turn().await;
+    let agent = h.up_to_agent_after_turn().await;
     let message = agent.params["message"].as_str().unwrap().to_owned();
     assert!(message.starts_with("message of r1") && message.contains("cd /workspace/wt/k1"), "the agent is told its worktree: {message}");
     answer(&agent, ack(&h.spec));
@@ -533,7 +533,7 @@ async fn to_publishing(h: &mut Harness, steps: &mut WorkspaceSteps) -> (Call, St
 
 impl Harness {
     /// After `Turn::Go` and a ready workspace: route, patch, agent.
-    async fn to_agent_after_turn(&mut self) -> Call {
+    async fn up_to_agent_after_turn(&mut self) -> Call {
         self.probe.add_route().await;
         let patch = self.probe.call(name::SESSIONS_PATCH).await;
         answer(&patch, json!({}));
@@ -544,7 +544,7 @@ impl Harness {
 fn branch_run(timeout: Duration) -> (Harness, WorkspaceSteps) {
     let mut s = spec("r1", "s", timeout);
     s.branch = Some(plan("k1"));
-    let (ws, steps) = HandWorkspace::new();
+    let (ws, steps) = HandWorkspace::pair();
     (start(s, Some(up("A", false)), cfg(), Some(ws)), steps)
 }
 
@@ -716,7 +716,7 @@ async fn a_connection_that_stays_down_ends_the_run_and_hands_its_gateway_run_ove
 
 async fn protocol_error_cancels(answer_agent: impl FnOnce(&Harness, &Call), accepted_first: bool) {
     let mut h = start(one_minute("r1"), Some(up("A", false)), cfg(), None);
-    let agent = if accepted_first { h.accepted(false).await } else { h.to_agent(false).await };
+    let agent = if accepted_first { h.accepted(false).await } else { h.up_to_agent(false).await };
     answer_agent(&h, &agent);
     let (sent, status) = h.ended().await;
     assert_eq!(status, Some(RunStatus::Error));

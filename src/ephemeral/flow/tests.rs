@@ -179,9 +179,12 @@ struct Env {
     ends: Addr<Ends>,
 }
 
+/// Each reported end: the run id and its status.
+type Ended = Vec<(String, Option<RunStatus>)>;
+
 /// Plays the registry's side of the port: records every run's reported end.
 #[derive(Default)]
-struct Ends(Arc<Mutex<Vec<(String, Option<RunStatus>)>>>);
+struct Ends(Arc<Mutex<Ended>>);
 
 impl Actor for Ends {
     type Context = Context<Self>;
