@@ -12,11 +12,12 @@
 //! replaced by a scan of the events from the run's first row: slower, the same answer.
 
 use super::RawEvent;
+use crate::expiring::ExpiringKeys;
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OptionalExtension};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 /// One event's place: its row number and its event id.
 pub type Place = (i64, u64);
@@ -152,19 +153,24 @@ fn scan(c: &Connection, run_id: &str, from: i64) -> rusqlite::Result<Vec<Place>>
     Ok(out)
 }
 
-/// When the last warning of a damaged list was logged (seconds since the epoch).
-static WARNED_AT: AtomicU64 = AtomicU64::new(0);
+/// Runs whose damaged list was warned of lately: each once a minute, so that a client re-reading
+/// a damaged run does not flood the log (the list is not repaired: each read scans); the same
+/// bounded set the run store uses for the events it leaves out of streams.
+static WARNED: LazyLock<Mutex<ExpiringKeys<String>>> = LazyLock::new(|| Mutex::new(ExpiringKeys::new(Duration::from_secs(60), 1_000)));
 
-/// True when a warning may be logged at `now` (seconds): once a minute, so that a client
-/// re-reading a damaged run does not flood the log (the list is not repaired: each read scans).
-fn warn_due(last: &AtomicU64, now: u64) -> bool {
-    let prev = last.load(Ordering::Relaxed);
-    now.saturating_sub(prev) >= 60 && last.compare_exchange(prev, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+/// True when a warning about `run_id` may be logged at `now`.
+fn warn_due(warned: &Mutex<ExpiringKeys<String>>, run_id: &str, now: Instant) -> bool {
+    let mut warned = warned.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = run_id.to_owned();
+    if warned.contains(&key, now) {
+        return false;
+    }
+    warned.insert(key, now);
+    true
 }
 
 fn scan_suspect(c: &Connection, run_id: &str, from: i64) -> rusqlite::Result<Vec<Place>> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    if warn_due(&WARNED_AT, now) {
+    if warn_due(&WARNED, run_id, Instant::now()) {
         tracing::warn!(run_id, "a run's list of event rows does not read or names rows that are not its events; its events are scanned for instead (logged once a minute)");
     }
     scan(c, run_id, from)
@@ -444,12 +450,14 @@ mod tests {
 
     #[test]
     fn a_damaged_list_is_warned_of_once_a_minute() {
-        let last = AtomicU64::new(0);
-        assert!(warn_due(&last, 1_000));
-        assert!(!warn_due(&last, 1_000));
-        assert!(!warn_due(&last, 1_059));
-        assert!(warn_due(&last, 1_060));
-        assert!(!warn_due(&last, 1_060));
+        let warned = Mutex::new(ExpiringKeys::new(Duration::from_secs(60), 1_000));
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert!(warn_due(&warned, "r1", at(0)));
+        assert!(!warn_due(&warned, "r1", at(0)));
+        assert!(!warn_due(&warned, "r1", at(59)));
+        assert!(warn_due(&warned, "r1", at(60)));
+        assert!(!warn_due(&warned, "r1", at(60)));
     }
 
     proptest::proptest! {
