@@ -1504,8 +1504,7 @@ async fn a_queued_run_reports_queued_times_out_on_time_and_can_be_aborted() {
     // the requests above on a possibly busy machine; the run ahead is held, so it did not wait
     // for that one either.
     let doc = env.doc(&late_id).await;
-    let at = |k: &str| time::OffsetDateTime::parse(doc[k].as_str().unwrap_or_default(), &time::format_description::well_known::Rfc3339).unwrap_or_else(|e| panic!("{k}: {e}: {doc}"));
-    let took = at("finishedAt") - at("createdAt");
+    let took = common::doc_time(&doc, "finishedAt") - common::doc_time(&doc, "createdAt");
     assert!(took >= time::Duration::milliseconds(950) && took < time::Duration::milliseconds(1800), "timed out {took} after its admission, not 1 s (+ slack): {doc}");
     assert!(t0.elapsed() < WAIT);
     assert_eq!(doc["error"]["code"], "timeout");

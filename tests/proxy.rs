@@ -225,11 +225,8 @@ async fn the_audit_log_survives_killing_clawmux_mid_stream() {
     }
     // Acknowledged = written and fsynced by the audit writer; give it a moment.
     let path = audit_dir.join("audit.jsonl");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while clawmux::audit::read_records(&path).map(|r| r.len()).unwrap_or(0) < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "completed calls were not audited");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let audited = common::audit_records_once(&path, Duration::from_secs(20), |recs| recs.len() >= 3).await;
+    assert!(audited.len() >= 3, "completed calls were not audited");
     // Kill -9 in the middle of a streamed answer.
     let resp = c.post(format!("{proxy}/v1/chat/completions")).header("traceparent", &call_tp).json(&chat_body("go SLOW now", true)).send().await.expect("call");
     let mut stream = resp.bytes_stream();

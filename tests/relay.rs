@@ -1596,8 +1596,7 @@ async fn docker_api_waiting_runs_time_out_or_abort_without_reaching_the_gateway(
     // By the run's own record (admitted → ended), not this test's clock, which also counts the
     // POSTs and the abort above on a possibly busy machine.
     let doc = w.get_doc(te.data["runId"].as_str().expect("the run id in its error event")).await;
-    let at = |k: &str| time::OffsetDateTime::parse(doc[k].as_str().unwrap_or_default(), &time::format_description::well_known::Rfc3339).unwrap_or_else(|e| panic!("{k}: {e}: {doc}"));
-    let took = at("finishedAt") - at("createdAt");
+    let took = common::doc_time(&doc, "finishedAt") - common::doc_time(&doc, "createdAt");
     assert!(took < time::Duration::seconds(3), "the wait counted toward the 1 s timeout: ended {took} after its admission");
     assert!(t0.elapsed() < Duration::from_secs(60));
     assert!(short.waited() && aborted.waited());

@@ -360,3 +360,9 @@ pub async fn audit_records_once(path: &std::path::Path, within: Duration, done: 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A run document's RFC 3339 timestamp `key` (`createdAt`, `finishedAt`): tests bound a run's own
+/// times with them rather than the test's clock, which also counts its requests.
+pub fn doc_time(doc: &Value, key: &str) -> time::OffsetDateTime {
+    time::OffsetDateTime::parse(doc[key].as_str().unwrap_or_default(), &time::format_description::well_known::Rfc3339).unwrap_or_else(|e| panic!("{key}: {e}: {doc}"))
+}
