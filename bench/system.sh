@@ -13,6 +13,8 @@
 # so that two builds compare on the same machine load. The replay gateway and the load driver are
 # the measured binary's own, or SYS_GW_BIN's (one build of them for every clawmux measured: its
 # own CPU then stays out of the comparison). Everything started is stopped by PID.
+# Also printed: clawmux's context switches per run (all its threads, /proc). SYS_STORE_DIR puts the
+# SQLite file elsewhere (e.g. /dev/shm: a store without real fsyncs, to see the disk's share).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=bench/lib.sh
@@ -31,6 +33,8 @@ cleanup() { stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
 trap cleanup EXIT INT TERM
 wait_http() { for _ in $(seq 1 $(( $2 * 10 ))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# Context switches (voluntary + not) of all of a process's threads.
+ctx_switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {s += $2} END {print s + 0}'; }
 hwm_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
 TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 
@@ -39,12 +43,13 @@ one() { # BIN REP
   local gp sp cp out="$WORK/load-$rep-$RANDOM.json"
   gp="$(free_port)"; sp="$(free_port)"; cp="$(free_port)"
   local tools="${SYS_GW_BIN:-$bin}"
+  local store; store="${SYS_STORE_DIR:-$WORK}/clawmux-sys-store-$$-$RANDOM$RANDOM.db"
   CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$tools" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
     --speed 1 --deltas 20 --stats-listen "127.0.0.1:$sp" >>"$WORK/gateway.log" 2>&1 &
   GW_PID=$!
   wait_http "http://127.0.0.1:$sp/stats" 20 || { echo "gateway did not start" >&2; return 1; }
   CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$gp" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$cp" \
-    CLAWMUX_STORE_URL="sqlite://$WORK/store-$RANDOM$RANDOM.db" CLAWMUX_MAX_RUNS="$((C + 100))" HOME="$WORK" CLAWMUX_LOG=warn \
+    CLAWMUX_STORE_URL="sqlite://$store" CLAWMUX_MAX_RUNS="$((C + 100))" HOME="$WORK" CLAWMUX_LOG=warn \
     "$bin" serve >>"$WORK/clawmux.log" 2>&1 &
   CM_PID=$!
   wait_http "http://127.0.0.1:$cp/readyz" 30 || { echo "clawmux did not become ready" >&2; return 1; }
@@ -55,17 +60,18 @@ one() { # BIN REP
   local cpu0 cpu1 gcpu0 gcpu1 t0 t1 lcpu
   # The added-latency histogram before the load (the warm-up's share is subtracted).
   curl -fsS "http://127.0.0.1:$cp/metrics" >"$out.metrics0" 2>/dev/null || true
-  cpu0="$(cpu_ticks "$CM_PID")"; gcpu0="$(cpu_ticks "$GW_PID")"; t0="$(date +%s.%N)"
+  cpu0="$(cpu_ticks "$CM_PID")"; gcpu0="$(cpu_ticks "$GW_PID")"; cs0="$(ctx_switches "$CM_PID")"; t0="$(date +%s.%N)"
   CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout --signal=TERM --kill-after=10 $((DEADLINE + 30)) "$BENCH_TIME" -f '%U %S' -o "$out.time" \
     "$tools" load --target "http://127.0.0.1:$cp" --runs "$RUNS" --concurrency "$C" --timeout-sec 120 \
     --deadline-sec "$DEADLINE" --json --no-progress --model cogni/fake-model >"$out" 2>"$out.err" || true
-  t1="$(date +%s.%N)"; cpu1="$(cpu_ticks "$CM_PID")"; gcpu1="$(cpu_ticks "$GW_PID")"
+  t1="$(date +%s.%N)"; cpu1="$(cpu_ticks "$CM_PID")"; gcpu1="$(cpu_ticks "$GW_PID")"; cs1="$(ctx_switches "$CM_PID")"
   curl -fsS "http://127.0.0.1:$cp/metrics" >"$out.metrics1" 2>/dev/null || true
   local hwm; hwm="$(hwm_kb "$CM_PID")"; lcpu="$(awk '{print $1 + $2}' "$out.time" 2>/dev/null || echo 0)"
   stop_pid "$CM_PID"; CM_PID=""; stop_pid "$GW_PID"; GW_PID=""
-  python3 - "$bin" "$rep" "$C" "$RUNS" "$out" "$cpu0" "$cpu1" "$(getconf CLK_TCK)" "$t0" "$t1" "$hwm" "$lcpu" "$(cut -d' ' -f1 /proc/loadavg)" "$gcpu0" "$gcpu1" "${SYS_GW_BIN:-$bin}" <<'PY'
+  rm -f "$store" "$store"-*  # the database, its WAL and shared memory (SYS_STORE_DIR may be RAM)
+  python3 - "$bin" "$rep" "$C" "$RUNS" "$out" "$cpu0" "$cpu1" "$(getconf CLK_TCK)" "$t0" "$t1" "$hwm" "$lcpu" "$(cut -d' ' -f1 /proc/loadavg)" "$gcpu0" "$gcpu1" "${SYS_GW_BIN:-$bin}" "$cs0" "$cs1" <<'PY'
 import json, sys
-binary, rep, c, runs, out, cpu0, cpu1, tck, t0, t1, hwm, lcpu, load, gcpu0, gcpu1, tools = sys.argv[1:]
+binary, rep, c, runs, out, cpu0, cpu1, tck, t0, t1, hwm, lcpu, load, gcpu0, gcpu1, tools, cs0, cs1 = sys.argv[1:]
 try:
     r = json.load(open(out))
 except Exception as e:
@@ -110,6 +116,7 @@ print(json.dumps({
     "cmCpuSec": round(cpu, 2), "cmCpuMsPerRun": round(1000 * cpu / done, 3), "wallSec": round(float(t1) - float(t0), 1),
     "cmPeakRssMb": round(int(hwm) / 1024, 1), "loadDriverCpuSec": float(lcpu),
     "gatewayCpuSec": round((int(gcpu1) - int(gcpu0)) / int(tck), 2), "tools": tools, "loadavg1AtEnd": float(load),
+    "cmCtxSwitchesPerRun": round((int(cs1) - int(cs0)) / done, 1),
     "acceptedMs": {q: p("accepted", q) for q in ("p50", "p95", "p99")},
     "firstDeltaMs": {q: p("firstDelta", q) for q in ("p50", "p99")},
     "terminalMs": {q: p("terminal", q) for q in ("p50", "p99")},
