@@ -81,6 +81,18 @@ pub struct Usage {
     pub llm_calls: u64,
 }
 
+impl Usage {
+    /// The larger of two readings of one run's usage, counter by counter. Each counter only
+    /// grows, so each reading is a lower bound of the truth and so is their maximum.
+    pub fn at_least(self, other: Usage) -> Usage {
+        Usage {
+            input_tokens: self.input_tokens.max(other.input_tokens),
+            output_tokens: self.output_tokens.max(other.output_tokens),
+            llm_calls: self.llm_calls.max(other.llm_calls),
+        }
+    }
+}
+
 
 
 impl RunBilling {

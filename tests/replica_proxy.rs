@@ -488,9 +488,19 @@ async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_i
     assert!(!llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("while suspended"))), "forwarded");
 
     // The database answers again: the replica continues the run, whose calls are forwarded again.
+    // Its document counts the call made before the outage all along (read between the attempts,
+    // whichever way it is served: from the store, by the suspended or by the continued run).
+    let before = upstream_bill(&llm, "run-s");
     relay.refuse(false);
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut shown = Vec::new();
     loop {
+        if let Ok(r) = http.get(format!("{}/v1/runs/run-s", s0.app.base)).send().await {
+            if r.status() == 200 {
+                let d: Value = r.json().await.unwrap();
+                shown.push(d["usage"]["llmCalls"].as_u64().unwrap_or(0));
+            }
+        }
         let (status, body) = call(&http, &s0.proxy, Some(&call_tp(&trace)), &chat_body("after", false)).await;
         if status == 200 {
             break;
@@ -501,6 +511,8 @@ async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_i
     }
     let seen = llm.entries().into_iter().find(|e| e["last_user"].as_str().is_some_and(|u| u.contains("after"))).expect("the upstream saw the call");
     assert_eq!(seen["headers"]["x-cogni-run-id"], "run-s");
+    assert!(shown.iter().all(|&n| n >= before.2), "the document forgot calls made before the outage: {shown:?} (the upstream saw {before:?})");
+    until_usage(&http, &s0.app.base, "run-s", upstream_bill(&llm, "run-s")).await;
     gw.stop().await;
 }
 

@@ -31,6 +31,8 @@ pub(crate) struct Probe {
     pub(crate) ends_fail: std::sync::atomic::AtomicBool,
     /// Runs the next look for ends finds ended.
     pub(crate) ended: Mutex<Vec<String>>,
+    /// Writes fail (the database out of reach for them) while set; reads still answer.
+    pub(crate) writes_fail: std::sync::atomic::AtomicBool,
 }
 
 
@@ -61,6 +63,9 @@ impl Store for Probe {
         "probe"
     }
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
+        if self.writes_fail.load(Ordering::SeqCst) {
+            return Err(StoreError("the run store is out of reach (probe)".into()));
+        }
         self.mem.apply(batch).await
     }
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {

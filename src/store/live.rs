@@ -371,7 +371,8 @@ impl RunLog {
         self.lock().stored.usage
     }
 
-    fn live_usage(&self) -> Option<Usage> {
+    /// The run's usage as this process's proxy counts it (`None` before its billing is set).
+    pub(crate) fn live_usage(&self) -> Option<Usage> {
         self.billing.get().map(|(b, _)| b.run_totals())
     }
 

@@ -853,6 +853,10 @@ impl Store for PgStore {
             r.spec.if_busy = r.spec.if_busy.after_take_up();
         }
         rows.sort_by_key(|r| r.seq);
+        // Its usage is the replicas' shares, as for any run read (the row's own column is not
+        // kept up to date): the document of the run taken back shows them until its billing is
+        // registered again, and that billing continues from them.
+        pg_shares::sum_shares(&self.pool, &mut rows).await.map_err(|e| self.err(e))?;
         Ok(rows)
     }
 

@@ -298,3 +298,23 @@ async fn pg_a_wait_for_a_runs_end_is_woken_by_its_end_not_by_its_events() {
     tokio::time::timeout(Duration::from_secs(10), end.changed()).await.expect("the end is heard").expect("open");
     assert!(!other.has_changed().expect("open"), "another run's wait was woken");
 }
+
+/// A run this replica suspended through a store outage and takes back comes with its usage summed
+/// from every share, as a claimed one does: its document shows that sum until its billing is
+/// registered again, and its billing continues from it (before, the row's own column was used:
+/// the usage at admission, 0).
+#[tokio::test]
+async fn pg_a_run_taken_back_after_an_outage_comes_with_every_share_summed() {
+    let Some(url) = pg_url("pg_a_run_taken_back_comes_with_every_share").await else { return };
+    let (a, la) = open(&url, "a").await;
+    let (b, _) = open(&url, "b").await;
+    let mut r = row("r1", "acct", 1);
+    r.usage = Some(Usage::default());
+    insert(&a, r).await;
+    a.apply(&[share("r1", usage(10, 1, 1))]).await.expect("a's share");
+    b.apply(&[share("r1", usage(5, 2, 2))]).await.expect("b's share");
+    let back = a.readopt(&la, &["r1".to_owned()]).await.expect("readopt");
+    assert_eq!(back.iter().map(|r| (r.run_id.as_str(), r.usage)).collect::<Vec<_>>(), [("r1", Some(usage(15, 3, 3)))]);
+    let shares = a.usage_shares("r1", back[0].usage).await.expect("shares");
+    assert_eq!((shares.mine, shares.others.get("b").copied()), (usage(10, 1, 1), Some(usage(5, 2, 2))));
+}

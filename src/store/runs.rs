@@ -573,7 +573,16 @@ impl RunStore {
         if let Some(log) = self.live(run_id) {
             return Ok(Some(RunView::Live(log)));
         }
-        Ok(self.backend.run(run_id).await?.map(|r| RunView::Stored(Box::new(r))))
+        let mut row = self.backend.run(run_id).await?;
+        // A run suspended here through a store outage: the calls this process counted may not be
+        // in the store yet (their records are written again once it answers), and its document
+        // must not show less than it did a moment ago.
+        if let (Some(row), Some(log)) = (row.as_mut(), self.suspended.get(run_id)) {
+            if let Some(counted) = log.live_usage() {
+                row.usage = Some(row.usage.map_or(counted, |u| u.at_least(counted)));
+            }
+        }
+        Ok(row.map(|r| RunView::Stored(Box::new(r))))
     }
 
     /// A stored run's events after `after`, for its clients. One of a kind this version cannot
@@ -724,6 +733,30 @@ mod tests {
         assert!(store.lose("r1").await);
         assert_eq!(store.suspended(), 0);
         assert!(!store.writer().is_held("r1"), "still held after it was lost");
+    }
+
+    /// A suspended run's document counts the calls this process forwarded whose records the store
+    /// has not got yet (they are written again once it answers): it never shows less than the run
+    /// showed while live (before, the store's usage: here 0, then 1 again once written).
+    #[actix_rt::test]
+    async fn a_suspended_runs_document_counts_the_calls_whose_records_the_store_lacks() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let store = RunStore::with_backend(probe.clone(), Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let mut row = super::super::backend_tests::row("r1", "acct", 1);
+        row.usage = Some(Usage::default());
+        let Ok(Insert::New(log)) = store.insert(row).await else { panic!("r1 not stored") };
+        let billing = Arc::new(crate::attribution::RunBilling::new("r1", "acct", "g", "agent:main:r1", "trace-r1"));
+        log.set_billing(billing.clone(), Arc::new(crate::attribution::Attributions::new()), None);
+        probe.writes_fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        billing.count_call();
+        billing.add_usage(7, 3);
+        store.flush().await;
+        store.suspend_all();
+        assert_eq!(probe.run("r1").await.expect("read").and_then(|r| r.usage), Some(Usage::default()), "the store has no record of the call");
+        let Some(RunView::Stored(row)) = store.view("r1").await.expect("view") else { panic!("not served from the store") };
+        assert_eq!(row.usage, Some(Usage { input_tokens: 7, output_tokens: 3, llm_calls: 1 }));
     }
 
     /// Stored contents are input: a run whose events this version cannot read (damaged, or of a
