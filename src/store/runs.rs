@@ -574,15 +574,19 @@ impl RunStore {
             return Ok(Some(RunView::Live(log)));
         }
         let mut row = self.backend.run(run_id).await?;
-        // A run suspended here through a store outage: the calls this process counted may not be
-        // in the store yet (their records are written again once it answers), and its document
-        // must not show less than it did a moment ago.
-        if let (Some(row), Some(log)) = (row.as_mut(), self.suspended.get(run_id)) {
-            if let Some(counted) = log.live_usage() {
-                row.usage = Some(row.usage.map_or(counted, |u| u.at_least(counted)));
-            }
+        if let Some(row) = row.as_mut() {
+            self.count_suspended_usage(row);
         }
         Ok(row.map(|r| RunView::Stored(Box::new(r))))
+    }
+
+    /// A run suspended here through a store outage: the calls this process counted may not be in
+    /// the store yet (their records are written again once it answers), and its document must not
+    /// show less than it did a moment ago.
+    fn count_suspended_usage(&self, row: &mut RunRow) {
+        if let Some(counted) = self.suspended.get(&row.run_id).and_then(|log| log.live_usage()) {
+            row.usage = Some(row.usage.map_or(counted, |u| u.at_least(counted)));
+        }
     }
 
     /// A stored run's events after `after`, for its clients. One of a kind this version cannot
@@ -620,11 +624,14 @@ impl RunStore {
         rows.truncate(query.limit);
         let last = if more { rows.last().map(|r| r.seq) } else { None };
         let docs = rows
-            .iter()
+            .iter_mut()
             .map(|r| match self.live(&r.run_id) {
                 // A live run's usage moves between writes: show it as the proxy counts it now.
                 Some(log) => log.doc(),
-                None => RunDoc::from_row(r, None),
+                None => {
+                    self.count_suspended_usage(r);
+                    RunDoc::from_row(r, None)
+                }
             })
             .collect();
         Ok((docs, last))
@@ -755,8 +762,12 @@ mod tests {
         store.flush().await;
         store.suspend_all();
         assert_eq!(probe.run("r1").await.expect("read").and_then(|r| r.usage), Some(Usage::default()), "the store has no record of the call");
+        let counted = Usage { input_tokens: 7, output_tokens: 3, llm_calls: 1 };
         let Some(RunView::Stored(row)) = store.view("r1").await.expect("view") else { panic!("not served from the store") };
-        assert_eq!(row.usage, Some(Usage { input_tokens: 7, output_tokens: 3, llm_calls: 1 }));
+        assert_eq!(row.usage, Some(counted));
+        let (listed, _) = store.list(&ListQuery { limit: 10, ..ListQuery::default() }).await.expect("list");
+        let usage = listed.iter().map(|d| serde_json::to_value(d).expect("json")["usage"].clone()).collect::<Vec<_>>();
+        assert_eq!(usage, [serde_json::json!({"inputTokens": 7, "outputTokens": 3, "llmCalls": 1, "source": "proxy"})], "the list shows what the document shows");
     }
 
     /// Stored contents are input: a run whose events this version cannot read (damaged, or of a
