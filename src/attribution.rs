@@ -56,7 +56,7 @@ pub struct RunBilling {
     /// `RunLog::suspend`): another replica may take it over and end it meanwhile, and a run of
     /// another account may then take its trace id, so its NEW calls are not attributed to it
     /// (answered `503`, retried by the gateway) while the streams in flight go on. The entry is
-    /// dropped when the run is taken back or found taken over.
+    /// dropped when the run is found taken over; taken back, it is kept ([`Attributions::demote`]).
     suspended: AtomicBool,
 }
 
@@ -402,6 +402,28 @@ impl Attributions {
         }
     }
 
+    /// This process no longer continues a run of its own, which goes on (taken back after a store
+    /// outage by a new log of it, or taken over by another replica): its entry becomes a remote
+    /// run's, with its counters and its streams in flight, no longer suspended. Cancelling it
+    /// instead (as at a run's end) cut the LLM calls the gateway run had in flight, and a new
+    /// entry started from the store's share, which may lack the calls whose records the store
+    /// has not got yet: the two counters then overwrote each other's share. A takeover here adopts
+    /// the entry back ([`Self::register`]); an end heard revokes it ([`Self::revoke_remote`]).
+    pub fn demote(&self, trace_id: &str, run_id: &str) {
+        let _moving = self.moving();
+        let Some((_, b)) = self.by_trace.remove_if(trace_id, |_, b| b.run_id == run_id) else { return };
+        if let Some(t) = &b.token {
+            self.by_token.remove(t);
+        }
+        // Its end was heard already: it belongs to no live run.
+        if lock(&self.ended).contains(&b.run_id, Instant::now()) {
+            b.revoked.cancel();
+            return;
+        }
+        b.suspended.store(false, Ordering::SeqCst);
+        self.remote.insert(&b);
+    }
+
     /// A run ended (told by the store, or found ended): if it is a remote run here, its calls are
     /// refused from now on and its streams in flight are cut; either way a lookup that read it
     /// before its end does not add it afterwards ([`Self::add_remote`]). A run of this process is
@@ -595,9 +617,36 @@ mod tests {
         // answers its new calls 503; nothing cuts the streams in flight.
         assert!(a.lookup("t1").is_some_and(|x| Arc::ptr_eq(&x, &b) && x.is_suspended()));
         assert!(!b.revoked.is_cancelled());
-        // Taken back or found taken over: the entry goes (`RunLog::release_billing`).
+        // Found taken over: the entry goes (`RunLog::release_billing`).
         a.unregister("t1", "r1");
         assert!(a.lookup("t1").is_none());
+    }
+
+    /// A run taken back after a store outage: its entry goes on as a remote one (counters kept,
+    /// streams not cut, calls attributed again) and the new log's registration adopts it.
+    #[test]
+    fn a_run_taken_back_keeps_its_entry_and_the_new_registration_adopts_it() {
+        let a = Attributions::new();
+        let b = a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1").with_token(new_token()))).expect("register");
+        b.count_call();
+        b.add_usage(7, 3);
+        b.suspend();
+        a.demote("t1", "r1");
+        assert!(!b.revoked.is_cancelled(), "its streams in flight were cut");
+        assert!(!a.is_local(&b) && !b.is_suspended());
+        assert!(a.lookup("t1").is_some_and(|x| Arc::ptr_eq(&x, &b)), "its calls are not attributed meanwhile");
+        assert!(a.lookup_token(b.token.as_deref().expect("token")).is_some_and(|x| Arc::ptr_eq(&x, &b)));
+        let again = a.register(Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1"))).expect("register again");
+        assert!(Arc::ptr_eq(&again, &b) && a.is_local(&b), "a second counter beside the first");
+        assert_eq!(again.totals(), Usage { input_tokens: 7, output_tokens: 3, llm_calls: 1 });
+        // Its end heard meanwhile: the entry is revoked, not kept.
+        let c = a.register(Arc::new(RunBilling::new("r2", "acct", "g", "s", "t2"))).expect("register");
+        a.revoke_remote("r2");
+        a.demote("t2", "r2");
+        assert!(c.revoked.is_cancelled() && a.lookup("t2").is_none());
+        // Another run's entry under the trace id is left alone.
+        a.demote("t1", "r-other");
+        assert!(a.is_local(&b));
     }
 
     #[test]

@@ -516,6 +516,84 @@ async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_i
     gw.stop().await;
 }
 
+/// A streamed LLM call in flight while its run is suspended through a database outage and taken
+/// back by its replica goes on to its end and counts once in the run's usage, beside the calls
+/// made after. Before, taking the run back revoked the old billing entry (the proxy cut the
+/// stream: the gateway's turn lost its LLM answer) and started a new counter from the store's
+/// share beside the old one: the two overwrote each other's share of the run's usage.
+#[actix_rt::test]
+async fn pg_an_llm_stream_in_flight_through_a_suspension_and_take_back_goes_on_and_counts_once() {
+    let Some(url) = database("pg_an_llm_stream_in_flight_through_a_take_back").await else { return };
+    let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
+    let dir = common::temp_dir("xattr-inflight");
+    // 8 chunks a second apart: the stream outlasts the outage and the take-back.
+    let llm = FakeLlm::start_with(&dir.join("llm"), &[("FAKE_LLM_DELAY", "1.0")]);
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
+    let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(0.2).token(GW_TOKEN)).unwrap();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let s0 = replica_with_lease("s0", &gw, relayed.as_str(), &llm, &key, &http, "10").await;
+    let (trace, traceparent) = new_traceparent();
+    let body = json!({"message": "<in flight> [track:long]", "billingAccountId": "acct-f", "runId": "run-f", "onDisconnect": "continue"});
+    let r = http.post(format!("{}/v1/runs?wait=false", s0.app.base)).header("traceparent", &traceparent).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    common::wait_accepted(&http, &s0.app.base, "run-f").await;
+    let (c, proxy, tp) = (http.clone(), s0.proxy.clone(), call_tp(&trace));
+    let stream = tokio::spawn(async move {
+        let resp = c.post(format!("{proxy}/v1/chat/completions")).header("traceparent", tp).json(&chat_body("in flight", true)).send().await.unwrap();
+        let status = resp.status().as_u16();
+        let mut bytes = resp.bytes_stream();
+        let mut body = String::new();
+        while let Some(chunk) = bytes.next().await {
+            match chunk {
+                Ok(b) => body.push_str(&String::from_utf8_lossy(&b)),
+                Err(e) => return (status, format!("{body}\n(cut: {e})")),
+            }
+        }
+        (status, body)
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("in flight"))) {
+        assert!(Instant::now() < deadline, "the upstream never saw the streamed call");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    relay.refuse(true);
+    relay.cut_all();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !s0.app.log().contains("suspending this run here") {
+        assert!(Instant::now() < deadline, "the run was not suspended: {}", s0.app.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    relay.refuse(false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !s0.app.log().contains("continued the runs suspended here") {
+        assert!(Instant::now() < deadline, "the run was not taken back: {}", s0.app.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let done = llm.entries().into_iter().any(|e| e["event"] == "stream_end" && e["completed"] == true);
+    assert!(!done, "the upstream ended the stream before the run was taken back: this tested nothing");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = call(&http, &s0.proxy, Some(&call_tp(&trace)), &chat_body("after", false)).await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503, "{body}");
+        assert!(Instant::now() < deadline, "the run's calls were not forwarded again: {}", s0.app.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (status, streamed) = tokio::time::timeout(Duration::from_secs(30), stream).await.expect("the stream hung").unwrap();
+    assert_eq!(status, 200);
+    assert!(streamed.contains("[DONE]"), "the stream in flight was cut when its run was taken back: {streamed}");
+    let ends: Vec<Value> = llm.entries().into_iter().filter(|e| e["event"] == "stream_end").collect();
+    assert!(ends.iter().all(|e| e["completed"] == true), "{ends:?}");
+    let bill = upstream_bill(&llm, "run-f");
+    assert_eq!(bill.2, 2, "two calls: {bill:?}");
+    until_usage(&http, &s0.app.base, "run-f", bill).await;
+    gw.stop().await;
+}
+
 /// A replica cut from the database cannot hear that another replica's run ended: once it has not
 /// heard from the store for a while (5 s), that run's calls through its proxy are answered `503`
 /// (the gateway retries) instead of forwarded and billed for a run that may be over; with the

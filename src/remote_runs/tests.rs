@@ -83,6 +83,9 @@ impl Store for Probe {
     async fn unfinished(&self) -> Result<Vec<RunRow>, StoreError> {
         self.mem.unfinished().await
     }
+    async fn readopt(&self, _lease: &crate::store::Lease, run_ids: &[String]) -> Result<Vec<RunRow>, StoreError> {
+        Ok(self.mem.unfinished().await?.into_iter().filter(|r| run_ids.contains(&r.run_id)).collect())
+    }
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
         self.mem.sweep(retention, now_ms).await
     }

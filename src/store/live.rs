@@ -314,7 +314,7 @@ impl RunLog {
     /// billing stays registered: its gateway run goes on, and so do its LLM streams in flight,
     /// while its new calls are answered `503` (the gateway retries them) until whoever continues
     /// it once the store answers (this replica, or another that took it over) attributes it
-    /// afresh (see [`Self::release_billing`]). False when it had already ended or stopped.
+    /// afresh (see [`Self::release_billing`], [`Self::demote_billing`]). False when it had already ended or stopped.
     pub fn suspend(&self) -> bool {
         if !self.stop_here() {
             return false;
@@ -325,11 +325,21 @@ impl RunLog {
         true
     }
 
-    /// The run's LLM calls are no longer attributed to this log (it ended elsewhere or continues
-    /// with a new log).
+    /// The run's LLM calls are no longer attributed to this log (it ended elsewhere, or another
+    /// replica continues it): its billing entry goes, its streams in flight are cut.
     pub fn release_billing(&self) {
         if let Some((billing, registry)) = self.billing.get() {
             registry.unregister(&billing.trace_id, &billing.run_id);
+        }
+    }
+
+    /// The run's LLM calls are no longer attributed to this log: a new log of it continues here
+    /// (taken back after a store outage). Its billing entry goes on as a remote run's, counters
+    /// and streams in flight kept, until the new log's billing adopts it (see
+    /// [`Attributions::demote`]).
+    pub fn demote_billing(&self) {
+        if let Some((billing, registry)) = self.billing.get() {
+            registry.demote(&billing.trace_id, &billing.run_id);
         }
     }
 

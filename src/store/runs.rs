@@ -336,14 +336,24 @@ impl RunStore {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = self.backend.readopt(lease, &ids).await?;
+        let mut rows = self.backend.readopt(lease, &ids).await?;
+        // Their documents show no less than the suspended runs did, until their billing is set.
+        for row in &mut rows {
+            self.count_suspended_usage(row);
+        }
         // Whatever their old logs queued is dropped by now; the new logs' writes go through. If
         // a read fails here, the runs stay suspended (and held) for the next attempt.
         self.writer.flush().await;
         let logs = self.build_logs(rows).await?;
         for id in &ids {
             if let Some((_, old)) = self.suspended.remove(id) {
-                old.release_billing();
+                // Continued here: the new log's billing adopts the old one's entry (its calls in
+                // flight go on, its counters stay whole). Taken over elsewhere meanwhile (and
+                // perhaps ended): the entry goes.
+                match logs.iter().any(|b| &b.row.run_id == id) {
+                    true => old.demote_billing(),
+                    false => old.release_billing(),
+                }
             }
             self.writer.release(id);
         }
@@ -768,6 +778,12 @@ mod tests {
         let (listed, _) = store.list(&ListQuery { limit: 10, ..ListQuery::default() }).await.expect("list");
         let usage = listed.iter().map(|d| serde_json::to_value(d).expect("json")["usage"].clone()).collect::<Vec<_>>();
         assert_eq!(usage, [serde_json::json!({"inputTokens": 7, "outputTokens": 3, "llmCalls": 1, "source": "proxy"})], "the list shows what the document shows");
+        // Taken back (the store answers reads; its records of the call are still to be written
+        // again): the new log shows the same until its billing adopts the old one's counters.
+        let lease = Lease { replica: "test".into(), ms: 60_000 };
+        let back = store.readopt(&lease).await.expect("taken back");
+        assert_eq!(back.len(), 1);
+        assert_eq!(store.live("r1").expect("live again").doc().usage.map(|u| u.llm_calls), Some(1), "the document forgot the call");
     }
 
     /// Stored contents are input: a run whose events this version cannot read (damaged, or of a
