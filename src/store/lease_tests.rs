@@ -238,6 +238,36 @@ async fn pg_the_per_minute_limit_counts_admissions_by_the_databases_clock_not_th
     assert!(matches!(one(&right, Write::Insert(Box::new(row("other-0", "acct-other", now)))).await, Applied::Inserted { .. }));
 }
 
+/// The spend a batch stores counts for an admission in the same batch (under group commit the
+/// call that spends an account's budget often shares a batch with its next admission): before,
+/// the check read only the spend already stored, and admitted the run. A spend record a committed
+/// batch already stored (written again after a lost answer) is not counted twice.
+#[tokio::test]
+async fn pg_a_spend_in_the_same_batch_counts_for_the_token_budget_of_an_admission() {
+    use super::tenants::{Limits, TenantStore};
+    let Some(url) = pg_url("pg_batch_spend_counts").await else { return };
+    let (s, _) = open(&url, "a", 60_000).await;
+    let limits = Limits { max_tokens: Some(100), period_sec: Some(86_400), ..Limits::default() };
+    s.set_limits("acct-b", &limits, 1).await.expect("limits");
+    let now = super::now_ms();
+    let (window, _) = super::tenants::window(86_400, now);
+    let spend = |tokens: u64, id: &super::BillingId| Write::Spend { account: "acct-b".into(), window_start_ms: window, tokens, id: id.clone() };
+    // 60 tokens stored; a batch with 50 more and an insert: 110 of 100, refused.
+    let first = super::BillingId::new();
+    assert_eq!(one(&s, spend(60, &first)).await, Applied::Done);
+    let out = s.apply(&[spend(50, &super::BillingId::new()), Write::Insert(Box::new(row("b-1", "acct-b", now)))]).await.expect("batch");
+    assert!(matches!(out[1], Applied::Limited { budget: true, .. }), "the batch's own spend was not counted: {out:?}");
+    // Another account: a record of 60 stored, then written again beside an insert (its id is
+    // stored): 60 of 100, admitted.
+    let limits = Limits { max_tokens: Some(100), period_sec: Some(86_400), ..Limits::default() };
+    s.set_limits("acct-c", &limits, 1).await.expect("limits");
+    let again = super::BillingId::new();
+    let spend_c = |tokens: u64, id: &super::BillingId| Write::Spend { account: "acct-c".into(), window_start_ms: window, tokens, id: id.clone() };
+    assert_eq!(one(&s, spend_c(60, &again)).await, Applied::Done);
+    let out = s.apply(&[spend_c(60, &again), Write::Insert(Box::new(row("c-1", "acct-c", now)))]).await.expect("batch");
+    assert!(matches!(out[1], Applied::Inserted { .. }), "a spend already stored was counted again: {out:?}");
+}
+
 /// A run whose row cannot be read (damaged contents), taken over after its owner died: it can
 /// be neither continued nor shown, so the claimer ends it `internal` (and tells the others), and
 /// it no longer holds its session key: a later run of the key starts where it is admitted instead

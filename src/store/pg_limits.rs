@@ -35,6 +35,39 @@ pub(super) struct AccountLimits {
 /// A row of `account_limits`: account, max concurrent, max per minute, max tokens, period (s).
 type LimitsRow = (String, Option<i64>, Option<i64>, Option<i64>, Option<i64>);
 
+/// Tokens a batch adds to accounts' spend, by account and window start: the batch stores them at
+/// its end, and an admission in the same batch counts them (under group commit the call that
+/// spends a budget often shares a batch with the account's next admission; after an outage, every
+/// kept spend does).
+pub(super) type BatchSpend = HashMap<(String, i64), u64>;
+
+/// The spend of `batch` not stored yet (a record whose id a committed batch stored is not counted
+/// again), for the accounts whose token budget admission checks.
+pub(super) async fn batch_spend(tx: &mut Tx<'_>, batch: &[Write], limited: &HashMap<String, AccountLimits>) -> Result<BatchSpend, sqlx::Error> {
+    let spends: Vec<(&str, &str, i64, u64)> = batch
+        .iter()
+        .filter_map(|w| match w {
+            Write::Spend { account, window_start_ms, tokens, id } if limited.get(account).is_some_and(|l| l.max_tokens.is_some()) => {
+                Some((id.0.as_str(), account.as_str(), *window_start_ms, *tokens))
+            }
+            _ => None,
+        })
+        .collect();
+    if spends.is_empty() {
+        return Ok(BatchSpend::new());
+    }
+    let ids: Vec<&str> = spends.iter().map(|s| s.0).collect();
+    let stored: Vec<String> = sqlx::query_scalar("SELECT id FROM billing_writes WHERE id = ANY($1)").bind(&ids).fetch_all(&mut **tx).await?;
+    let mut out = BatchSpend::new();
+    for (id, account, window, tokens) in spends {
+        if !stored.iter().any(|s| s == id) {
+            let t = out.entry((account.to_owned(), window)).or_default();
+            *t = t.saturating_add(tokens);
+        }
+    }
+    Ok(out)
+}
+
 /// The limits of the billing accounts of the batch's new runs that have any.
 pub(super) async fn limits_of(tx: &mut Tx<'_>, batch: &[Write]) -> Result<HashMap<String, AccountLimits>, sqlx::Error> {
     let mut accounts: Vec<&str> = batch
@@ -75,7 +108,7 @@ const STATEMENT_MS: &str = "(extract(epoch from statement_timestamp()) * 1000)::
 /// disagree still count each other's runs; the budget window is the admitting replica's (`createdAt`),
 /// as the proxies' spend records are, which needs replicas' clocks to agree to within a small part
 /// of the period (NTP).
-pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) -> Result<Option<Applied>, sqlx::Error> {
+pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits, in_batch: &BatchSpend) -> Result<Option<Applied>, sqlx::Error> {
     let account = &row.billing_account_id;
     if let Some((max, period_sec)) = l.max_tokens {
         let (start, end) = super::tenants::window(u64::try_from(period_sec).unwrap_or(1), row.created_at_ms);
@@ -84,7 +117,8 @@ pub(super) async fn over_limit(tx: &mut Tx<'_>, row: &RunRow, l: AccountLimits) 
             .bind(start)
             .fetch_optional(&mut **tx)
             .await?;
-        let spent = spent.unwrap_or(0);
+        let pending = in_batch.get(&(account.clone(), start)).map_or(0, |t| i64::try_from(*t).unwrap_or(i64::MAX));
+        let spent = spent.unwrap_or(0).saturating_add(pending);
         if spent >= max {
             let wait = u64::try_from(end.saturating_sub(row.created_at_ms)).unwrap_or(0).div_ceil(1000).max(1);
             return Ok(Some(Applied::Limited {

@@ -522,6 +522,7 @@ impl PgStore {
         let mut tx = self.write_pool.begin().await?;
         let lease = self.lease.get();
         let limited = pg_limits::limits_of(&mut tx, batch).await?;
+        let batch_spend = pg_limits::batch_spend(&mut tx, batch, &limited).await?;
         lock_keys(&mut tx, batch, lease.is_some(), &limited).await?;
         let fenced = match lease {
             Some(l) => fence(&mut tx, batch, l).await?,
@@ -546,7 +547,7 @@ impl PgStore {
                     events.flush(&mut tx, &mut notify).await?;
                     let applied = insert(&mut tx, row, lease).await?;
                     match (&applied, limited.get(&row.billing_account_id)) {
-                        (Applied::Inserted { .. } | Applied::Assigned { .. }, Some(l)) => match pg_limits::over_limit(&mut tx, row, *l).await? {
+                        (Applied::Inserted { .. } | Applied::Assigned { .. }, Some(l)) => match pg_limits::over_limit(&mut tx, row, *l, &batch_spend).await? {
                             Some(refused) => {
                                 sqlx::query("DELETE FROM runs WHERE run_id = $1").bind(&row.run_id).execute(&mut *tx).await?;
                                 refused
