@@ -18,6 +18,7 @@ use super::{now_ms, Applied, CheckpointRecord, EventName, NewDelivery, RunPatch,
 use crate::attribution::{Attributions, RunBilling, Usage};
 use clawmux_actors::{Checkpoint, RunEvent, RunSink, RunStatus};
 use serde::Serialize;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Instant;
 use time::OffsetDateTime;
@@ -174,6 +175,11 @@ struct LogState {
     end_stored: bool,
     /// Another replica owns the run now: this log takes and publishes nothing more.
     lost: bool,
+    /// Other replicas' usage shares heard of before the run's billing was set (a run continued
+    /// here is live, and hears of shares, a moment before it is attributable): given to the
+    /// billing when it is set, else the documents and the final event would miss them until that
+    /// replica wrote again.
+    early_shares: HashMap<String, Usage>,
 }
 
 /// A live run's log (the session actor's [`RunSink`]).
@@ -240,6 +246,7 @@ impl RunLog {
                 finished_at: finished.then(Instant::now),
                 end_stored: finished,
                 lost: false,
+                early_shares: HashMap::new(),
             }),
             visible: watch::channel(Visible { last_id: next_id, finished }).0,
             billing: OnceLock::new(),
@@ -262,14 +269,26 @@ impl RunLog {
     /// adopted by a takeover) keeps its hook: it is the same one.
     pub fn set_billing(&self, billing: Arc<RunBilling>, registry: Arc<Attributions>, on_tokens: Option<Box<dyn Fn(u64) + Send + Sync>>) {
         billing.on_usage(usage_hook(self.writer.clone(), self.run_id.clone(), on_tokens));
+        // Under the state lock, as `note_share` looks: no share falls between the two.
+        let mut st = self.lock();
+        for (replica, share) in st.early_shares.drain() {
+            billing.note_share(&replica, share);
+        }
         let _ = self.billing.set((billing, registry));
     }
 
     /// Another replica stored its share of this run's usage: the documents this process shows
     /// count it (the store's own documents sum the shares).
     pub fn note_share(&self, replica: &str, share: Usage) {
-        if let Some((b, _)) = self.billing.get() {
-            b.note_share(replica, share);
+        let mut st = self.lock();
+        match self.billing.get() {
+            Some((b, _)) => b.note_share(replica, share),
+            None => {
+                // Kept until the billing is set (the most recent share of each replica, which
+                // only grows; one entry per replica).
+                let e = st.early_shares.entry(replica.to_owned()).or_default();
+                *e = e.at_least(share);
+            }
         }
     }
 

@@ -786,6 +786,23 @@ mod tests {
         assert_eq!(store.live("r1").expect("live again").doc().usage.map(|u| u.llm_calls), Some(1), "the document forgot the call");
     }
 
+    /// Another replica's share heard of while a continued run is live here but not attributable
+    /// yet counts once its billing is set (before, it was dropped until that replica wrote again).
+    #[actix_rt::test]
+    async fn a_share_heard_before_a_runs_billing_is_set_counts_once_it_is() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let store = RunStore::with_backend(probe, Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let Ok(Insert::New(log)) = store.insert(super::super::backend_tests::row("r1", "acct", 1)).await else { panic!("r1 not stored") };
+        log.note_share("b", Usage { input_tokens: 5, output_tokens: 2, llm_calls: 2 });
+        log.note_share("b", Usage { input_tokens: 4, output_tokens: 2, llm_calls: 1 });
+        let billing = Arc::new(crate::attribution::RunBilling::new("r1", "acct", "g", "agent:main:r1", "trace-r1").with_usage(Usage { input_tokens: 1, output_tokens: 1, llm_calls: 1 }));
+        log.set_billing(billing.clone(), Arc::new(crate::attribution::Attributions::new()), None);
+        assert_eq!(billing.run_totals(), Usage { input_tokens: 6, output_tokens: 3, llm_calls: 3 });
+        assert_eq!(log.doc().usage.map(|u| u.llm_calls), Some(3));
+    }
+
     /// Stored contents are input: a run whose events this version cannot read (damaged, or of a
     /// kind a newer version wrote) ends `internal` after a restart, and every other run is
     /// continued (before, the restart read all logs or none: one such run left every run
