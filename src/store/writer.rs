@@ -201,44 +201,48 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
         }
         if !writes.is_empty() {
             let started = Instant::now();
-            let results = match store.apply(&writes).await {
+            // Each write's result, and whether it failed because the store was out of reach.
+            let (results, lost): (Vec<Result<Applied, StoreError>>, Vec<bool>) = match store.apply(&writes).await {
                 Ok(r) if r.len() == writes.len() => {
                     metrics.commits.with_label_values(&["ok"]).inc();
-                    r.into_iter().map(Ok).collect()
+                    (r.into_iter().map(Ok).collect(), vec![false; writes.len()])
                 }
                 Err(e) if writes.len() > 1 && store.unreachable() => {
                     // Every write would wait for the store and fail alike: their runs end now.
                     metrics.commits.with_label_values(&["failed"]).inc();
-                    vec![Err(e); writes.len()]
+                    (vec![Err(e); writes.len()], vec![true; writes.len()])
                 }
                 first if writes.len() == 1 => {
                     metrics.commits.with_label_values(&["failed"]).inc();
-                    vec![first.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned())))]
+                    let r = first.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned())));
+                    let lost = r.is_err() && store.unreachable();
+                    (vec![r], vec![lost])
                 }
                 _ => {
-                    // Isolate the failing writes: each on its own.
+                    // Isolate the failing writes: each on its own. The store may drop (and come
+                    // back) meanwhile: whether it was out of reach is asked after each write, not
+                    // once at the end, so that a write it failed then is kept or suspends its
+                    // run like any other lost to an outage.
                     metrics.commits.with_label_values(&["failed"]).inc();
-                    let mut out = Vec::with_capacity(writes.len());
+                    let (mut out, mut lost) = (Vec::with_capacity(writes.len()), Vec::with_capacity(writes.len()));
                     for w in &writes {
                         let r = store.apply(std::slice::from_ref(w)).await;
                         metrics.commits.with_label_values(&[if r.is_ok() { "ok" } else { "failed" }]).inc();
+                        lost.push(r.is_err() && store.unreachable());
                         out.push(r.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned()))));
                     }
-                    out
+                    (out, lost)
                 }
             };
-            let failed = results.iter().any(Result::is_err);
-            let out_of_reach = failed && store.unreachable();
+            let out_of_reach = lost.iter().any(|l| *l);
             down.store(out_of_reach, Ordering::Release);
-            if out_of_reach {
-                for (w, r) in writes.iter().zip(&results) {
-                    if r.is_err() && is_billing_record(w) {
-                        if kept.len() == MAX_KEPT {
-                            kept.pop_front();
-                            tracing::error!("the run store has been out of reach too long: a billing record of an LLM call was dropped");
-                        }
-                        kept.push_back(w.clone());
+            for ((w, r), lost) in writes.iter().zip(&results).zip(&lost) {
+                if r.is_err() && *lost && is_billing_record(w) {
+                    if kept.len() == MAX_KEPT {
+                        kept.pop_front();
+                        tracing::error!("the run store has been out of reach too long: a billing record of an LLM call was dropped");
                     }
+                    kept.push_back(w.clone());
                 }
             }
             metrics.batch_size.observe(writes.len() as f64);
@@ -277,7 +281,7 @@ mod tests {
         holding: AtomicBool,
         fails: FailsWhen,
         /// Failures are the store's own (a database out of reach), not the writes'.
-        down: AtomicBool,
+        down: Arc<AtomicBool>,
     }
 
     fn run_of(w: &Write) -> String {
@@ -352,7 +356,7 @@ mod tests {
             hold: Mutex::new(Some(hold)),
             holding: AtomicBool::new(false),
             fails: Box::new(fails),
-            down: AtomicBool::new(down),
+            down: Arc::new(AtomicBool::new(down)),
         });
         let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
         let first = {
@@ -429,7 +433,7 @@ mod tests {
             hold: Mutex::new(None),
             holding: AtomicBool::new(false),
             fails: Box::new(move |_| f.load(Ordering::SeqCst)),
-            down: AtomicBool::new(true),
+            down: Arc::new(AtomicBool::new(true)),
         });
         let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
         (probe, failing, writer)
@@ -471,7 +475,7 @@ mod tests {
             hold: Mutex::new(Some(hold)),
             holding: AtomicBool::new(false),
             fails: Box::new(|_| false),
-            down: AtomicBool::new(false),
+            down: Arc::new(AtomicBool::new(false)),
         });
         let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
         let first = {
@@ -521,6 +525,72 @@ mod tests {
         assert_eq!(writer.apply(write("next")).await.expect("applied"), Applied::Done);
         let batches = probe.batches.lock().expect("batches").clone();
         assert_eq!(batches.last().expect("a batch"), &["".to_owned(), "next".to_owned()], "the spend went again, first; the event did not: {batches:?}");
+    }
+
+    /// A batch failed for one bad write is retried write by write; the store drops during that
+    /// (a spend fails then) and answers again before the end. The spend is kept and written
+    /// again, and its batch's waiters learn that the store was out of reach (their runs are
+    /// suspended, not ended). Before, only the last write's moment was asked: the spend was
+    /// dropped and the runs failed by the outage ended `internal`.
+    #[actix_rt::test]
+    async fn a_store_that_drops_while_a_batch_is_retried_write_by_write_keeps_its_billing_records() {
+        let down = Arc::new(AtomicBool::new(false));
+        let singles = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (d, n) = (down.clone(), singles.clone());
+        let (release, hold) = std::sync::mpsc::channel();
+        let probe = Arc::new(Probe {
+            batches: Mutex::default(),
+            hold: Mutex::new(Some(hold)),
+            holding: AtomicBool::new(false),
+            fails: Box::new(move |b| {
+                if b.len() > 1 {
+                    return b.iter().any(|w| run_of(w) == "bad");
+                }
+                if run_of(&b[0]) == "first" {
+                    return false;
+                }
+                // The batch [spend, bad, good] retried alone: the store drops for the spend, is
+                // back for the rest (the bad write fails on its own).
+                match n.fetch_add(1, Ordering::SeqCst) {
+                    0 => {
+                        d.store(true, Ordering::SeqCst);
+                        true
+                    }
+                    1 => {
+                        d.store(false, Ordering::SeqCst);
+                        true
+                    }
+                    _ => false,
+                }
+            }),
+            down: down.clone(),
+        });
+        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        // A first commit held: the three writes queue behind it and go as one batch.
+        let first = {
+            let writer = writer.clone();
+            tokio::spawn(async move { writer.apply(write("first")).await })
+        };
+        while !probe.holding.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let (tx, rx) = oneshot::channel();
+        let w = writer.clone();
+        writer.submit(
+            Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 7, id: crate::store::BillingId::new() },
+            Some(Box::new(move |r| {
+                let _ = tx.send((r.is_ok(), w.store_down()));
+            })),
+        );
+        writer.submit(write("bad"), None);
+        writer.submit(write("good"), None);
+        release.send(()).expect("release");
+        assert!(first.await.expect("first").is_ok());
+        assert_eq!(rx.await.expect("told"), (false, true), "the spend's waiter was not told the store was out of reach");
+        assert_eq!(writer.apply(write("next")).await.expect("applied"), Applied::Done);
+        let batches = probe.batches.lock().expect("batches").clone();
+        assert_eq!(batches[1], ["", "bad", "good"], "one batch: {batches:?}");
+        assert_eq!(batches.last().expect("a batch"), &["".to_owned(), "next".to_owned()], "the spend was not written again: {batches:?}");
     }
 
     #[actix_rt::test]
