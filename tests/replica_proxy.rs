@@ -322,6 +322,74 @@ async fn pg_after_a_takeover_every_call_of_the_run_counts_once_whichever_proxy_f
     gw.stop().await;
 }
 
+/// A run taken over while its old owner is alive but cut from the database: when the old owner
+/// hears it lost the run, an LLM stream in flight through its proxy goes on to its end (the run
+/// goes on at the new owner; before, the old owner dropped its billing entry and cut the stream)
+/// and counts once, in the old owner's share of the run's usage.
+#[actix_rt::test]
+async fn pg_an_llm_stream_in_flight_at_an_owner_that_loses_its_run_goes_on_and_counts_once() {
+    let Some(url) = database("pg_an_llm_stream_in_flight_at_an_owner_that_loses").await else { return };
+    let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
+    let dir = common::temp_dir("xattr-lost-inflight");
+    // 8 chunks 2 s apart: the stream outlasts the lease (3 s), the takeover and the news of it.
+    let llm = FakeLlm::start_with(&dir.join("llm"), &[("FAKE_LLM_DELAY", "2.0")]);
+    let gw = paused_gateway();
+    let http = http();
+    let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
+    let owner = replica("l0", &gw, relayed.as_str(), &llm, &key, &http).await;
+    let other = replica("l1", &gw, &url, &llm, &key, &http).await;
+    let (trace, traceparent) = new_traceparent();
+    post_run(&http, &owner.app.base, "run-l", "acct-l", &traceparent).await;
+    let stream = {
+        let (http, proxy, tp) = (http.clone(), owner.proxy.clone(), call_tp(&trace));
+        tokio::spawn(async move {
+            let resp = http.post(format!("{proxy}/v1/chat/completions")).header("traceparent", tp).json(&chat_body("in flight", true)).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let mut bytes = resp.bytes_stream();
+            let mut body = String::new();
+            while let Some(chunk) = bytes.next().await {
+                match chunk {
+                    Ok(b) => body.push_str(&String::from_utf8_lossy(&b)),
+                    Err(e) => return (status, format!("{body}\n(cut: {e})")),
+                }
+            }
+            (status, body)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("in flight"))) {
+        assert!(Instant::now() < deadline, "the upstream never saw the streamed call");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The owner is cut from the database: its lease runs out, the other replica takes the run.
+    relay.refuse(true);
+    relay.cut_all();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    until_owner(&pool, "run-l", "l1").await;
+    relay.refuse(false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !owner.app.log().contains("another replica took this run over") {
+        assert!(Instant::now() < deadline, "the old owner did not hear it lost the run: {}", owner.app.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let done = llm.entries().into_iter().any(|e| e["event"] == "stream_end" && e["completed"] == true);
+    assert!(!done, "the upstream ended the stream before the old owner lost the run: this tested nothing");
+    let (status, streamed) = tokio::time::timeout(Duration::from_secs(40), stream).await.expect("the stream hung").unwrap();
+    assert_eq!(status, 200);
+    assert!(streamed.contains("[DONE]"), "the stream in flight was cut when its run was lost: {streamed}");
+    let ends: Vec<Value> = llm.entries().into_iter().filter(|e| e["event"] == "stream_end").collect();
+    assert!(ends.iter().all(|e| e["completed"] == true), "{ends:?}");
+    let bill = upstream_bill(&llm, "run-l");
+    assert_eq!(bill.2, 1, "{bill:?}");
+    // Counted once, in the old owner's share, wherever the run's document is read.
+    until_usage(&http, &other.app.base, "run-l", bill).await;
+    until_usage(&http, &owner.app.base, "run-l", bill).await;
+    let stored: Vec<(String, i64)> = sqlx::query_as("SELECT replica, llm_calls FROM run_usage WHERE run_id = 'run-l' ORDER BY replica").fetch_all(&pool).await.unwrap();
+    assert_eq!(stored, [("l0".to_owned(), 1)]);
+    pool.close().await;
+    gw.stop().await;
+}
+
 /// `n` calls of the run whose trace id is `trace` through `proxy`, all forwarded.
 async fn calls_through(http: &reqwest::Client, proxy: &str, trace: &str, n: usize, what: &str) {
     let calls = (0..n).map(|i| {

@@ -318,13 +318,18 @@ impl RunLog {
     /// terminal event (they re-attach, as after a handoff, and any replica serves the rest), it
     /// stops counting for its account here and its LLM calls are no longer attributed here, and
     /// its session actor stops WITHOUT cancelling the gateway run (the new owner continues it).
-    /// Returns false when the run had already ended or was lost before.
-    pub fn lose(&self) -> bool {
+    /// `live_elsewhere`: the store said the run goes on, so its billing entry here goes on as a
+    /// remote run's ([`Self::demote_billing`]: its LLM streams in flight are not cut); else
+    /// it is dropped. Returns false when the run had already ended or was lost before.
+    pub fn lose(&self, live_elsewhere: bool) -> bool {
         if !self.stop_here() {
             return false;
         }
         tracing::warn!(run_id = %self.run_id, "another replica took this run over (this one's lease expired); stopping it here without cancelling it");
-        self.release_billing();
+        match live_elsewhere {
+            true => self.demote_billing(),
+            false => self.release_billing(),
+        }
         true
     }
 
@@ -352,10 +357,10 @@ impl RunLog {
         }
     }
 
-    /// The run's LLM calls are no longer attributed to this log: a new log of it continues here
-    /// (taken back after a store outage). Its billing entry goes on as a remote run's, counters
-    /// and streams in flight kept, until the new log's billing adopts it (see
-    /// [`Attributions::demote`]).
+    /// The run's LLM calls are no longer attributed to this log, and the run goes on: a new log
+    /// of it continues here (taken back after a store outage) or another replica does. Its
+    /// billing entry goes on as a remote run's, counters and streams in flight kept, until a new
+    /// log's billing here adopts it or the run's end revokes it (see [`Attributions::demote`]).
     pub fn demote_billing(&self) {
         if let Some((billing, registry)) = self.billing.get() {
             registry.demote(&billing.trace_id, &billing.run_id);
@@ -501,7 +506,9 @@ impl RunLog {
                 if let Some(log) = me.upgrade() {
                     match result {
                         Ok(Applied::Fenced) => {
-                            log.lose();
+                            // Whether the run still goes on elsewhere is not known here: its
+                            // billing entry is dropped (see `RunStore::lose`).
+                            log.lose(false);
                         }
                         Ok(_) => {
                             log.stored(stored_event, patch);

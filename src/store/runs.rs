@@ -480,10 +480,16 @@ impl RunStore {
 
     /// Another replica owns `run_id` now: stops it here without cancelling it (see
     /// [`RunLog::lose`]) and serves it from the store from now on; a run suspended here is no
-    /// longer taken back.
+    /// longer taken back. Its billing entry goes on as a remote run's (its LLM streams in flight
+    /// go on, and count once, in this replica's share) unless the store says it ended already
+    /// (or cannot say): an ended run's entry is dropped, its trace id belongs to no live run.
     pub async fn lose(&self, run_id: &str) -> bool {
+        let live_elsewhere = self.backend.ended(&[run_id.to_owned()]).await.is_ok_and(|ended| ended.is_empty());
         if let Some((_, old)) = self.suspended.remove(run_id) {
-            old.release_billing();
+            match live_elsewhere {
+                true => old.demote_billing(),
+                false => old.release_billing(),
+            }
             // Its writes queued while it was suspended are dropped (it is held), then it is let go
             // of: nothing of it is held any more, whether or not it ever comes back here.
             self.writer.flush().await;
@@ -491,7 +497,7 @@ impl RunStore {
             return true;
         }
         match self.live.remove(run_id) {
-            Some((_, log)) => log.lose(),
+            Some((_, log)) => log.lose(live_elsewhere),
             None => false,
         }
     }
@@ -801,6 +807,41 @@ mod tests {
         log.set_billing(billing.clone(), Arc::new(crate::attribution::Attributions::new()), None);
         assert_eq!(billing.run_totals(), Usage { input_tokens: 6, output_tokens: 3, llm_calls: 3 });
         assert_eq!(log.doc().usage.map(|u| u.llm_calls), Some(3));
+    }
+
+    /// A run lost to another replica that goes on there keeps its billing entry here as a remote
+    /// run's (an LLM stream in flight through this proxy is not cut, and counts in this replica's
+    /// share); one the store says ended has its entry dropped (its trace id is no live run's).
+    #[actix_rt::test]
+    async fn a_lost_run_that_goes_on_elsewhere_keeps_its_billing_entry_as_a_remote_one() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let store = RunStore::with_backend(probe.clone(), Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let registry = Arc::new(crate::attribution::Attributions::new());
+        let start = |id: &'static str| {
+            let (store, registry) = (&store, registry.clone());
+            async move {
+                let Ok(Insert::New(log)) = store.insert(super::super::backend_tests::row(id, "acct", 1)).await else { panic!("{id} not stored") };
+                let b = registry.register(Arc::new(crate::attribution::RunBilling::new(id, "acct", "g", &format!("agent:main:{id}"), &format!("trace-{id}")))).expect("register");
+                log.set_billing(b.clone(), registry, None);
+                b
+            }
+        };
+        // r1 and r2 suspended here, then lost (r2 ended at its new owner meanwhile); r3 lost
+        // while live here.
+        let (r1, r2) = (start("r1").await, start("r2").await);
+        store.suspend_all();
+        let r3 = start("r3").await;
+        assert!(store.lose("r1").await);
+        probe.ended.lock().expect("ended").push("r2".into());
+        assert!(store.lose("r2").await);
+        assert!(store.lose("r3").await);
+        for (b, kept) in [(&r1, true), (&r2, false), (&r3, true)] {
+            assert_eq!(!b.revoked.is_cancelled(), kept, "{}: its streams in flight", b.run_id);
+            assert_eq!(registry.lookup(&b.trace_id).is_some_and(|x| Arc::ptr_eq(&x, b)), kept, "{}: its entry", b.run_id);
+            assert!(!registry.is_local(b), "{} still this process's run", b.run_id);
+        }
     }
 
     /// Stored contents are input: a run whose events this version cannot read (damaged, or of a
