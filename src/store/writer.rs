@@ -111,8 +111,8 @@ impl Writer {
         self.held.remove(run_id);
     }
 
-    /// True when the last batch failed because the store was out of reach (a completion sees the
-    /// state of its own batch: completions run before the next batch).
+    /// True when the last batch failed because the store was out of reach; a completion sees
+    /// whether its own write did (completions run one by one, before the next batch).
     pub fn store_down(&self) -> bool {
         self.down.load(Ordering::Acquire)
     }
@@ -247,15 +247,19 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
             }
             metrics.batch_size.observe(writes.len() as f64);
             metrics.commit_seconds.observe(started.elapsed().as_secs_f64());
-            for (result, done) in results.into_iter().zip(dones) {
+            for ((result, done), lost) in results.into_iter().zip(dones).zip(lost) {
                 if let Err(e) = &result {
                     metrics.write_errors.inc();
                     tracing::error!(error = %e, "run store write failed");
                 }
                 if let Some(done) = done {
+                    // A write that failed for its own reason ends its run, even when another
+                    // write of the batch was lost to an outage (that one's run is suspended).
+                    down.store(lost, Ordering::Release);
                     done(result);
                 }
             }
+            down.store(out_of_reach, Ordering::Release);
         }
         for f in flushes {
             let _ = f.send(());
@@ -529,9 +533,9 @@ mod tests {
 
     /// A batch failed for one bad write is retried write by write; the store drops during that
     /// (a spend fails then) and answers again before the end. The spend is kept and written
-    /// again, and its batch's waiters learn that the store was out of reach (their runs are
-    /// suspended, not ended). Before, only the last write's moment was asked: the spend was
-    /// dropped and the runs failed by the outage ended `internal`.
+    /// again, and its waiter learns that the store was out of reach (its run would be suspended,
+    /// not ended), the bad write's that it was not (its run ends). Before, only the last write's
+    /// moment was asked: the spend was dropped and a run failed by the outage ended `internal`.
     #[actix_rt::test]
     async fn a_store_that_drops_while_a_batch_is_retried_write_by_write_keeps_its_billing_records() {
         let down = Arc::new(AtomicBool::new(false));
@@ -582,11 +586,19 @@ mod tests {
                 let _ = tx.send((r.is_ok(), w.store_down()));
             })),
         );
-        writer.submit(write("bad"), None);
+        let (bad_tx, bad_rx) = oneshot::channel();
+        let w = writer.clone();
+        writer.submit(
+            write("bad"),
+            Some(Box::new(move |r| {
+                let _ = bad_tx.send((r.is_ok(), w.store_down()));
+            })),
+        );
         writer.submit(write("good"), None);
         release.send(()).expect("release");
         assert!(first.await.expect("first").is_ok());
         assert_eq!(rx.await.expect("told"), (false, true), "the spend's waiter was not told the store was out of reach");
+        assert_eq!(bad_rx.await.expect("told"), (false, false), "the bad write's waiter was told of an outage: its run would be suspended, not ended");
         assert_eq!(writer.apply(write("next")).await.expect("applied"), Applied::Done);
         let batches = probe.batches.lock().expect("batches").clone();
         assert_eq!(batches[1], ["", "bad", "good"], "one batch: {batches:?}");
