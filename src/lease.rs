@@ -57,9 +57,7 @@ pub fn spawn(state: web::Data<AppState>, lease: Lease, aborts: Arc<tokio::sync::
                         failing = false;
                         tracing::info!("run leases renewed again");
                     }
-                    for run_id in &renewed.lost {
-                        s.store.lose(run_id).await;
-                    }
+                    s.store.lose_all(&renewed.lost).await;
                     for (run_id, reason) in renewed.aborts {
                         abort_here(&s, run_id, reason).await;
                     }

@@ -325,21 +325,44 @@ async fn pg_after_a_takeover_every_call_of_the_run_counts_once_whichever_proxy_f
 /// A run taken over while its old owner is alive but cut from the database: when the old owner
 /// hears it lost the run, an LLM stream in flight through its proxy goes on to its end (the run
 /// goes on at the new owner; before, the old owner dropped its billing entry and cut the stream)
-/// and counts once, in the old owner's share of the run's usage.
+/// and counts once, in the old owner's share of the run's usage. Idle (a paused gateway: no
+/// writes during the cut), the owner hears of the loss from its lease renewal.
 #[actix_rt::test]
 async fn pg_an_llm_stream_in_flight_at_an_owner_that_loses_its_run_goes_on_and_counts_once() {
-    let Some(url) = database("pg_an_llm_stream_in_flight_at_an_owner_that_loses").await else { return };
+    stream_through_a_lost_run(false).await;
+}
+
+/// The same with the run streaming: the owner's writes fail during the cut, so it suspends the
+/// run, and when the database answers its take-back finds the run taken over (this usually comes
+/// before the renewal's news).
+#[actix_rt::test]
+async fn pg_an_llm_stream_in_flight_at_an_owner_that_suspended_then_lost_its_run_goes_on_and_counts_once() {
+    stream_through_a_lost_run(true).await;
+}
+
+async fn stream_through_a_lost_run(streaming: bool) {
+    let tag = if streaming { "suspended" } else { "idle" };
+    let Some(url) = database(&format!("pg_lost_inflight_{tag}")).await else { return };
     let (relay, relayed) = tcp_chaos::in_front_of_database(&url).await;
     let dir = common::temp_dir("xattr-lost-inflight");
     // 8 chunks 2 s apart: the stream outlasts the lease (3 s), the takeover and the news of it.
     let llm = FakeLlm::start_with(&dir.join("llm"), &[("FAKE_LLM_DELAY", "2.0")]);
-    let gw = paused_gateway();
+    let gw = if streaming {
+        // The long recording slowed down tenfold: deltas for ~35 s, past the stream's end.
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
+        ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(0.1).token(GW_TOKEN)).unwrap()
+    } else {
+        paused_gateway()
+    };
     let http = http();
     let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
     let owner = replica("l0", &gw, relayed.as_str(), &llm, &key, &http).await;
     let other = replica("l1", &gw, &url, &llm, &key, &http).await;
     let (trace, traceparent) = new_traceparent();
-    post_run(&http, &owner.app.base, "run-l", "acct-l", &traceparent).await;
+    let body = json!({"message": "<lost> [track:long]", "billingAccountId": "acct-l", "runId": "run-l", "onDisconnect": "continue"});
+    let r = http.post(format!("{}/v1/runs?wait=false", owner.app.base)).header("traceparent", &traceparent).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    common::wait_accepted(&http, &owner.app.base, "run-l").await;
     let stream = {
         let (http, proxy, tp) = (http.clone(), owner.proxy.clone(), call_tp(&trace));
         tokio::spawn(async move {
@@ -366,9 +389,13 @@ async fn pg_an_llm_stream_in_flight_at_an_owner_that_loses_its_run_goes_on_and_c
     relay.cut_all();
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     until_owner(&pool, "run-l", "l1").await;
+    if streaming {
+        assert!(owner.app.log().contains("suspending this run here"), "the owner did not suspend the run: {}", owner.app.log());
+    }
     relay.refuse(false);
+    let heard = if streaming { "continued the runs suspended here" } else { "another replica took this run over" };
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !owner.app.log().contains("another replica took this run over") {
+    while !owner.app.log().contains(heard) {
         assert!(Instant::now() < deadline, "the old owner did not hear it lost the run: {}", owner.app.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -33,6 +33,8 @@ pub(crate) struct Probe {
     pub(crate) ended: Mutex<Vec<String>>,
     /// Writes fail (the database out of reach for them) while set; reads still answer.
     pub(crate) writes_fail: std::sync::atomic::AtomicBool,
+    /// Runs another replica took over: not taken back here.
+    pub(crate) taken_over: Mutex<Vec<String>>,
 }
 
 
@@ -84,7 +86,8 @@ impl Store for Probe {
         self.mem.unfinished().await
     }
     async fn readopt(&self, _lease: &crate::store::Lease, run_ids: &[String]) -> Result<Vec<RunRow>, StoreError> {
-        Ok(self.mem.unfinished().await?.into_iter().filter(|r| run_ids.contains(&r.run_id)).collect())
+        let taken = lock(&self.taken_over).clone();
+        Ok(self.mem.unfinished().await?.into_iter().filter(|r| run_ids.contains(&r.run_id) && !taken.contains(&r.run_id)).collect())
     }
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
         self.mem.sweep(retention, now_ms).await

@@ -902,7 +902,8 @@ impl Store for PgStore {
     }
 
     async fn ended(&self, run_ids: &[String]) -> Result<Vec<String>, StoreError> {
-        pg_shares::ended(&self.pool, run_ids).await.map_err(|e| self.err(e))
+        // Bounded like the lease statements: the lease loop asks it for the runs it lost.
+        self.bounded(async { pg_shares::ended(&self.pool, run_ids).await.map_err(|e| self.err(e)) }).await
     }
 
     async fn llm_calls(&self, run_id: &str, limit: usize) -> Result<Option<(Vec<crate::audit::LlmCall>, bool)>, StoreError> {

@@ -345,12 +345,16 @@ impl RunStore {
         // a read fails here, the runs stay suspended (and held) for the next attempt.
         self.writer.flush().await;
         let logs = self.build_logs(rows).await?;
+        // Taken over elsewhere meanwhile: lost here (see `lose`), whether or not the renewal has
+        // told yet (taking back usually comes first).
+        let taken: Vec<String> = ids.iter().filter(|id| !logs.iter().any(|b| &b.row.run_id == *id)).cloned().collect();
+        let elsewhere = self.still_running(&taken).await;
         for id in &ids {
             if let Some((_, old)) = self.suspended.remove(id) {
                 // Continued here: the new log's billing adopts the old one's entry (its calls in
-                // flight go on, its counters stay whole). Taken over elsewhere meanwhile (and
-                // perhaps ended): the entry goes.
-                match logs.iter().any(|b| &b.row.run_id == id) {
+                // flight go on, its counters stay whole); going on elsewhere: it stays as a
+                // remote run's; ended (or the store cannot say): it goes.
+                match !taken.contains(id) || elsewhere.contains(id) {
                     true => old.demote_billing(),
                     false => old.release_billing(),
                 }
@@ -478,13 +482,34 @@ impl RunStore {
         self.backend.renew(lease, &held).await
     }
 
-    /// Another replica owns `run_id` now: stops it here without cancelling it (see
-    /// [`RunLog::lose`]) and serves it from the store from now on; a run suspended here is no
+    /// Which of `run_ids` the store says are unfinished (none when it cannot say: a statement
+    /// bounded like the lease statements).
+    async fn still_running(&self, run_ids: &[String]) -> std::collections::HashSet<String> {
+        if run_ids.is_empty() {
+            return Default::default();
+        }
+        match self.backend.ended(run_ids).await {
+            Ok(ended) => run_ids.iter().filter(|id| !ended.contains(id)).cloned().collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell whether the runs another replica took over go on; their LLM streams in flight here are cut");
+                Default::default()
+            }
+        }
+    }
+
+    /// Another replica owns these runs now: each is stopped here without cancelling it (see
+    /// [`RunLog::lose`]) and served from the store from now on; a run suspended here is no
     /// longer taken back. Its billing entry goes on as a remote run's (its LLM streams in flight
     /// go on, and count once, in this replica's share) unless the store says it ended already
     /// (or cannot say): an ended run's entry is dropped, its trace id belongs to no live run.
-    pub async fn lose(&self, run_id: &str) -> bool {
-        let live_elsewhere = self.backend.ended(&[run_id.to_owned()]).await.is_ok_and(|ended| ended.is_empty());
+    pub async fn lose_all(&self, run_ids: &[String]) {
+        let elsewhere = self.still_running(run_ids).await;
+        for run_id in run_ids {
+            self.lose(run_id, elsewhere.contains(run_id)).await;
+        }
+    }
+
+    async fn lose(&self, run_id: &str, live_elsewhere: bool) -> bool {
         if let Some((_, old)) = self.suspended.remove(run_id) {
             match live_elsewhere {
                 true => old.demote_billing(),
@@ -753,7 +778,7 @@ mod tests {
         store.suspend_all();
         assert_eq!(store.suspended(), 1);
         assert!(store.writer().is_held("r1"), "its queued writes are dropped while it is suspended");
-        assert!(store.lose("r1").await);
+        store.lose_all(&["r1".to_owned()]).await;
         assert_eq!(store.suspended(), 0);
         assert!(!store.writer().is_held("r1"), "still held after it was lost");
     }
@@ -833,11 +858,20 @@ mod tests {
         let (r1, r2) = (start("r1").await, start("r2").await);
         store.suspend_all();
         let r3 = start("r3").await;
-        assert!(store.lose("r1").await);
+        store.lose_all(&["r1".to_owned()]).await;
         probe.ended.lock().expect("ended").push("r2".into());
-        assert!(store.lose("r2").await);
-        assert!(store.lose("r3").await);
-        for (b, kept) in [(&r1, true), (&r2, false), (&r3, true)] {
+        store.lose_all(&["r2".to_owned(), "r3".to_owned()]).await;
+        assert_eq!(store.suspended(), 0);
+        assert!(store.live("r3").is_none());
+        // r4 and r5 suspended here, then taken over elsewhere: the store answers again and the
+        // take-back comes before the renewal's news (r5 ended meanwhile).
+        let (r4, r5) = (start("r4").await, start("r5").await);
+        store.suspend_all();
+        probe.taken_over.lock().expect("taken").extend(["r4".to_owned(), "r5".to_owned()]);
+        probe.ended.lock().expect("ended").push("r5".into());
+        assert!(store.readopt(&Lease { replica: "test".into(), ms: 60_000 }).await.expect("readopt").is_empty());
+        assert_eq!(store.suspended(), 0);
+        for (b, kept) in [(&r1, true), (&r2, false), (&r3, true), (&r4, true), (&r5, false)] {
             assert_eq!(!b.revoked.is_cancelled(), kept, "{}: its streams in flight", b.run_id);
             assert_eq!(registry.lookup(&b.trace_id).is_some_and(|x| Arc::ptr_eq(&x, b)), kept, "{}: its entry", b.run_id);
             assert!(!registry.is_local(b), "{} still this process's run", b.run_id);
