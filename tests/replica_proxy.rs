@@ -124,6 +124,64 @@ fn upstream_bill(llm: &FakeLlm, run_id: &str) -> (u64, u64, u64) {
     (input, output, ids.len() as u64)
 }
 
+/// A replay gateway of the long recording (deltas for 3.5 s at speed 1) at `speed`.
+fn long_gateway(speed: f64) -> ReplayHandle {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
+    ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(speed).token(GW_TOKEN)).unwrap()
+}
+
+/// Waits (bounded) until `app`'s log says `text`; `what` names it when it does not.
+async fn until_logged(app: &Clawmux, text: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !app.log().contains(text) {
+        assert!(Instant::now() < deadline, "{what}: {}", app.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A streamed call of the run whose trace id is `trace` through `proxy`, read to its end in the
+/// background: its status and body (with the error that cut it, if any).
+fn stream_in_background(http: &reqwest::Client, proxy: &str, trace: &str, text: &str) -> tokio::task::JoinHandle<(u16, String)> {
+    let (http, url, tp, body) = (http.clone(), format!("{proxy}/v1/chat/completions"), call_tp(trace), chat_body(text, true));
+    tokio::spawn(async move {
+        let resp = http.post(url).header("traceparent", tp).json(&body).send().await.unwrap();
+        let status = resp.status().as_u16();
+        let mut bytes = resp.bytes_stream();
+        let mut body = String::new();
+        while let Some(chunk) = bytes.next().await {
+            match chunk {
+                Ok(b) => body.push_str(&String::from_utf8_lossy(&b)),
+                Err(e) => return (status, format!("{body}\n(cut: {e})")),
+            }
+        }
+        (status, body)
+    })
+}
+
+/// Waits (bounded) until the upstream saw a call whose last user message contains `text`.
+async fn until_upstream_saw(llm: &FakeLlm, text: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains(text))) {
+        assert!(Instant::now() < deadline, "the upstream never saw the call {text:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// True once the upstream finished a stream to its end.
+fn upstream_completed_a_stream(llm: &FakeLlm) -> bool {
+    llm.entries().iter().any(|e| e["event"] == "stream_end" && e["completed"] == true)
+}
+
+/// The stream `stream_in_background` reads went on to its end (`[DONE]`), and the upstream cut no
+/// stream; `when`: what happened to its run meanwhile.
+async fn went_on_to_its_end(stream: tokio::task::JoinHandle<(u16, String)>, llm: &FakeLlm, when: &str) {
+    let (status, streamed) = tokio::time::timeout(Duration::from_secs(40), stream).await.expect("the stream hung").unwrap();
+    assert_eq!(status, 200);
+    assert!(streamed.contains("[DONE]"), "the stream in flight was cut when its run was {when}: {streamed}");
+    let ends: Vec<Value> = llm.entries().into_iter().filter(|e| e["event"] == "stream_end").collect();
+    assert!(ends.iter().all(|e| e["completed"] == true), "{ends:?}");
+}
+
 /// Waits (bounded) until `base` shows the run's usage as `(input, output, calls)`.
 async fn until_usage(http: &reqwest::Client, base: &str, run_id: &str, want: (u64, u64, u64)) -> Value {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -349,8 +407,7 @@ async fn stream_through_a_lost_run(streaming: bool) {
     let llm = FakeLlm::start_with(&dir.join("llm"), &[("FAKE_LLM_DELAY", "2.0")]);
     let gw = if streaming {
         // The long recording slowed down tenfold: deltas for ~35 s, past the stream's end.
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
-        ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(0.1).token(GW_TOKEN)).unwrap()
+        long_gateway(0.1)
     } else {
         paused_gateway()
     };
@@ -363,27 +420,8 @@ async fn stream_through_a_lost_run(streaming: bool) {
     let r = http.post(format!("{}/v1/runs?wait=false", owner.app.base)).header("traceparent", &traceparent).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 202, "{:?}", r.text().await);
     common::wait_accepted(&http, &owner.app.base, "run-l").await;
-    let stream = {
-        let (http, proxy, tp) = (http.clone(), owner.proxy.clone(), call_tp(&trace));
-        tokio::spawn(async move {
-            let resp = http.post(format!("{proxy}/v1/chat/completions")).header("traceparent", tp).json(&chat_body("in flight", true)).send().await.unwrap();
-            let status = resp.status().as_u16();
-            let mut bytes = resp.bytes_stream();
-            let mut body = String::new();
-            while let Some(chunk) = bytes.next().await {
-                match chunk {
-                    Ok(b) => body.push_str(&String::from_utf8_lossy(&b)),
-                    Err(e) => return (status, format!("{body}\n(cut: {e})")),
-                }
-            }
-            (status, body)
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("in flight"))) {
-        assert!(Instant::now() < deadline, "the upstream never saw the streamed call");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let stream = stream_in_background(&http, &owner.proxy, &trace, "in flight");
+    until_upstream_saw(&llm, "in flight").await;
     // The owner is cut from the database: its lease runs out, the other replica takes the run.
     relay.refuse(true);
     relay.cut_all();
@@ -394,18 +432,9 @@ async fn stream_through_a_lost_run(streaming: bool) {
     }
     relay.refuse(false);
     let heard = if streaming { "continued the runs suspended here" } else { "another replica took this run over" };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !owner.app.log().contains(heard) {
-        assert!(Instant::now() < deadline, "the old owner did not hear it lost the run: {}", owner.app.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let done = llm.entries().into_iter().any(|e| e["event"] == "stream_end" && e["completed"] == true);
-    assert!(!done, "the upstream ended the stream before the old owner lost the run: this tested nothing");
-    let (status, streamed) = tokio::time::timeout(Duration::from_secs(40), stream).await.expect("the stream hung").unwrap();
-    assert_eq!(status, 200);
-    assert!(streamed.contains("[DONE]"), "the stream in flight was cut when its run was lost: {streamed}");
-    let ends: Vec<Value> = llm.entries().into_iter().filter(|e| e["event"] == "stream_end").collect();
-    assert!(ends.iter().all(|e| e["completed"] == true), "{ends:?}");
+    until_logged(&owner.app, heard, "the old owner did not hear it lost the run").await;
+    assert!(!upstream_completed_a_stream(&llm), "the upstream ended the stream before the old owner lost the run: this tested nothing");
+    went_on_to_its_end(stream, &llm, "lost").await;
     let bill = upstream_bill(&llm, "run-l");
     assert_eq!(bill.2, 1, "{bill:?}");
     // Counted once, in the old owner's share, wherever the run's document is read.
@@ -557,8 +586,7 @@ async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_i
     let dir = common::temp_dir("xattr-suspended");
     let llm = FakeLlm::start(&dir.join("llm"));
     // A long run whose deltas keep coming: the first write the database cannot take suspends it.
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
-    let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(0.3).token(GW_TOKEN)).unwrap();
+    let gw = long_gateway(0.3);
     let http = http();
     let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
     let s0 = replica_with_lease("s0", &gw, relayed.as_str(), &llm, &key, &http, "10").await;
@@ -571,11 +599,7 @@ async fn pg_a_suspended_run_calls_are_answered_503_until_its_replica_continues_i
 
     relay.refuse(true);
     relay.cut_all();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !s0.app.log().contains("suspending this run here") {
-        assert!(Instant::now() < deadline, "the run was not suspended: {}", s0.app.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_logged(&s0.app, "suspending this run here", "the run was not suspended").await;
     let resp = http.post(format!("{}/v1/chat/completions", s0.proxy)).header("traceparent", call_tp(&trace)).json(&chat_body("while suspended", false)).send().await.unwrap();
     let (status, retry) = (resp.status().as_u16(), resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned));
     let answer: Value = resp.json().await.unwrap();
@@ -623,8 +647,7 @@ async fn pg_an_llm_stream_in_flight_through_a_suspension_and_take_back_goes_on_a
     let dir = common::temp_dir("xattr-inflight");
     // 8 chunks a second apart: the stream outlasts the outage and the take-back.
     let llm = FakeLlm::start_with(&dir.join("llm"), &[("FAKE_LLM_DELAY", "1.0")]);
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cassettes/openclaw-2026.9.6-long.jsonl")).unwrap();
-    let gw = ReplayGateway::start("127.0.0.1:0".parse().unwrap(), ReplayConfig::new(Cassette::parse(&text).unwrap()).speed(0.2).token(GW_TOKEN)).unwrap();
+    let gw = long_gateway(0.2);
     let http = http();
     let key = format!("sk-upstream-{}", uuid::Uuid::new_v4().simple());
     let s0 = replica_with_lease("s0", &gw, relayed.as_str(), &llm, &key, &http, "10").await;
@@ -633,41 +656,15 @@ async fn pg_an_llm_stream_in_flight_through_a_suspension_and_take_back_goes_on_a
     let r = http.post(format!("{}/v1/runs?wait=false", s0.app.base)).header("traceparent", &traceparent).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 202, "{:?}", r.text().await);
     common::wait_accepted(&http, &s0.app.base, "run-f").await;
-    let (c, proxy, tp) = (http.clone(), s0.proxy.clone(), call_tp(&trace));
-    let stream = tokio::spawn(async move {
-        let resp = c.post(format!("{proxy}/v1/chat/completions")).header("traceparent", tp).json(&chat_body("in flight", true)).send().await.unwrap();
-        let status = resp.status().as_u16();
-        let mut bytes = resp.bytes_stream();
-        let mut body = String::new();
-        while let Some(chunk) = bytes.next().await {
-            match chunk {
-                Ok(b) => body.push_str(&String::from_utf8_lossy(&b)),
-                Err(e) => return (status, format!("{body}\n(cut: {e})")),
-            }
-        }
-        (status, body)
-    });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !llm.entries().iter().any(|e| e["last_user"].as_str().is_some_and(|u| u.contains("in flight"))) {
-        assert!(Instant::now() < deadline, "the upstream never saw the streamed call");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let stream = stream_in_background(&http, &s0.proxy, &trace, "in flight");
+    until_upstream_saw(&llm, "in flight").await;
 
     relay.refuse(true);
     relay.cut_all();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !s0.app.log().contains("suspending this run here") {
-        assert!(Instant::now() < deadline, "the run was not suspended: {}", s0.app.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_logged(&s0.app, "suspending this run here", "the run was not suspended").await;
     relay.refuse(false);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !s0.app.log().contains("continued the runs suspended here") {
-        assert!(Instant::now() < deadline, "the run was not taken back: {}", s0.app.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let done = llm.entries().into_iter().any(|e| e["event"] == "stream_end" && e["completed"] == true);
-    assert!(!done, "the upstream ended the stream before the run was taken back: this tested nothing");
+    until_logged(&s0.app, "continued the runs suspended here", "the run was not taken back").await;
+    assert!(!upstream_completed_a_stream(&llm), "the upstream ended the stream before the run was taken back: this tested nothing");
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (status, body) = call(&http, &s0.proxy, Some(&call_tp(&trace)), &chat_body("after", false)).await;
@@ -678,11 +675,7 @@ async fn pg_an_llm_stream_in_flight_through_a_suspension_and_take_back_goes_on_a
         assert!(Instant::now() < deadline, "the run's calls were not forwarded again: {}", s0.app.log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (status, streamed) = tokio::time::timeout(Duration::from_secs(30), stream).await.expect("the stream hung").unwrap();
-    assert_eq!(status, 200);
-    assert!(streamed.contains("[DONE]"), "the stream in flight was cut when its run was taken back: {streamed}");
-    let ends: Vec<Value> = llm.entries().into_iter().filter(|e| e["event"] == "stream_end").collect();
-    assert!(ends.iter().all(|e| e["completed"] == true), "{ends:?}");
+    went_on_to_its_end(stream, &llm, "taken back").await;
     let bill = upstream_bill(&llm, "run-f");
     assert_eq!(bill.2, 2, "two calls: {bill:?}");
     until_usage(&http, &s0.app.base, "run-f", bill).await;

@@ -336,6 +336,20 @@ mod tests {
         }
     }
 
+    /// Starts a writer over `probe` (whose first commit it holds) with a write of run "first"
+    /// under way: writes submitted until the probe is let go queue behind it.
+    async fn start_holding_a_first_commit(probe: &Arc<Probe>) -> (Writer, tokio::task::JoinHandle<Result<Applied, StoreError>>) {
+        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
+        let first = {
+            let writer = writer.clone();
+            tokio::spawn(async move { writer.apply(write("first")).await })
+        };
+        while !probe.holding.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        (writer, first)
+    }
+
     fn write(run: &str) -> Write {
         Write::Append { run_id: run.to_owned(), event: None, patch: RunPatch { status: Some("running".into()), ..RunPatch::default() }, webhook: None }
     }
@@ -481,14 +495,7 @@ mod tests {
             fails: Box::new(|_| false),
             down: Arc::new(AtomicBool::new(false)),
         });
-        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
-        let first = {
-            let writer = writer.clone();
-            tokio::spawn(async move { writer.apply(write("first")).await })
-        };
-        while !probe.holding.load(Ordering::SeqCst) {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        let (writer, first) = start_holding_a_first_commit(&probe).await;
         // Queued behind the commit under way, then held.
         let told: Vec<_> = runs
             .iter()
@@ -569,15 +576,8 @@ mod tests {
             }),
             down: down.clone(),
         });
-        let writer = Writer::start(probe.clone(), StoreMetrics::new(&Registry::new()).expect("metrics"));
         // A first commit held: the three writes queue behind it and go as one batch.
-        let first = {
-            let writer = writer.clone();
-            tokio::spawn(async move { writer.apply(write("first")).await })
-        };
-        while !probe.holding.load(Ordering::SeqCst) {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        let (writer, first) = start_holding_a_first_commit(&probe).await;
         let (tx, rx) = oneshot::channel();
         let w = writer.clone();
         writer.submit(
