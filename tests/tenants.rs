@@ -218,6 +218,7 @@ on_sqlite_and_postgres! {
     keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged, pg_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged: case_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secrets_are_neither_stored_nor_logged;
     a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart, pg_a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart: case_a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart;
     without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs, pg_without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs: case_without_the_llm_proxy_a_token_budget_refuses_its_accounts_runs;
+    a_scoped_admin_key_administers_its_own_accounts_only, pg_a_scoped_admin_key_administers_its_own_accounts_only: case_a_scoped_admin_key_administers_its_own_accounts_only;
     rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each, pg_rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each: case_rate_and_concurrency_limits_are_counted_exactly_under_a_burst_of_200_posts_each;
     if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream, pg_if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream: case_if_busy_reject_refuses_at_once_and_interrupt_aborts_the_running_run_cutting_its_llm_stream;
     webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected, pg_webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected: case_webhooks_are_retried_across_a_restart_accepted_once_signed_allow_listed_and_never_redirected;
@@ -344,6 +345,54 @@ async fn case_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secr
         assert!(log.contains(&k.id), "the log names key {} by its id (it is the log we think)", k.id);
     }
     assert!(!log.contains(ADMIN), "the admin token is in clawmux's log");
+}
+
+/// A key with the `admin` action scoped to some accounts administers those only: it creates no
+/// key wider than itself (another account, `*`, an action it lacks), lists and revokes only keys
+/// of its accounts (another tenant's key is `404`, as if it did not exist), and reads and sets
+/// only its accounts' limits (`403`). Before, `admin` alone was checked: such a key could make a
+/// `*` key and with it read and abort every tenant's runs, revoke their keys and set their budgets
+/// to zero.
+async fn case_a_scoped_admin_key_administers_its_own_accounts_only(kind: &str) {
+    let env = Env::start(kind, &[]).await;
+    let boss_a = env.create_key("boss-a", &["acct-a"], &["admin", "read", "run"]).await;
+    let b = env.create_key("team-b", &["acct-b"], &["run", "read"]).await;
+    let post = |accounts: Value, actions: Value| json!({"name": "made", "accounts": accounts, "actions": actions});
+    for (accounts, actions) in [
+        (json!(["*"]), json!(["read"])),
+        (json!(["acct-b"]), json!(["read"])),
+        (json!(["acct-a", "acct-b"]), json!(["read"])),
+        (json!(["acct-a"]), json!(["abort"])),
+    ] {
+        let (status, body) = env.call(reqwest::Method::POST, &boss_a.token, "/v1/admin/keys", Some(&post(accounts.clone(), actions.clone()))).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (403, Some("forbidden")), "{accounts} {actions}: {body}");
+    }
+    let (status, made) = env.call(reqwest::Method::POST, &boss_a.token, "/v1/admin/keys", Some(&post(json!(["acct-a"]), json!(["read"])))).await;
+    assert_eq!(status, 201, "{made}");
+    // Listing: its own accounts' keys (itself and the one it made), not team-b's; the admin all.
+    let ids = |v: &Value| {
+        let mut ids: Vec<String> = v["keys"].as_array().unwrap().iter().map(|k| k["id"].as_str().unwrap().to_owned()).collect();
+        ids.sort();
+        ids
+    };
+    let mut own = vec![boss_a.id.clone(), made["id"].as_str().unwrap().to_owned()];
+    own.sort();
+    assert_eq!(ids(&env.get(&boss_a.token, "/v1/admin/keys").await.1), own);
+    assert_eq!(ids(&env.get(ADMIN, "/v1/admin/keys").await.1).len(), 3);
+    // Revoking another tenant's key: as if it did not exist; the key still works.
+    let (status, body) = env.call(reqwest::Method::POST, &boss_a.token, &format!("/v1/admin/keys/{}/revoke", b.id), None).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (404, Some("not_found")), "{body}");
+    assert_eq!(env.get(&b.token, "/v1/runs").await.0, 200, "team-b's key was revoked by another tenant");
+    let (status, _) = env.call(reqwest::Method::POST, &boss_a.token, &format!("/v1/admin/keys/{}/revoke", made["id"].as_str().unwrap()), None).await;
+    assert_eq!(status, 200, "its own account's key");
+    // Limits: its accounts only.
+    let cap = json!({"maxTokens": 0, "periodSec": PERIOD_SEC});
+    let (status, body) = env.call(reqwest::Method::PUT, &boss_a.token, "/v1/admin/accounts/acct-b/limits", Some(&cap)).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (403, Some("forbidden")), "{body}");
+    assert_eq!(env.get(&boss_a.token, "/v1/admin/accounts/acct-b/limits").await.0, 403);
+    assert!(env.get(ADMIN, "/v1/admin/accounts/acct-b/limits").await.1["limits"]["maxTokens"].is_null(), "acct-b's budget was set by another tenant");
+    let (status, body) = env.call(reqwest::Method::PUT, &boss_a.token, "/v1/admin/accounts/acct-a/limits", Some(&json!({"maxConcurrent": 5}))).await;
+    assert_eq!((status, &body["limits"]["maxConcurrent"]), (200, &json!(5)), "{body}");
 }
 
 async fn case_a_token_budget_ends_the_run_at_the_first_call_past_the_cap_refuses_the_next_post_and_survives_a_restart(kind: &str) {

@@ -106,13 +106,13 @@ fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
         (status = 201, description = "Created; the key and webhook secret are shown this once", body = CreatedKey),
         (status = 400, description = "Invalid request (the message names the field)", body = ErrorBody),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
-        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action, or a key wider than the caller's (an account it does not have, `*`, an action it lacks)", body = ErrorBody),
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 503, description = "The store is not available", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ))]
 pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Action::Admin).await?;
+    let caller = authorize(&req, &state, Action::Admin).await?;
     let body = read_body(payload, 64 * 1024).await?;
     let k: NewKey = decode(&body)?;
     if k.name.is_empty() || k.name.len() > 128 || k.name.chars().any(char::is_control) {
@@ -127,6 +127,9 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
         .collect::<Result<_, _>>()?;
     if actions.is_empty() {
         return Err(ApiError::invalid("field `actions`: a key needs at least one action"));
+    }
+    if !caller.may_grant(&accounts, &actions) {
+        return Err(beyond_scope("this key may only create keys for its own billing accounts, with actions it has itself"));
     }
     if let Some(url) = &k.webhook_url {
         state.tenants.allow.check(url).map_err(|m| ApiError::invalid(format!("field `webhookUrl`: {m}")))?;
@@ -149,15 +152,16 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
 /// List API keys (no secrets).
 #[utoipa::path(get, path = "/v1/admin/keys", tag = "admin", security(("bearer" = [])),
     responses(
-        (status = 200, description = "Every key", body = KeyList),
+        (status = 200, description = "Every key (for a key with `admin` scoped to accounts: the keys of those accounts)", body = KeyList),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
         (status = 403, description = "Not the `admin` action", body = ErrorBody),
         (status = 503, description = "The store is not available", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ))]
 pub(super) async fn list_keys(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Action::Admin).await?;
-    let keys = state.tenants.store.keys().await.map_err(store_unavailable)?;
+    let caller = authorize(&req, &state, Action::Admin).await?;
+    let mut keys = state.tenants.store.keys().await.map_err(store_unavailable)?;
+    keys.retain(|k| caller.governs(&k.accounts));
     Ok(HttpResponse::Ok().json(KeyList { keys }))
 }
 
@@ -168,14 +172,20 @@ pub(super) async fn list_keys(req: HttpRequest, state: web::Data<AppState>) -> R
         (status = 200, description = "Revoked", body = Revoked),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
         (status = 403, description = "Not the `admin` action", body = ErrorBody),
-        (status = 404, description = "No such key", body = ErrorBody),
+        (status = 404, description = "No such key (or one with an account beyond the caller's)", body = ErrorBody),
         (status = 503, description = "The store is not available", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ))]
 pub(super) async fn revoke_key(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Action::Admin).await?;
+    let caller = authorize(&req, &state, Action::Admin).await?;
+    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no API key with id {:?}", path.as_str()));
+    // A key of accounts beyond the caller's scope is one it does not know of.
+    match state.tenants.store.key(&path).await.map_err(store_unavailable)? {
+        Some(k) if caller.governs(&k.accounts) => {}
+        _ => return Err(not_found()),
+    }
     if !state.tenants.store.revoke_key(&path, now_ms()).await.map_err(store_unavailable)? {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no API key with id {:?}", path.as_str())));
+        return Err(not_found());
     }
     tracing::info!(key_id = %path, "API key revoked");
     Ok(HttpResponse::Ok().json(Revoked { id: path.into_inner(), revoked: true }))
@@ -197,14 +207,17 @@ fn account_of(path: &str) -> Result<String, ApiError> {
         (status = 200, description = "The account's limits now", body = AccountLimits),
         (status = 400, description = "Invalid limits or account (the message names the field)", body = ErrorBody),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
-        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action, or not one of the caller's accounts", body = ErrorBody),
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 503, description = "The store is not available", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ))]
 pub(super) async fn set_limits(req: HttpRequest, path: web::Path<String>, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Action::Admin).await?;
+    let caller = authorize(&req, &state, Action::Admin).await?;
     let account = account_of(&path)?;
+    if !caller.sees(&account) {
+        return Err(beyond_scope("this key may only set the limits of its own billing accounts"));
+    }
     let body = read_body(payload, 64 * 1024).await?;
     let limits: Limits = decode(&body)?;
     limits.validate().map_err(ApiError::invalid)?;
@@ -219,14 +232,22 @@ pub(super) async fn set_limits(req: HttpRequest, path: web::Path<String>, payloa
         (status = 200, description = "The account's limits", body = AccountLimits),
         (status = 400, description = "Not a billing account id", body = ErrorBody),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
-        (status = 403, description = "Not the `admin` action", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action, or not one of the caller's accounts", body = ErrorBody),
         (status = 503, description = "The store is not available", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ))]
 pub(super) async fn get_limits(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    authorize(&req, &state, Action::Admin).await?;
+    let caller = authorize(&req, &state, Action::Admin).await?;
     let account = account_of(&path)?;
+    if !caller.sees(&account) {
+        return Err(beyond_scope("this key may only read the limits of its own billing accounts"));
+    }
     get_limits_of(&state, &account).await
+}
+
+/// `403 forbidden`: a key with `admin` acts on its own billing accounts only.
+fn beyond_scope(message: &str) -> ApiError {
+    ApiError::new(StatusCode::FORBIDDEN, "forbidden", message)
 }
 
 async fn get_limits_of(state: &AppState, account: &str) -> Result<HttpResponse, ApiError> {

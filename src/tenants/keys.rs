@@ -78,6 +78,19 @@ impl Principal {
         }
     }
 
+    /// May it manage a key of `accounts` (list it, revoke it)? Only when it sees every one of
+    /// them: a key with `admin` scoped to some accounts administers those, not the others (`*`
+    /// only a key of `*` sees).
+    pub fn governs(&self, accounts: &[String]) -> bool {
+        accounts.iter().all(|a| self.sees(a))
+    }
+
+    /// May it create a key of `accounts` and `actions`? Only within its own scope: accounts it
+    /// governs, actions it has (a scoped `admin` key cannot make a key wider than itself).
+    pub fn may_grant(&self, accounts: &[String], actions: &[Action]) -> bool {
+        self.governs(accounts) && actions.iter().all(|a| self.can(*a))
+    }
+
     /// The key id (`None` for the admin).
     pub fn key_id(&self) -> Option<&str> {
         match self {
@@ -170,6 +183,27 @@ pub fn validate_accounts(accounts: &[String]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key with `admin` administers its own accounts only: it grants no account and no action
+    /// it lacks itself, and governs no key with an account outside its scope (before, `admin`
+    /// alone was checked: a scoped admin key could make a `*` key and manage every tenant).
+    #[test]
+    fn a_scoped_admin_key_governs_and_grants_only_within_its_scope() {
+        let (rec, _) = generate("t", vec!["a".into(), "b".into()], vec![Action::Admin, Action::Read], None, 1);
+        let k = Principal::Key(rec);
+        let acc = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
+        assert!(k.governs(&acc(&["a"])) && k.governs(&acc(&["a", "b"])));
+        assert!(!k.governs(&acc(&["c"])) && !k.governs(&acc(&["a", "c"])) && !k.governs(&acc(&["*"])));
+        assert!(k.may_grant(&acc(&["b"]), &[Action::Read]));
+        assert!(k.may_grant(&acc(&["a"]), &[Action::Admin]));
+        assert!(!k.may_grant(&acc(&["b"]), &[Action::Run]), "an action it lacks");
+        assert!(!k.may_grant(&acc(&["*"]), &[Action::Read]), "all accounts");
+        let (all, _) = generate("w", vec!["*".into()], vec![Action::Admin], None, 1);
+        let w = Principal::Key(all);
+        assert!(w.governs(&acc(&["*"])) && w.governs(&acc(&["c"])) && w.may_grant(&acc(&["*"]), &[Action::Admin]));
+        assert!(!w.may_grant(&acc(&["c"]), &[Action::Run]));
+        assert!(Principal::Admin.may_grant(&acc(&["*"]), &[Action::Run, Action::Admin]));
+    }
 
     #[test]
     fn a_generated_key_matches_until_revoked() {
