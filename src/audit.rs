@@ -167,8 +167,28 @@ pub struct LlmCall {
 #[serde(rename_all = "camelCase")]
 struct CallLine {
     run_id: String,
+    billing_account_id: String,
     #[serde(flatten)]
     call: LlmCall,
+}
+
+/// The run whose calls [`calls_of_run`] reads: a run id may be used again once its run is gone
+/// (deleted, swept), by another billing account too, so the earlier run's records are told apart
+/// by their account and time.
+#[derive(Debug, Clone)]
+pub struct RunOfCalls {
+    /// The run id.
+    pub run_id: String,
+    /// Its billing account.
+    pub billing_account_id: String,
+    /// Its admission (ms since the epoch): its calls are not older.
+    pub since_ms: i64,
+}
+
+/// A record's time in ms (`None` when it does not read: the record is not taken).
+fn time_ms(rfc3339: &str) -> Option<i64> {
+    let t = time::OffsetDateTime::parse(rfc3339, &time::format_description::well_known::Rfc3339).ok()?;
+    i64::try_from(t.unix_timestamp_nanos().div_euclid(1_000_000)).ok()
 }
 
 /// The log's files that may hold calls made at or after `since_ms`, oldest first: rotated files
@@ -197,12 +217,14 @@ fn files_since(dir: &Path, since_ms: i64) -> std::io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// The LLM calls of `run_id` in the audit log in `dir`, in the order they were recorded, at most
-/// `limit` (the bool says more were left out). Only files that can hold calls made at or after
-/// `since_ms` (the run's admission) are read. Lines that are not whole records are skipped (a
-/// file rotated away while it is read is skipped too: its calls show on the next read).
-pub fn calls_of_run(dir: &Path, run_id: &str, since_ms: i64, limit: usize) -> std::io::Result<(Vec<LlmCall>, bool)> {
+/// The LLM calls of `run` in the audit log in `dir`, in the order they were recorded, at most
+/// `limit` (the bool says more were left out): records of its id, its billing account, made at
+/// or after its admission (an earlier run of the same id, of any account, is another run). Only
+/// files that can hold calls made since then are read. Lines that are not whole records are
+/// skipped (a file rotated away while it is read is skipped too: its calls show on the next read).
+pub fn calls_of_run(dir: &Path, run: &RunOfCalls, limit: usize) -> std::io::Result<(Vec<LlmCall>, bool)> {
     use std::io::BufRead;
+    let (run_id, since_ms) = (run.run_id.as_str(), run.since_ms);
     // Records are compact JSON and run ids never need escaping (`[A-Za-z0-9._:-]`): a cheap
     // substring test skips the other runs' lines without parsing them.
     let needle = format!("\"runId\":{}", serde_json::to_string(run_id).map_err(std::io::Error::other)?);
@@ -219,7 +241,7 @@ pub fn calls_of_run(dir: &Path, run_id: &str, since_ms: i64, limit: usize) -> st
                 continue;
             }
             let Ok(rec) = serde_json::from_str::<CallLine>(&line) else { continue };
-            if rec.run_id != run_id {
+            if rec.run_id != run_id || rec.billing_account_id != run.billing_account_id || time_ms(&rec.call.time).is_none_or(|t| t < since_ms) {
                 continue;
             }
             if calls.len() == limit {
@@ -320,16 +342,41 @@ mod tests {
             log.append(&record(if i % 3 == 0 { "run-a" } else { "run-a2" })).expect("append");
         }
         assert!(std::fs::read_dir(&d).expect("dir").count() > 2, "the calls are spread over rotated files");
-        let (calls, more) = calls_of_run(&d, "run-a", 0, 100).expect("read");
+        let (calls, more) = calls_of_run(&d, &of("run-a", 0), 100).expect("read");
         assert_eq!((calls.len(), more), (4, false), "run-a's calls and not run-a2's");
         assert_eq!(calls[0].model.as_deref(), Some("m"));
         assert_eq!((calls[0].input_tokens, calls[0].latency_ms, calls[0].status), (Some(10), 5, 200));
-        let (calls, more) = calls_of_run(&d, "run-a2", 0, 3).expect("read");
+        let (calls, more) = calls_of_run(&d, &of("run-a2", 0), 3).expect("read");
         assert_eq!((calls.len(), more), (3, true), "bounded, and says so");
         // Files rotated before the run began are not read: it has no calls there.
-        let (calls, _) = calls_of_run(&d, "run-a", i64::MAX, 100).expect("read");
+        let (calls, _) = calls_of_run(&d, &of("run-a", i64::MAX), 100).expect("read");
         assert!(calls.len() < 4, "only the current file is read");
-        assert_eq!(calls_of_run(&d.join("missing"), "run-a", 0, 10).expect("no log yet"), (Vec::new(), false));
+        assert_eq!(calls_of_run(&d.join("missing"), &of("run-a", 0), 10).expect("no log yet"), (Vec::new(), false));
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    fn of(run_id: &str, since_ms: i64) -> RunOfCalls {
+        RunOfCalls { run_id: run_id.into(), billing_account_id: "acct".into(), since_ms }
+    }
+
+    /// A run id used again (its first run deleted or swept), by another account or later by the
+    /// same one: the new run's calls are its own, not the earlier run's (before, records were
+    /// matched by run id alone: another tenant's calls showed in a run of the reused id).
+    #[test]
+    fn a_reused_run_id_shows_only_its_own_runs_calls() {
+        let d = tmp();
+        let log = AuditLog::open(&d, 1 << 20).expect("open");
+        let at = |account: &str, time: &str| AuditRecord { billing_account_id: account.into(), time: time.into(), ..record("job-7") };
+        log.append(&at("acct-a", "2026-11-21T00:00:00Z")).expect("append");
+        log.append(&at("acct-b", "2026-11-21T00:10:00.5Z")).expect("append");
+        log.append(&at("acct-b", "not a time")).expect("append");
+        let second = time_ms("2026-11-21T00:10:00Z").expect("time");
+        let b = RunOfCalls { run_id: "job-7".into(), billing_account_id: "acct-b".into(), since_ms: second };
+        let (calls, _) = calls_of_run(&d, &b, 100).expect("read");
+        assert_eq!(calls.iter().map(|c| c.time.as_str()).collect::<Vec<_>>(), ["2026-11-21T00:10:00.5Z"]);
+        // The same account, the id used again later: the earlier run's call is not the new one's.
+        let a_again = RunOfCalls { run_id: "job-7".into(), billing_account_id: "acct-a".into(), since_ms: second };
+        assert!(calls_of_run(&d, &a_again, 100).expect("read").0.is_empty());
         let _ = std::fs::remove_dir_all(d);
     }
 

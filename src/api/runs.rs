@@ -488,10 +488,10 @@ pub(super) async fn llm_calls(req: HttpRequest, path: web::Path<String>, state: 
     if let Some((calls, truncated)) = state.store.llm_calls(&run_id, MAX_LLM_CALLS).await.map_err(audit_unavailable)? {
         return Ok(HttpResponse::Ok().json(LlmCalls { run_id, proxy: true, calls, truncated }));
     }
-    let since_ms = created_ms(&view.doc().created_at);
+    let doc = view.doc();
+    let run = crate::audit::RunOfCalls { run_id: run_id.clone(), billing_account_id: doc.billing_account_id.clone(), since_ms: created_ms(&doc.created_at) };
     let dir = state.cfg.audit_dir.clone();
-    let id = run_id.clone();
-    let (calls, truncated) = web::block(move || crate::audit::calls_of_run(&dir, &id, since_ms, MAX_LLM_CALLS))
+    let (calls, truncated) = web::block(move || crate::audit::calls_of_run(&dir, &run, MAX_LLM_CALLS))
         .await
         .map_err(audit_unavailable)?
         .map_err(audit_unavailable)?;
