@@ -180,6 +180,10 @@ impl Admission {
         // takeover), and a token budget nothing here could count. A request repeating a stored
         // one (same run id or Idempotency-Key, same body) still gets its run.
         let refused_early = match (&spec.branch, &self.workspace) {
+            (Some(plan), _) if !self.owns_branch(plan, &spec.billing_account_id).await? => Some(Refused::BranchConflict {
+                field: key_field,
+                message: format!("branch key {:?} is another billing account's (a branch key belongs to the account that first ran on it); use another branch key", plan.key),
+            }),
             (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await.err(),
             _ => None,
         }
@@ -338,6 +342,17 @@ impl Admission {
             attributions.unregister(&trace_id, &run_id);
         }
         Err(refused)
+    }
+}
+
+impl Admission {
+    /// True when the branch key is `account`'s: claimed by it now or before. A branch key (its git
+    /// branch, worktree, lock and pull request) belongs to the first account that ran on it;
+    /// another account's run on it would work in that account's worktree and push to its pull
+    /// request.
+    async fn owns_branch(&self, plan: &BranchPlan, account: &str) -> Result<bool, Refused> {
+        let owner = self.store.tenants().claim_branch(&plan.key, account, crate::store::now_ms()).await.map_err(Refused::Store)?;
+        Ok(owner == account)
     }
 }
 

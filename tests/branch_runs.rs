@@ -422,6 +422,47 @@ async fn branch_caller_mistakes_are_422_at_post_or_relay_rejected() {
     gw.stop().await;
 }
 
+/// A branch key (its git branch `sandbox/<key>`, worktree, lock and pull request) belongs to the
+/// billing account that first ran on it: another account's run on it is `422 branch_conflict`
+/// naming the key's field (not the owner), is not stored and prepares nothing; the owner's next
+/// run on it, and the other account's runs on keys of its own, are relayed; the owner is stored (a
+/// restart keeps it). Before, the second account's run waited for the first's branch lock, worked
+/// in its worktree and pushed to its pull request.
+#[actix_rt::test]
+async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
+    let gw = gateway();
+    let store = temp_dir("branch-owners").join("runs.db");
+    let (ws, _held) = FakeWorkspace::new();
+    let (app, base, http) = clawmux(&gw, &ws, &store).await;
+    let run_of = |run_id: &str, account: &str, branch: Value| json!({"runId": run_id, "message": format!("<{run_id}>"), "billingAccountId": account, "timeoutSec": 60, "branch": branch});
+    let mut first = post(&http, &base, &run_of("own-1", "acct-a", json!({"workItemId": "shared"}))).await;
+    assert_relayed(&mut first, "shared").await;
+    let refused = |base: String, http: reqwest::Client, branch: Value, field: &'static str| async move {
+        let r = http.post(format!("{base}/v1/runs")).json(&run_of("other-1", "acct-b", branch)).send().await.unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!((status, v["error"]["code"].as_str()), (422, Some("branch_conflict")), "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.starts_with(&format!("field `{field}`: branch key \"shared\" is another billing account's")) && !message.contains("acct-a"), "{message}");
+        assert_eq!(http.get(format!("{base}/v1/runs/other-1")).send().await.unwrap().status(), 404, "no run was kept");
+    };
+    refused(base.clone(), http.clone(), json!({"workItemId": "shared"}), "branch.workItemId").await;
+    refused(base.clone(), http.clone(), json!({"branchName": "shared"}), "branch.branchName").await;
+    let mut own = post(&http, &base, &run_of("other-2", "acct-b", json!({"workItemId": "b-own"}))).await;
+    assert_relayed(&mut own, "b-own").await;
+    let mut again = post(&http, &base, &run_of("own-2", "acct-a", json!({"branchName": "shared"}))).await;
+    assert_relayed(&mut again, "shared").await;
+    let prepared: Vec<String> = ws.log().into_iter().filter(|(k, _)| *k == Kind::Prepare).map(|(_, key)| key).collect();
+    assert_eq!(prepared, ["shared", "b-own", "shared"], "the refused runs prepared nothing");
+    server::shutdown(&app).await;
+    drop(app);
+    let (ws2, _held2) = FakeWorkspace::new();
+    let (app2, base2, http) = clawmux(&gw, &ws2, &store).await;
+    refused(base2.clone(), http.clone(), json!({"workItemId": "shared"}), "branch.workItemId").await;
+    server::shutdown(&app2).await;
+    gw.stop().await;
+}
+
 /// A replica on the shared PostgreSQL store `url`, with `workspace` as its git relay.
 async fn replica(gw: &ReplayHandle, workspace: &FakeWorkspace, url: &str, id: &str) -> (Running, String, reqwest::Client) {
     let (url, id) = (url.to_owned(), id.to_owned());

@@ -272,7 +272,7 @@ async fn doctor_reports_an_sqlite_store_with_its_schema_version() {
     let url = format!("sqlite://{}", dir.path().join("runs.db").display());
     let (out, ok) = doctor(&gw, &url).await;
     assert!(ok, "{out}");
-    assert!(out.contains(&format!("store ({url}): OK, sqlite kind, reachable, schema version 4, 0 unfinished")), "{out}");
+    assert!(out.contains(&format!("store ({url}): OK, sqlite kind, reachable, schema version 5, 0 unfinished")), "{out}");
 }
 
 #[actix_rt::test]

@@ -530,6 +530,12 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert_eq!(t.key("k1").await.expect("key").and_then(|k| k.revoked_at_ms), Some(10), "{kind}: the first revocation stays");
     assert!(!t.revoke_key("nope", 1).await.expect("revoke"), "{kind}");
 
+    // A branch key is the first account's that claims it, for good.
+    assert_eq!(t.claim_branch("fix", "acct-a", 1).await.expect("claim"), "acct-a", "{kind}");
+    assert_eq!(t.claim_branch("fix", "acct-b", 2).await.expect("claim"), "acct-a", "{kind}: another account's key");
+    assert_eq!(t.claim_branch("fix", "acct-a", 3).await.expect("claim"), "acct-a", "{kind}");
+    assert_eq!(t.claim_branch("fix/b", "acct-b", 4).await.expect("claim"), "acct-b", "{kind}");
+
     let limits = Limits { max_tokens: Some(1000), period_sec: Some(60), max_concurrent: Some(2), max_runs_per_minute: None };
     assert_eq!(t.limits("acct-a").await.expect("limits"), None, "{kind}");
     t.set_limits("acct-a", &Limits::default(), 1).await.expect("set");
@@ -576,6 +582,22 @@ async fn pg_tenant_rows_round_trip() {
     if let Some(url) = pg_url("pg_tenant_rows_round_trip").await {
         let pg = Arc::new(open_pg(&url).await);
         tenant_rows_round_trip(pg.clone(), pg).await;
+    }
+}
+
+/// Two replicas' accounts claiming one branch key at once: one of them owns it, and both are told
+/// the same owner (the claim's read sees the other's committed insert).
+#[tokio::test]
+async fn pg_a_branch_key_claimed_by_two_accounts_at_once_has_one_owner() {
+    use super::tenants::TenantStore;
+    let Some(url) = pg_url("pg_a_branch_key_claimed_at_once").await else { return };
+    let (a, b) = (open_pg(&url).await, open_pg(&url).await);
+    for i in 0..20 {
+        let key = format!("race-{i}");
+        let (x, y) = tokio::join!(a.claim_branch(&key, "acct-a", 1), b.claim_branch(&key, "acct-b", 1));
+        let (x, y) = (x.expect("claim"), y.expect("claim"));
+        assert_eq!(x, y, "{key}: two owners");
+        assert!(x == "acct-a" || x == "acct-b");
     }
 }
 
@@ -777,7 +799,7 @@ async fn sqlite_migrates_a_version_2_store_keeping_runs_and_the_admission_counte
         c.execute("DELETE FROM runs WHERE run_id = 'run-3'", []).expect("swept");
     }
     let s = SqliteStore::open(&path).await.expect("migrates");
-    assert_eq!(s.schema().await.expect("schema"), Some(super::SchemaVersion { applied: 4, known: 4 }));
+    assert_eq!(s.schema().await.expect("schema"), Some(super::SchemaVersion { applied: 5, known: 5 }));
     let kept: Vec<(String, i64)> = s.unfinished().await.expect("runs").into_iter().map(|r| (r.run_id, r.seq)).collect();
     assert_eq!(kept, [("run-1".to_owned(), 1), ("run-2".to_owned(), 2)]);
     let mut same = row("run-again", "a", 2);

@@ -16,6 +16,8 @@ struct Inner {
     keys: BTreeMap<String, KeyRecord>,
     limits: BTreeMap<String, Limits>,
     spend: HashMap<(String, i64), u64>,
+    /// Branch key → the billing account it belongs to.
+    branch_owners: HashMap<String, String>,
     /// Deliveries: the item, when it is due, delivered, given up, the last error.
     outbox: Vec<(OutboxItem, i64, bool, bool, Option<String>)>,
 }
@@ -229,6 +231,10 @@ impl TenantStore for MemoryStore {
 
     async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError> {
         Ok(self.lock().keys.get(id).cloned())
+    }
+
+    async fn claim_branch(&self, branch_key: &str, account: &str, _at_ms: i64) -> Result<String, StoreError> {
+        Ok(self.lock().branch_owners.entry(branch_key.to_owned()).or_insert_with(|| account.to_owned()).clone())
     }
 
     async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {

@@ -1026,6 +1026,19 @@ impl TenantStore for PgStore {
         Ok(self.keys_where("SELECT * FROM api_keys WHERE id = $1", Some(id)).await?.pop())
     }
 
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<String, StoreError> {
+        // Two statements: the read sees a row another replica committed while the insert waited
+        // for it (one statement reads from a snapshot taken before).
+        sqlx::query("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+            .bind(branch_key)
+            .bind(account)
+            .bind(at_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        sqlx::query_scalar("SELECT billing_account_id FROM branch_owners WHERE branch_key = $1").bind(branch_key).fetch_one(&self.pool).await.map_err(|e| self.err(e))
+    }
+
     async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
         self.keys_where("SELECT * FROM api_keys ORDER BY created_at, id", None).await
     }

@@ -22,11 +22,12 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 4] = [
+const MIGRATIONS: [&str; 5] = [
     include_str!("../../migrations/sqlite/0001_runs.sql"),
     include_str!("../../migrations/sqlite/0002_tenants.sql"),
     include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
     include_str!("../../migrations/sqlite/0004_event_log.sql"),
+    include_str!("../../migrations/sqlite/0005_branch_owners.sql"),
 ];
 
 /// How often the WAL is checkpointed into the database file.
@@ -649,6 +650,13 @@ impl TenantStore for SqliteStore {
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
         let n = self.write_one(|c| c.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?", params![at_ms, id]))?;
         Ok(n > 0)
+    }
+
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<String, StoreError> {
+        self.write_one(|c| {
+            c.execute("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", params![branch_key, account, at_ms])?;
+            c.query_row("SELECT billing_account_id FROM branch_owners WHERE branch_key = ?", [branch_key], |r| r.get(0))
+        })
     }
 
     async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {

@@ -148,6 +148,9 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError>;
     /// Revokes a key; false when there is none.
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError>;
+    /// The billing account a branch key belongs to: the first to claim it (`account`, when no
+    /// account has), for good.
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<String, StoreError>;
     /// An account's limits.
     async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError>;
     /// Every account's limits.

@@ -1,0 +1,9 @@
+-- A branch key belongs to the billing account that first ran on it: its git branch
+-- (`sandbox/<key>`), worktree, lock and pull request are that account's. Another account's run
+-- on the same key is refused (it would have worked in the first account's worktree and pushed to
+-- its pull request). Kept for good: the branch outlives the runs (their retention).
+CREATE TABLE branch_owners (
+    branch_key         TEXT   PRIMARY KEY,
+    billing_account_id TEXT   NOT NULL,
+    claimed_at         BIGINT NOT NULL
+);
