@@ -164,8 +164,35 @@ impl Admission {
     }
 
     /// Stores a new run, checks its account's limits and hands it to the registry; a refusal
-    /// leaves nothing behind (no stored row, no live-run count, no attribution).
+    /// leaves nothing behind (no stored row, no live-run count, no attribution, no claim of its
+    /// branch key).
     pub async fn submit(&self, new: NewRun) -> Result<Submitted, Refused> {
+        // A branch key is its account's (see `claim_branch`): another account's is refused before
+        // anything else looks at it, and a key claimed for a run that is then refused is let go.
+        let claimed = match &new.run.branch_key {
+            Some(key) => {
+                let account = &new.run.request.billing_account_id;
+                let claim = self.store.tenants().claim_branch(key, account, crate::store::now_ms()).await.map_err(Refused::Store)?;
+                if &claim.owner != account {
+                    let field = branch_field(&new.run.request);
+                    let message = format!("branch key {key:?} is another billing account's (a branch key belongs to the account that first posted a run on it); use another branch key");
+                    return Err(Refused::BranchConflict { field, message });
+                }
+                claim.claimed_now.then(|| (key.clone(), account.clone()))
+            }
+            None => None,
+        };
+        let result = self.submit_on_own_branch(new).await;
+        if let (Err(_), Some((key, account))) = (&result, claimed) {
+            if let Err(e) = self.store.tenants().release_branch(&key, &account).await {
+                tracing::warn!(error = %e, "cannot let go of the branch key claimed for a refused run; it stays its account's");
+            }
+        }
+        result
+    }
+
+    /// [`Self::submit`] once the run's branch key (if any) is its account's.
+    async fn submit_on_own_branch(&self, new: NewRun) -> Result<Submitted, Refused> {
         let if_busy = match new.run.request.if_busy {
             None | Some(request::IfBusy::Enqueue) => IfBusy::Enqueue,
             Some(request::IfBusy::Reject) => IfBusy::Reject,
@@ -180,10 +207,6 @@ impl Admission {
         // takeover), and a token budget nothing here could count. A request repeating a stored
         // one (same run id or Idempotency-Key, same body) still gets its run.
         let refused_early = match (&spec.branch, &self.workspace) {
-            (Some(plan), _) if !self.owns_branch(plan, &spec.billing_account_id).await? => Some(Refused::BranchConflict {
-                field: key_field,
-                message: format!("branch key {:?} is another billing account's (a branch key belongs to the account that first ran on it); use another branch key", plan.key),
-            }),
             (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await.err(),
             _ => None,
         }
@@ -270,6 +293,17 @@ impl Admission {
             return Err(Refused::Invalid("an ephemeral run's container does not survive a restart of clawmux; it was removed".to_owned()));
         }
         let resume = resume_of(row, log);
+        // A run admitted before branch keys had owners (or by a replica of that version) claims its
+        // key now, so another account cannot take it while the run works on it.
+        if let Some(plan) = &spec.branch {
+            match self.store.tenants().claim_branch(&plan.key, &spec.billing_account_id, crate::store::now_ms()).await {
+                Ok(claim) if claim.owner != spec.billing_account_id => {
+                    tracing::warn!(run_id = %spec.run_id, "the run's branch key is another billing account's (claimed meanwhile); the run goes on");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(run_id = %spec.run_id, error = %e, "cannot claim the continued run's branch key"),
+            }
+        }
         // Its usage continues from this process's stored share; the other replicas' shares (a
         // shared store: calls their proxies forwarded, an old owner's) count in its documents.
         let shares = match self.attributions {
@@ -342,17 +376,6 @@ impl Admission {
             attributions.unregister(&trace_id, &run_id);
         }
         Err(refused)
-    }
-}
-
-impl Admission {
-    /// True when the branch key is `account`'s: claimed by it now or before. A branch key (its git
-    /// branch, worktree, lock and pull request) belongs to the first account that ran on it;
-    /// another account's run on it would work in that account's worktree and push to its pull
-    /// request.
-    async fn owns_branch(&self, plan: &BranchPlan, account: &str) -> Result<bool, Refused> {
-        let owner = self.store.tenants().claim_branch(&plan.key, account, crate::store::now_ms()).await.map_err(Refused::Store)?;
-        Ok(owner == account)
     }
 }
 

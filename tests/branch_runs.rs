@@ -334,10 +334,19 @@ async fn branch_run_that_was_publishing_publishes_again_after_a_restart() {
     // The gateway restarts too (it forgets its runs): the run's gateway part is over, so that
     // changes nothing for it.
     gw.drop_connections(true);
+    // As if it had been admitted before branch keys had owners: its continuation claims its key.
+    let owners = |store: &std::path::Path| -> Vec<(String, String)> {
+        let c = rusqlite::Connection::open(store).unwrap();
+        let mut st = c.prepare("SELECT branch_key, billing_account_id FROM branch_owners").unwrap();
+        st.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect()
+    };
+    assert_eq!(owners(&store), [("k-restart".to_owned(), "acct-branch".to_owned())]);
+    rusqlite::Connection::open(&store).unwrap().execute("DELETE FROM branch_owners", []).unwrap();
 
     let (ws2, _held2) = FakeWorkspace::new();
     let (app2, base2, http) = clawmux(&gw, &ws2, &store).await;
     assert_eq!(app2.resumed, 1);
+    assert_eq!(owners(&store), [("k-restart".to_owned(), "acct-branch".to_owned())], "the continued run claimed its key");
     let resp = http
         .get(format!("{base2}/v1/runs/restart-a/events"))
         .header("accept", "text/event-stream")
@@ -425,8 +434,8 @@ async fn branch_caller_mistakes_are_422_at_post_or_relay_rejected() {
 /// A branch key (its git branch `sandbox/<key>`, worktree, lock and pull request) belongs to the
 /// billing account that first ran on it: another account's run on it is `422 branch_conflict`
 /// naming the key's field (not the owner), is not stored and prepares nothing; the owner's next
-/// run on it, and the other account's runs on keys of its own, are relayed; the owner is stored (a
-/// restart keeps it). Before, the second account's run waited for the first's branch lock, worked
+/// run on it, and the other account's runs on keys of its own, are relayed; a run refused for
+/// another reason claims nothing; the owner is stored (a restart keeps it). Before, the second account's run waited for the first's branch lock, worked
 /// in its worktree and pushed to its pull request.
 #[actix_rt::test]
 async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
@@ -452,8 +461,13 @@ async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     assert_relayed(&mut own, "b-own").await;
     let mut again = post(&http, &base, &run_of("own-2", "acct-a", json!({"branchName": "shared"}))).await;
     assert_relayed(&mut again, "shared").await;
+    // A run refused for another reason (here its base ref) claims nothing: the key stays free.
+    let r = http.post(format!("{base}/v1/runs")).json(&run_of("other-3", "acct-b", json!({"workItemId": "free", "baseRef": "nope"}))).send().await.unwrap();
+    assert_eq!(r.status(), 422);
+    let mut free = post(&http, &base, &run_of("own-3", "acct-a", json!({"workItemId": "free"}))).await;
+    assert_relayed(&mut free, "free").await;
     let prepared: Vec<String> = ws.log().into_iter().filter(|(k, _)| *k == Kind::Prepare).map(|(_, key)| key).collect();
-    assert_eq!(prepared, ["shared", "b-own", "shared"], "the refused runs prepared nothing");
+    assert_eq!(prepared, ["shared", "b-own", "shared", "free"], "the refused runs prepared nothing");
     server::shutdown(&app).await;
     drop(app);
     let (ws2, _held2) = FakeWorkspace::new();

@@ -349,8 +349,9 @@ async fn case_keys_see_only_their_accounts_runs_revocation_is_immediate_and_secr
 
 /// A key with the `admin` action scoped to some accounts administers those only: it creates no
 /// key wider than itself (another account, `*`, an action it lacks), lists and revokes only keys
-/// of its accounts (another tenant's key is `404`, as if it did not exist), and reads and sets
-/// only its accounts' limits (`403`). Before, `admin` alone was checked: such a key could make a
+/// of its accounts (another tenant's key is `404`, as if it did not exist), and reads only its
+/// accounts' limits (`403`) and sets none (limits are the operator's: the admin token's or a `*`
+/// admin key's). Before, `admin` alone was checked: such a key could make a
 /// `*` key and with it read and abort every tenant's runs, revoke their keys and set their budgets
 /// to zero.
 async fn case_a_scoped_admin_key_administers_its_own_accounts_only(kind: &str) {
@@ -391,7 +392,11 @@ async fn case_a_scoped_admin_key_administers_its_own_accounts_only(kind: &str) {
     assert_eq!((status, body["error"]["code"].as_str()), (403, Some("forbidden")), "{body}");
     assert_eq!(env.get(&boss_a.token, "/v1/admin/accounts/acct-b/limits").await.0, 403);
     assert!(env.get(ADMIN, "/v1/admin/accounts/acct-b/limits").await.1["limits"]["maxTokens"].is_null(), "acct-b's budget was set by another tenant");
-    let (status, body) = env.call(reqwest::Method::PUT, &boss_a.token, "/v1/admin/accounts/acct-a/limits", Some(&json!({"maxConcurrent": 5}))).await;
+    // Its own account's limits: read, not set (the operator's; it could lift its own budget).
+    env.set_limits("acct-a", json!({"maxConcurrent": 5})).await;
+    let (status, body) = env.call(reqwest::Method::PUT, &boss_a.token, "/v1/admin/accounts/acct-a/limits", Some(&json!({}))).await;
+    assert_eq!((status, body["error"]["code"].as_str()), (403, Some("forbidden")), "{body}");
+    let (status, body) = env.get(&boss_a.token, "/v1/admin/accounts/acct-a/limits").await;
     assert_eq!((status, &body["limits"]["maxConcurrent"]), (200, &json!(5)), "{body}");
 }
 

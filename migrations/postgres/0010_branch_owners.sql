@@ -7,3 +7,11 @@ CREATE TABLE branch_owners (
     billing_account_id TEXT   NOT NULL,
     claimed_at         BIGINT NOT NULL
 );
+
+-- The keys of the runs stored so far belong to the account of each key's first run (its branch
+-- and pull request may exist already).
+INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at)
+SELECT DISTINCT ON (branch_key) branch_key, billing_account_id, created_at FROM runs
+WHERE branch_key IS NOT NULL
+ORDER BY branch_key, seq
+ON CONFLICT DO NOTHING;

@@ -7,3 +7,10 @@ CREATE TABLE branch_owners (
     billing_account_id TEXT    NOT NULL,
     claimed_at         INTEGER NOT NULL
 );
+
+-- The keys of the runs stored so far belong to the account of each key's first run (its branch
+-- and pull request may exist already). A spec that does not read is passed by.
+INSERT OR IGNORE INTO branch_owners (branch_key, billing_account_id, claimed_at)
+SELECT json_extract(spec, '$.branch.key'), billing_account_id, created_at FROM runs
+WHERE json_valid(spec) AND json_type(spec, '$.branch.key') = 'text'
+ORDER BY seq;

@@ -207,7 +207,7 @@ fn account_of(path: &str) -> Result<String, ApiError> {
         (status = 200, description = "The account's limits now", body = AccountLimits),
         (status = 400, description = "Invalid limits or account (the message names the field)", body = ErrorBody),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
-        (status = 403, description = "Not the `admin` action, or not one of the caller's accounts", body = ErrorBody),
+        (status = 403, description = "Not the `admin` action, or a key scoped to some accounts (limits are set by the admin token or a `*` admin key)", body = ErrorBody),
         (status = 413, description = "The body is too large", body = ErrorBody),
         (status = 503, description = "The store is not available", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
@@ -215,8 +215,9 @@ fn account_of(path: &str) -> Result<String, ApiError> {
 pub(super) async fn set_limits(req: HttpRequest, path: web::Path<String>, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let caller = authorize(&req, &state, Action::Admin).await?;
     let account = account_of(&path)?;
-    if !caller.sees(&account) {
-        return Err(beyond_scope("this key may only set the limits of its own billing accounts"));
+    // Limits are the operator's: a key scoped to some accounts could otherwise lift its own.
+    if !caller.governs(&["*".to_owned()]) {
+        return Err(beyond_scope("only the admin token or an admin key of every account (`*`) sets limits"));
     }
     let body = read_body(payload, 64 * 1024).await?;
     let limits: Limits = decode(&body)?;

@@ -531,10 +531,16 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert!(!t.revoke_key("nope", 1).await.expect("revoke"), "{kind}");
 
     // A branch key is the first account's that claims it, for good.
-    assert_eq!(t.claim_branch("fix", "acct-a", 1).await.expect("claim"), "acct-a", "{kind}");
-    assert_eq!(t.claim_branch("fix", "acct-b", 2).await.expect("claim"), "acct-a", "{kind}: another account's key");
-    assert_eq!(t.claim_branch("fix", "acct-a", 3).await.expect("claim"), "acct-a", "{kind}");
-    assert_eq!(t.claim_branch("fix/b", "acct-b", 4).await.expect("claim"), "acct-b", "{kind}");
+    let claim = |owner: &str, claimed_now: bool| super::tenants::BranchClaim { owner: owner.into(), claimed_now };
+    assert_eq!(t.claim_branch("fix", "acct-a", 1).await.expect("claim"), claim("acct-a", true), "{kind}");
+    assert_eq!(t.claim_branch("fix", "acct-b", 2).await.expect("claim"), claim("acct-a", false), "{kind}: another account's key");
+    assert_eq!(t.claim_branch("fix", "acct-a", 3).await.expect("claim"), claim("acct-a", false), "{kind}");
+    assert_eq!(t.claim_branch("fix/b", "acct-b", 4).await.expect("claim"), claim("acct-b", true), "{kind}");
+    // Let go of by its owner only (a refused run's claim).
+    t.release_branch("fix", "acct-b").await.expect("release");
+    assert_eq!(t.claim_branch("fix", "acct-b", 5).await.expect("claim"), claim("acct-a", false), "{kind}: released by another account");
+    t.release_branch("fix/b", "acct-b").await.expect("release");
+    assert_eq!(t.claim_branch("fix/b", "acct-a", 6).await.expect("claim"), claim("acct-a", true), "{kind}");
 
     let limits = Limits { max_tokens: Some(1000), period_sec: Some(60), max_concurrent: Some(2), max_runs_per_minute: None };
     assert_eq!(t.limits("acct-a").await.expect("limits"), None, "{kind}");
@@ -596,8 +602,8 @@ async fn pg_a_branch_key_claimed_by_two_accounts_at_once_has_one_owner() {
         let key = format!("race-{i}");
         let (x, y) = tokio::join!(a.claim_branch(&key, "acct-a", 1), b.claim_branch(&key, "acct-b", 1));
         let (x, y) = (x.expect("claim"), y.expect("claim"));
-        assert_eq!(x, y, "{key}: two owners");
-        assert!(x == "acct-a" || x == "acct-b");
+        assert_eq!(x.owner, y.owner, "{key}: two owners");
+        assert!(x.claimed_now != y.claimed_now, "{key}: one claim made it: {x:?} {y:?}");
     }
 }
 
@@ -809,6 +815,54 @@ async fn sqlite_migrates_a_version_2_store_keeping_runs_and_the_admission_counte
     let mut other = row("run-b", "b", 2);
     other.idempotency_key = Some("key-1".into());
     assert_eq!(insert(&s, other).await, 4, "a new run after the swept run-3, on another account's equal key");
+}
+
+/// A store of the schema before branch keys had owners: each stored run's key belongs to the
+/// account of its first run (its branch and pull request may exist already); a spec that does not
+/// read is passed by, not a failed migration.
+#[tokio::test]
+async fn sqlite_migrating_to_branch_owners_gives_each_stored_key_to_its_first_runs_account() {
+    use super::tenants::{BranchClaim, TenantStore};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("runs.db");
+    {
+        let c = rusqlite::Connection::open(&path).expect("create");
+        for m in [
+            include_str!("../../migrations/sqlite/0001_runs.sql"),
+            include_str!("../../migrations/sqlite/0002_tenants.sql"),
+            include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
+            include_str!("../../migrations/sqlite/0004_event_log.sql"),
+        ] {
+            c.execute_batch(m).expect("migration");
+        }
+        c.pragma_update(None, "user_version", 4).expect("version");
+        let spec = |id: &str, account: &str, key: Option<&str>| {
+            let mut r = row(id, account, 1);
+            r.spec.branch = key.map(|k| clawmux_actors::branch::BranchPlan { key: k.into(), base_ref: "main".into(), pr_title: None, pr_body: None });
+            serde_json::to_string(&r.spec).expect("spec")
+        };
+        for (id, account, text) in [
+            ("run-1", "acct-a", spec("run-1", "acct-a", Some("shared"))),
+            ("run-2", "acct-b", spec("run-2", "acct-b", Some("shared"))),
+            ("run-3", "acct-b", spec("run-3", "acct-b", Some("b-own"))),
+            ("run-4", "acct-c", spec("run-4", "acct-c", None)),
+            ("run-5", "acct-c", "not json".to_owned()),
+        ] {
+            c.execute(
+                "INSERT INTO runs (run_id, fingerprint, billing_account_id, session_key, spec, status, created_at) VALUES (?, ?, ?, 's', ?, 'queued', 1)",
+                rusqlite::params![id, format!("fp-{id}"), account, text],
+            )
+            .expect("insert");
+        }
+    }
+    let s = SqliteStore::open(&path).await.expect("migrates");
+    let claim = |key: &'static str, account: &'static str| {
+        let s = &s;
+        async move { s.claim_branch(key, account, 2).await.expect("claim") }
+    };
+    assert_eq!(claim("shared", "acct-c").await, BranchClaim { owner: "acct-a".into(), claimed_now: false });
+    assert_eq!(claim("b-own", "acct-a").await, BranchClaim { owner: "acct-b".into(), claimed_now: false });
+    assert_eq!(claim("new", "acct-c").await, BranchClaim { owner: "acct-c".into(), claimed_now: true });
 }
 
 /// Replicas sharing a PostgreSQL store: of two delivery loops taking one due webhook at once,

@@ -1,7 +1,7 @@
 //! `memory:`: the run store in this process's memory (tests, throwaway use). Same semantics as the
 //! durable backends; nothing survives a restart.
 
-use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
+use super::tenants::{BranchClaim, DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::{Applied, ListQuery, RawEvent, Retention, RunRow, Store, StoreError, StoredEvent, Write};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
@@ -233,8 +233,19 @@ impl TenantStore for MemoryStore {
         Ok(self.lock().keys.get(id).cloned())
     }
 
-    async fn claim_branch(&self, branch_key: &str, account: &str, _at_ms: i64) -> Result<String, StoreError> {
-        Ok(self.lock().branch_owners.entry(branch_key.to_owned()).or_insert_with(|| account.to_owned()).clone())
+    async fn claim_branch(&self, branch_key: &str, account: &str, _at_ms: i64) -> Result<BranchClaim, StoreError> {
+        let mut st = self.lock();
+        let claimed_now = !st.branch_owners.contains_key(branch_key);
+        let owner = st.branch_owners.entry(branch_key.to_owned()).or_insert_with(|| account.to_owned()).clone();
+        Ok(BranchClaim { owner, claimed_now })
+    }
+
+    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
+        let mut st = self.lock();
+        if st.branch_owners.get(branch_key).is_some_and(|o| o == account) {
+            st.branch_owners.remove(branch_key);
+        }
+        Ok(())
     }
 
     async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {

@@ -8,7 +8,7 @@
 //! same request at once store it once. A batch of the group commit is one transaction; the events
 //! of a batch go in with one statement.
 
-use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
+use super::tenants::{BranchClaim, DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
 use super::pg_limits::{self, account_lock, AccountLimits};
 use super::pg_shares;
@@ -1026,17 +1026,23 @@ impl TenantStore for PgStore {
         Ok(self.keys_where("SELECT * FROM api_keys WHERE id = $1", Some(id)).await?.pop())
     }
 
-    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<String, StoreError> {
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<BranchClaim, StoreError> {
         // Two statements: the read sees a row another replica committed while the insert waited
         // for it (one statement reads from a snapshot taken before).
-        sqlx::query("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+        let inserted = sqlx::query("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
             .bind(branch_key)
             .bind(account)
             .bind(at_ms)
             .execute(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
-        sqlx::query_scalar("SELECT billing_account_id FROM branch_owners WHERE branch_key = $1").bind(branch_key).fetch_one(&self.pool).await.map_err(|e| self.err(e))
+        let owner = sqlx::query_scalar("SELECT billing_account_id FROM branch_owners WHERE branch_key = $1").bind(branch_key).fetch_one(&self.pool).await.map_err(|e| self.err(e))?;
+        Ok(BranchClaim { owner, claimed_now: inserted.rows_affected() == 1 })
+    }
+
+    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM branch_owners WHERE branch_key = $1 AND billing_account_id = $2").bind(branch_key).bind(account).execute(&self.pool).await.map_err(|e| self.err(e))?;
+        Ok(())
     }
 
     async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {

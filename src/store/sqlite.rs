@@ -10,7 +10,7 @@
 //! by the `probe` below), which at a thousand concurrent runs was the added latency of every event.
 //! Reads are short (by primary key, or a page of at most 500 rows) and run on the caller's thread.
 
-use super::tenants::{DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
+use super::tenants::{BranchClaim, DeliveryOutcome, KeyRecord, Limits, OutboxItem, TenantStore};
 use super::columns::{decode_row, json_text as json, patch_columns, Columns};
 use super::sqlite_events::{self, LiveRows};
 use super::{Applied, ListQuery, RawEvent, Retention, RunPatch, RunRow, SchemaVersion, Store, StoreError, Write};
@@ -652,11 +652,17 @@ impl TenantStore for SqliteStore {
         Ok(n > 0)
     }
 
-    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<String, StoreError> {
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<BranchClaim, StoreError> {
         self.write_one(|c| {
-            c.execute("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", params![branch_key, account, at_ms])?;
-            c.query_row("SELECT billing_account_id FROM branch_owners WHERE branch_key = ?", [branch_key], |r| r.get(0))
+            let n = c.execute("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", params![branch_key, account, at_ms])?;
+            let owner = c.query_row("SELECT billing_account_id FROM branch_owners WHERE branch_key = ?", [branch_key], |r| r.get(0))?;
+            Ok(BranchClaim { owner, claimed_now: n == 1 })
         })
+    }
+
+    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
+        self.write_one(|c| c.execute("DELETE FROM branch_owners WHERE branch_key = ? AND billing_account_id = ?", params![branch_key, account]))?;
+        Ok(())
     }
 
     async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {

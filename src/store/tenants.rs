@@ -137,6 +137,15 @@ pub enum DeliveryOutcome {
     },
 }
 
+/// Whose a branch key is, as a claim found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BranchClaim {
+    /// The billing account it belongs to.
+    pub owner: String,
+    /// This claim made it the claimer's (nobody's before).
+    pub claimed_now: bool,
+}
+
 /// The tenant half of a store backend.
 #[async_trait::async_trait]
 pub trait TenantStore: Send + Sync + 'static {
@@ -150,7 +159,9 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError>;
     /// The billing account a branch key belongs to: the first to claim it (`account`, when no
     /// account has), for good.
-    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<String, StoreError>;
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<BranchClaim, StoreError>;
+    /// Undoes a claim made for a run that was then refused (only `account`'s claim of the key).
+    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError>;
     /// An account's limits.
     async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError>;
     /// Every account's limits.
