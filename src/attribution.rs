@@ -617,7 +617,7 @@ mod tests {
         // answers its new calls 503; nothing cuts the streams in flight.
         assert!(a.lookup("t1").is_some_and(|x| Arc::ptr_eq(&x, &b) && x.is_suspended()));
         assert!(!b.revoked.is_cancelled());
-        // Found taken over: the entry goes (`RunLog::release_billing`).
+        // Found taken over and ended: the entry goes (`RunLog::let_go_of_billing`).
         a.unregister("t1", "r1");
         assert!(a.lookup("t1").is_none());
     }

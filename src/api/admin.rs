@@ -216,7 +216,7 @@ pub(super) async fn set_limits(req: HttpRequest, path: web::Path<String>, payloa
     let caller = authorize(&req, &state, Action::Admin).await?;
     let account = account_of(&path)?;
     // Limits are the operator's: a key scoped to some accounts could otherwise lift its own.
-    if !caller.governs(&["*".to_owned()]) {
+    if !caller.sees("*") {
         return Err(beyond_scope("only the admin token or an admin key of every account (`*`) sets limits"));
     }
     let body = read_body(payload, 64 * 1024).await?;

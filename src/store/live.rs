@@ -319,17 +319,14 @@ impl RunLog {
     /// stops counting for its account here and its LLM calls are no longer attributed here, and
     /// its session actor stops WITHOUT cancelling the gateway run (the new owner continues it).
     /// `live_elsewhere`: the store said the run goes on, so its billing entry here goes on as a
-    /// remote run's ([`Self::demote_billing`]: its LLM streams in flight are not cut); else
-    /// it is dropped. Returns false when the run had already ended or was lost before.
+    /// remote run's (its LLM streams in flight are not cut; see [`Self::let_go_of_billing`]);
+    /// else it is dropped. Returns false when the run had already ended or was lost before.
     pub fn lose(&self, live_elsewhere: bool) -> bool {
         if !self.stop_here() {
             return false;
         }
         tracing::warn!(run_id = %self.run_id, "another replica took this run over (this one's lease expired); stopping it here without cancelling it");
-        match live_elsewhere {
-            true => self.demote_billing(),
-            false => self.release_billing(),
-        }
+        self.let_go_of_billing(live_elsewhere);
         true
     }
 
@@ -338,7 +335,7 @@ impl RunLog {
     /// billing stays registered: its gateway run goes on, and so do its LLM streams in flight,
     /// while its new calls are answered `503` (the gateway retries them) until whoever continues
     /// it once the store answers (this replica, or another that took it over) attributes it
-    /// afresh (see [`Self::release_billing`], [`Self::demote_billing`]). False when it had already ended or stopped.
+    /// afresh (see [`Self::let_go_of_billing`]). False when it had already ended or stopped.
     pub fn suspend(&self) -> bool {
         if !self.stop_here() {
             return false;
@@ -349,21 +346,17 @@ impl RunLog {
         true
     }
 
-    /// The run's LLM calls are no longer attributed to this log (it ended elsewhere, or another
-    /// replica continues it): its billing entry goes, its streams in flight are cut.
-    pub fn release_billing(&self) {
+    /// The run's LLM calls are no longer attributed to this log. When the run goes on (a new log
+    /// of it continues here after a store outage, or another replica continues it) its billing
+    /// entry goes on as a remote run's, counters and streams in flight kept, until a new log's
+    /// billing here adopts it or the run's end revokes it (see [`Attributions::demote`]); when it
+    /// ended, or that is not known, the entry goes and its streams in flight are cut.
+    pub fn let_go_of_billing(&self, run_goes_on: bool) {
         if let Some((billing, registry)) = self.billing.get() {
-            registry.unregister(&billing.trace_id, &billing.run_id);
-        }
-    }
-
-    /// The run's LLM calls are no longer attributed to this log, and the run goes on: a new log
-    /// of it continues here (taken back after a store outage) or another replica does. Its
-    /// billing entry goes on as a remote run's, counters and streams in flight kept, until a new
-    /// log's billing here adopts it or the run's end revokes it (see [`Attributions::demote`]).
-    pub fn demote_billing(&self) {
-        if let Some((billing, registry)) = self.billing.get() {
-            registry.demote(&billing.trace_id, &billing.run_id);
+            match run_goes_on {
+                true => registry.demote(&billing.trace_id, &billing.run_id),
+                false => registry.unregister(&billing.trace_id, &billing.run_id),
+            }
         }
     }
 

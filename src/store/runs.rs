@@ -347,17 +347,15 @@ impl RunStore {
         let logs = self.build_logs(rows).await?;
         // Taken over elsewhere meanwhile: lost here (see `lose`), whether or not the renewal has
         // told yet (taking back usually comes first).
-        let taken: Vec<String> = ids.iter().filter(|id| !logs.iter().any(|b| &b.row.run_id == *id)).cloned().collect();
+        let back: std::collections::HashSet<&str> = logs.iter().map(|b| b.row.run_id.as_str()).collect();
+        let taken: Vec<String> = ids.iter().filter(|id| !back.contains(id.as_str())).cloned().collect();
         let elsewhere = self.still_running(&taken).await;
         for id in &ids {
             if let Some((_, old)) = self.suspended.remove(id) {
                 // Continued here: the new log's billing adopts the old one's entry (its calls in
                 // flight go on, its counters stay whole); going on elsewhere: it stays as a
                 // remote run's; ended (or the store cannot say): it goes.
-                match !taken.contains(id) || elsewhere.contains(id) {
-                    true => old.demote_billing(),
-                    false => old.release_billing(),
-                }
+                old.let_go_of_billing(back.contains(id.as_str()) || elsewhere.contains(id));
             }
             self.writer.release(id);
         }
@@ -489,7 +487,10 @@ impl RunStore {
             return Default::default();
         }
         match self.backend.ended(run_ids).await {
-            Ok(ended) => run_ids.iter().filter(|id| !ended.contains(id)).cloned().collect(),
+            Ok(ended) => {
+                let ended: std::collections::HashSet<String> = ended.into_iter().collect();
+                run_ids.iter().filter(|id| !ended.contains(*id)).cloned().collect()
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot tell whether the runs another replica took over go on; their LLM streams in flight here are cut");
                 Default::default()
@@ -511,10 +512,7 @@ impl RunStore {
 
     async fn lose(&self, run_id: &str, live_elsewhere: bool) -> bool {
         if let Some((_, old)) = self.suspended.remove(run_id) {
-            match live_elsewhere {
-                true => old.demote_billing(),
-                false => old.release_billing(),
-            }
+            old.let_go_of_billing(live_elsewhere);
             // Its writes queued while it was suspended are dropped (it is held), then it is let go
             // of: nothing of it is held any more, whether or not it ever comes back here.
             self.writer.flush().await;
