@@ -127,7 +127,7 @@ pub struct Config {
     pub github_token: Option<Secret>,
     /// How long finished runs stay queryable.
     pub run_retention_sec: u64,
-    /// How many finished runs stay queryable.
+    /// How many finished runs of each billing account stay queryable.
     pub run_retention_max: usize,
     /// Runs in flight (running + queued) before new ones get 503.
     pub max_runs: usize,

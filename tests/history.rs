@@ -437,14 +437,16 @@ async fn ids_listed(env: &Env) -> HashSet<String> {
     env.walk("limit=500", None).await.0.into_iter().collect()
 }
 
-/// `CLAWMUX_RUN_RETENTION_MAX` and `_SEC`, on both stores: finished runs past either limit are
-/// gone from every read; unfinished runs never go. (The sweep runs every 10 s; the test runs it
-/// itself rather than wait.)
+/// `CLAWMUX_RUN_RETENTION_MAX` (per billing account) and `_SEC`, on both stores: finished runs
+/// past either limit are gone from every read; unfinished runs never go. (The sweep runs every
+/// 10 s; the test runs it itself rather than wait.)
 async fn retention_limits_are_enforced_by_the_store(kinds: &[&str]) {
     for &store in kinds {
         let store_url = fresh_store(store).await;
-        // By count: the 2 newest finished runs stay.
+        // By count: the 2 newest finished runs of each billing account stay; another account's
+        // run, older than all of them, is not pushed out by them.
         let env = env_with(gateway(), &[("CLAWMUX_STORE_URL", &store_url), ("CLAWMUX_RUN_RETENTION_MAX", "2")]).await;
+        let other = env.run(body("other", "acct-q", None)).await.0;
         let mut done = Vec::new();
         for i in 0..5 {
             done.push(env.run(body(&format!("r{i}"), "acct-r", None)).await.0);
@@ -454,7 +456,7 @@ async fn retention_limits_are_enforced_by_the_store(kinds: &[&str]) {
         env.until_status(&held, "running").await;
         let swept = env.app.state.store.sweep().await.unwrap();
         assert_eq!(swept, 3, "{store}");
-        assert_eq!(ids_listed(&env).await, [&done[3], &done[4], &held].into_iter().cloned().collect(), "{store}");
+        assert_eq!(ids_listed(&env).await, [&done[3], &done[4], &held, &other].into_iter().cloned().collect(), "{store}");
         for id in &done[..3] {
             assert_eq!(env.get(&format!("/v1/runs/{id}"), None).await.0, 404, "{store}: {id} still readable");
             assert_eq!(env.get(&format!("/v1/runs/{id}/events"), None).await.0, 404, "{store}: {id} events still readable");
@@ -464,7 +466,8 @@ async fn retention_limits_are_enforced_by_the_store(kinds: &[&str]) {
         env.gw.set_paused(false);
         env.until_status(&held, "ok").await;
         env.app.state.store.sweep().await.unwrap();
-        assert_eq!(ids_listed(&env).await, [&done[4], &held].into_iter().cloned().collect(), "{store}");
+        assert_eq!(ids_listed(&env).await, [&done[4], &held, &other].into_iter().cloned().collect(), "{store}");
+        assert_eq!(env.get(&format!("/v1/runs/{other}"), None).await.0, 200, "{store}");
         drop(env);
 
         // By age: runs finished more than a second ago go; a run admitted more than a second ago

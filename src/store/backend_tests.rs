@@ -348,6 +348,17 @@ mod cases {
         assert_eq!(gone, ["tie-1"], "{}", s.kind());
         let gone = s.sweep(Retention { max_age_ms: 1_000_000, max_count: 1 }, 5_000).await.expect("sweep");
         assert_eq!(gone, ["tie-2"], "{}", s.kind());
+        // The count is per billing account: one account's many runs do not push another's out.
+        for (id, account, at) in [("b-old", "b", 1_000), ("a-1", "a", 2_000), ("a-2", "a", 3_000), ("c-1", "c", 3_500)] {
+            insert(&*s, row(id, account, 8)).await;
+            s.apply(&[append(id, Some(event(1, EventName::Final, "{}")), finish(at))]).await.expect("finish");
+        }
+        let mut gone = s.sweep(Retention { max_age_ms: 1_000_000, max_count: 1 }, 5_000).await.expect("sweep");
+        gone.sort();
+        // Of account `a`: `done-5` (5,000) stays; `a-1` and `a-2` go. `b-old` and `c-1` are their
+        // accounts' newest, however old.
+        assert_eq!(gone, ["a-1", "a-2"], "{}", s.kind());
+        assert_eq!(kept(s.clone()).await, ["b-old", "c-1", "done-5", "new-unfinished", "old-unfinished"], "{}", s.kind());
         // Nothing unfinished ever goes, however old or many.
         s.sweep(Retention { max_age_ms: 0, max_count: 0 }, i64::MAX).await.expect("sweep");
         assert_eq!(kept(s.clone()).await, ["new-unfinished", "old-unfinished"], "{}", s.kind());

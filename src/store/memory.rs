@@ -201,20 +201,27 @@ impl Store for MemoryStore {
 
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
         let mut st = self.lock();
-        // Oldest first, as the SQLite store orders them (end time, then admission order).
-        let mut finished: Vec<(i64, i64, String)> =
-            st.runs.values().filter_map(|r| r.finished_at_ms.map(|t| (t, r.seq, r.run_id.clone()))).collect();
-        finished.sort();
-        let over = finished.len().saturating_sub(retention.max_count);
+        // Each account's finished runs, newest first, as the SQL stores order them (end time, then
+        // admission order): past the account's newest `max_count`, or past the age, they go.
+        let mut finished: Vec<(&str, std::cmp::Reverse<(i64, i64)>, &str)> = st
+            .runs
+            .values()
+            .filter_map(|r| r.finished_at_ms.map(|t| (r.billing_account_id.as_str(), std::cmp::Reverse((t, r.seq)), r.run_id.as_str())))
+            .collect();
+        finished.sort_unstable();
         let cutoff = now_ms.saturating_sub(retention.max_age_ms);
-        let mut removed = Vec::new();
-        for (i, (t, _, id)) in finished.into_iter().enumerate() {
-            if i < over || t <= cutoff {
-                st.delete(&id);
-                removed.push(id);
+        let mut doomed = Vec::new();
+        let mut nth = 0usize;
+        for (i, &(account, std::cmp::Reverse((t, _)), id)) in finished.iter().enumerate() {
+            nth = if i > 0 && finished[i - 1].0 == account { nth + 1 } else { 0 };
+            if nth >= retention.max_count || t <= cutoff {
+                doomed.push(id.to_owned());
             }
         }
-        Ok(removed)
+        for id in &doomed {
+            st.delete(id);
+        }
+        Ok(doomed)
     }
 }
 

@@ -533,7 +533,8 @@ pub struct ListQuery {
 pub struct Retention {
     /// Finished runs older than this are deleted.
     pub max_age_ms: i64,
-    /// At most this many finished runs are kept (the oldest go first).
+    /// At most this many finished runs of each billing account are kept (its oldest go first: one
+    /// account's many runs do not push another's out).
     pub max_count: usize,
 }
 

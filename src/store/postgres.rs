@@ -920,9 +920,8 @@ impl Store for PgStore {
     async fn sweep(&self, retention: Retention, now_ms: i64) -> Result<Vec<String>, StoreError> {
         let cutoff = now_ms.saturating_sub(retention.max_age_ms);
         let max = i64::try_from(retention.max_count).unwrap_or(i64::MAX);
-        // Past the age, and beyond the newest `max_count` finished runs (those at or before the
-        // first run past them in (finished_at, seq) order, found by walking the index from its
-        // newest end: no sort of every finished run); events, usage shares and call records first,
+        // Past the age, and beyond the newest `max_count` finished runs of their billing account
+        // (numbered along `runs_account_finished`: no sort of every finished run); events, usage shares and call records first,
         // in the same statement. Now and then (see `ORPHANS_EVERY`) also the shares and call
         // records of runs that are gone (a proxy's record written after its run was swept, or
         // deleted as a refused admission, would stay forever): that looks at every such row.
@@ -943,10 +942,9 @@ impl Store for PgStore {
             ("", "")
         };
         let gone = sqlx::query_scalar(&format!(
-            "WITH boundary AS (SELECT finished_at, seq FROM runs WHERE finished_at IS NOT NULL \
-               ORDER BY finished_at DESC, seq DESC OFFSET $2 LIMIT 1), \
-             doomed AS (SELECT run_id FROM runs WHERE finished_at IS NOT NULL AND (finished_at <= $1 \
-               OR (finished_at, seq) <= (SELECT finished_at, seq FROM boundary))), \
+            "WITH doomed AS (SELECT run_id FROM (SELECT run_id, finished_at, ROW_NUMBER() OVER (PARTITION BY \
+               billing_account_id ORDER BY finished_at DESC, seq DESC) AS nth FROM runs WHERE finished_at IS NOT NULL) n \
+               WHERE finished_at <= $1 OR nth > $2), \
              gone_events AS (DELETE FROM events WHERE run_id IN (SELECT run_id FROM doomed)), \
              gone_usage AS (DELETE FROM run_usage u WHERE u.run_id IN (SELECT run_id FROM doomed){usage_orphans}), \
              gone_calls AS (DELETE FROM llm_calls c WHERE c.run_id IN (SELECT run_id FROM doomed){call_orphans}) \

@@ -22,12 +22,13 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 5] = [
+const MIGRATIONS: [&str; 6] = [
     include_str!("../../migrations/sqlite/0001_runs.sql"),
     include_str!("../../migrations/sqlite/0002_tenants.sql"),
     include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
     include_str!("../../migrations/sqlite/0004_event_log.sql"),
     include_str!("../../migrations/sqlite/0005_branch_owners.sql"),
+    include_str!("../../migrations/sqlite/0006_retention_per_account.sql"),
 ];
 
 /// How often the WAL is checkpointed into the database file.
@@ -556,9 +557,10 @@ impl Store for SqliteStore {
         let run = || -> rusqlite::Result<Vec<String>> {
             let mut conn = lock(&self.write);
             let tx = conn.transaction()?;
-            // Past the age, and beyond the newest `max_count` finished runs.
-            let doomed = "SELECT run_id FROM runs WHERE finished_at IS NOT NULL AND (finished_at <= ?1 OR run_id IN \
-                 (SELECT run_id FROM runs WHERE finished_at IS NOT NULL ORDER BY finished_at DESC, seq DESC LIMIT -1 OFFSET ?2))";
+            // Past the age, and beyond the newest `max_count` finished runs of their billing account
+            // (numbered along `runs_account_finished`: no sort).
+            let doomed = "SELECT run_id FROM (SELECT run_id, finished_at, ROW_NUMBER() OVER (PARTITION BY billing_account_id \
+                 ORDER BY finished_at DESC, seq DESC) AS nth FROM runs WHERE finished_at IS NOT NULL) WHERE finished_at <= ?1 OR nth > ?2";
             let cutoff = now_ms.saturating_sub(retention.max_age_ms);
             let max = i64::try_from(retention.max_count).unwrap_or(i64::MAX);
             let gone = {
