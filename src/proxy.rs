@@ -202,6 +202,7 @@ impl ProxyMetrics {
             "recent_miss",
             "run_suspended",
             "budget_unknown",
+            "route_not_forwarded",
         ] {
             m.refusals.with_label_values(&[r]);
         }
@@ -287,6 +288,20 @@ pub fn request_usage(body: &mut serde_json::Value) -> Option<Bytes> {
     }
     opts.insert("include_usage".to_owned(), serde_json::Value::Bool(true));
     serde_json::to_vec(body).ok().map(Bytes::from)
+}
+
+/// The upstream routes a run may call, by method and exact raw path: the model inference APIs
+/// (OpenAI's chat, completions, responses and embeddings, Anthropic's messages) and the model
+/// list. Nothing else is forwarded: the upstream key is the operator's (LiteLLM's master key in
+/// the compose stack), and an agent asking for `/v1/../key/generate` (the upstream's URL parser
+/// resolves dot segments; actix does not) or `/v1/files` would reach its admin API or other
+/// tenants' files with it. An exact match also refuses every encoded or doubled separator.
+pub fn forwarded_route(method: &str, raw_path: &str) -> bool {
+    match method {
+        "POST" => matches!(raw_path, "/v1/chat/completions" | "/v1/completions" | "/v1/responses" | "/v1/embeddings" | "/v1/messages"),
+        "GET" => raw_path == "/v1/models",
+        _ => false,
+    }
 }
 
 /// Joins the upstream root and the called path (`.../v1` roots are accepted too).
@@ -424,6 +439,12 @@ pub struct RunScope(pub Arc<RunBilling>);
 
 /// Every `/v1/*` call.
 pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<ProxyState>) -> HttpResponse {
+    if !forwarded_route(req.method().as_str(), req.uri().path()) {
+        state.metrics.refusals.with_label_values(&["route_not_forwarded"]).inc();
+        tracing::warn!(method = %req.method(), "LLM proxy call to a route it does not forward refused");
+        return HttpResponse::NotFound().json(serde_json::json!({"error": {"code": "not_found",
+            "message": "the LLM proxy forwards POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages and GET /v1/models only"}}));
+    }
     let path_and_query = req.uri().path_and_query().map_or_else(|| req.path().to_owned(), |p| p.as_str().to_owned());
     // The model list is not an LLM call and bills nothing: forwarded without attribution.
     let is_model_list = req.method() == actix_web::http::Method::GET && req.path() == "/v1/models";
@@ -719,6 +740,75 @@ mod tests {
 
     fn unavailable() -> (u16, Option<String>, String) {
         (503, Some("1".to_owned()), "attribution_unavailable".to_owned())
+    }
+
+    /// An upstream that answers every request `200 {}` and records its request lines.
+    async fn recording_upstream() -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("the upstream binds");
+        let addr = listener.local_addr().expect("an address");
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        actix_web::rt::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&head).lines().next().unwrap_or_default().to_owned();
+                log.lock().expect("log").push(line);
+                let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}").await;
+            }
+        });
+        (format!("http://{addr}"), seen)
+    }
+
+    /// A live run's agent (trace id or its ephemeral socket's scope) reaches the upstream's
+    /// inference routes only: not its admin API through dot segments (which the upstream's URL
+    /// parser resolves), encoded ones, or other `/v1` routes, all of which carry the upstream key.
+    #[actix_rt::test]
+    async fn only_inference_routes_are_forwarded_with_the_upstream_key() {
+        let (upstream, seen) = recording_upstream().await;
+        let attributions = Arc::new(Attributions::new());
+        let run = attributions.register(Arc::new(RunBilling::new("run-1", "acct-1", "g", "s", TRACE))).expect("registered");
+        let state = proxy_to(&upstream, attributions, None, None);
+        let bad = ["/v1/../key/generate", "/v1/%2e%2e/key/generate", "/v1/%2E%2E/spend/logs", "/v1/files", "/v1//chat/completions", "/v1/chat/completions/", "/v1/chat/../../key/generate"];
+        for scoped in [false, true] {
+            let mut app = actix_web::App::new().app_data(state.clone());
+            if scoped {
+                app = app.app_data(web::Data::new(RunScope(run.clone())));
+            }
+            let app = web_test::init_service(app.configure(routes)).await;
+            for path in bad {
+                let req = web_test::TestRequest::post()
+                    .uri(path)
+                    .insert_header(("traceparent", format!("00-{TRACE}-b7ad6b7169203331-01")))
+                    .set_json(serde_json::json!({"model": "m", "messages": []}))
+                    .to_request();
+                assert_eq!(web_test::call_service(&app, req).await.status().as_u16(), 404, "{path} (scoped: {scoped})");
+            }
+            let get = web_test::TestRequest::get().uri("/v1/../health").to_request();
+            assert_eq!(web_test::call_service(&app, get).await.status().as_u16(), 404, "scoped: {scoped}");
+            assert!(seen.lock().expect("log").is_empty(), "forwarded: {:?}", seen.lock().expect("log"));
+            let req = web_test::TestRequest::post()
+                .uri("/v1/chat/completions")
+                .insert_header(("traceparent", format!("00-{TRACE}-b7ad6b7169203331-01")))
+                .set_json(serde_json::json!({"model": "m", "messages": []}))
+                .to_request();
+            assert_eq!(web_test::call_service(&app, req).await.status().as_u16(), 200, "scoped: {scoped}");
+            assert_eq!(seen.lock().expect("log").drain(..).collect::<Vec<_>>(), ["POST /v1/chat/completions HTTP/1.1"], "scoped: {scoped}");
+        }
+    }
+
+    #[test]
+    fn forwarded_routes_are_the_inference_apis_and_the_model_list() {
+        assert!(forwarded_route("POST", "/v1/chat/completions") && forwarded_route("POST", "/v1/messages") && forwarded_route("GET", "/v1/models"));
+        assert!(!forwarded_route("GET", "/v1/chat/completions") && !forwarded_route("DELETE", "/v1/models") && !forwarded_route("POST", "/v1/models"));
+        assert!(!forwarded_route("POST", "/v1/fine_tuning/jobs") && !forwarded_route("GET", "/v1/models/../../key/info"));
     }
 
     #[actix_rt::test]
