@@ -168,23 +168,25 @@ impl Admission {
     /// branch key).
     pub async fn submit(&self, new: NewRun) -> Result<Submitted, Refused> {
         // A branch key is its account's (see `claim_branch`): another account's is refused before
-        // anything else looks at it, and a key claimed for a run that is then refused is let go.
+        // anything else looks at it, and a key claimed for a run that is then refused is let go
+        // (unless a run of the same account claimed it meanwhile: that one may be working on it).
         let claimed = match &new.run.branch_key {
             Some(key) => {
                 let account = &new.run.request.billing_account_id;
-                let claim = self.store.tenants().claim_branch(key, account, crate::store::now_ms()).await.map_err(Refused::Store)?;
+                let claim_id = uuid::Uuid::new_v4().to_string();
+                let claim = self.store.tenants().claim_branch(key, account, crate::store::now_ms(), &claim_id).await.map_err(Refused::Store)?;
                 if &claim.owner != account {
                     let field = branch_field(&new.run.request);
                     let message = format!("branch key {key:?} is another billing account's (a branch key belongs to the account that first posted a run on it); use another branch key");
                     return Err(Refused::BranchConflict { field, message });
                 }
-                claim.claimed_now.then(|| (key.clone(), account.clone()))
+                claim.claimed_now.then(|| (key.clone(), claim_id))
             }
             None => None,
         };
         let result = self.submit_on_own_branch(new).await;
-        if let (Err(_), Some((key, account))) = (&result, claimed) {
-            if let Err(e) = self.store.tenants().release_branch(&key, &account).await {
+        if let (Err(_), Some((key, claim_id))) = (&result, claimed) {
+            if let Err(e) = self.store.tenants().release_branch(&key, &claim_id).await {
                 tracing::warn!(error = %e, "cannot let go of the branch key claimed for a refused run; it stays its account's");
             }
         }
@@ -296,7 +298,7 @@ impl Admission {
         // A run admitted before branch keys had owners (or by a replica of that version) claims its
         // key now, so another account cannot take it while the run works on it.
         if let Some(plan) = &spec.branch {
-            match self.store.tenants().claim_branch(&plan.key, &spec.billing_account_id, crate::store::now_ms()).await {
+            match self.store.tenants().claim_branch(&plan.key, &spec.billing_account_id, crate::store::now_ms(), &uuid::Uuid::new_v4().to_string()).await {
                 Ok(claim) if claim.owner != spec.billing_account_id => {
                     tracing::warn!(run_id = %spec.run_id, "the run's branch key is another billing account's (claimed meanwhile); the run goes on");
                 }

@@ -435,13 +435,14 @@ async fn branch_caller_mistakes_are_422_at_post_or_relay_rejected() {
 /// billing account that first ran on it: another account's run on it is `422 branch_conflict`
 /// naming the key's field (not the owner), is not stored and prepares nothing; the owner's next
 /// run on it, and the other account's runs on keys of its own, are relayed; a run refused for
-/// another reason claims nothing; the owner is stored (a restart keeps it). Before, the second account's run waited for the first's branch lock, worked
-/// in its worktree and pushed to its pull request.
+/// another reason claims nothing (unless a run of its account claimed the key meanwhile); the
+/// owner is stored (a restart keeps it). Before, the second account's run waited for the first's
+/// branch lock, worked in its worktree and pushed to its pull request.
 #[actix_rt::test]
 async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     let gw = gateway();
     let store = temp_dir("branch-owners").join("runs.db");
-    let (ws, _held) = FakeWorkspace::new();
+    let (ws, mut held) = FakeWorkspace::new();
     let (app, base, http) = clawmux(&gw, &ws, &store).await;
     let run_of = |run_id: &str, account: &str, branch: Value| json!({"runId": run_id, "message": format!("<{run_id}>"), "billingAccountId": account, "timeoutSec": 60, "branch": branch});
     let mut first = post(&http, &base, &run_of("own-1", "acct-a", json!({"workItemId": "shared"}))).await;
@@ -466,8 +467,24 @@ async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     assert_eq!(r.status(), 422);
     let mut free = post(&http, &base, &run_of("own-3", "acct-a", json!({"workItemId": "free"}))).await;
     assert_relayed(&mut free, "free").await;
+    // A refused run's claim is not let go once another run of its account claimed the key after
+    // it (that run may be working on it): here the first claim's checks are held while a second
+    // run is admitted and relayed, then the first is refused for its base ref.
+    ws.hold(&[Kind::Check]);
+    let (h, b) = (http.clone(), base.clone());
+    let typo = tokio::spawn(async move { h.post(format!("{b}/v1/runs")).json(&run_of("own-4", "acct-a", json!({"workItemId": "racy", "baseRef": "nope"}))).send().await.unwrap().status() });
+    let check = next_held(&mut held, Kind::Check, "racy").await;
+    ws.hold(&[]);
+    let mut racy = post(&http, &base, &run_of("own-5", "acct-a", json!({"workItemId": "racy"}))).await;
+    assert_relayed(&mut racy, "racy").await;
+    let _ = check.release.send(());
+    assert_eq!(typo.await.unwrap(), 422);
+    let r = http.post(format!("{base}/v1/runs")).json(&run_of("other-4", "acct-b", json!({"workItemId": "racy"}))).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!((status, v["error"]["code"].as_str()), (422, Some("branch_conflict")), "{v}");
     let prepared: Vec<String> = ws.log().into_iter().filter(|(k, _)| *k == Kind::Prepare).map(|(_, key)| key).collect();
-    assert_eq!(prepared, ["shared", "b-own", "shared", "free"], "the refused runs prepared nothing");
+    assert_eq!(prepared, ["shared", "b-own", "shared", "free", "racy"], "the refused runs prepared nothing");
     server::shutdown(&app).await;
     drop(app);
     let (ws2, _held2) = FakeWorkspace::new();

@@ -543,15 +543,18 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
 
     // A branch key is the first account's that claims it, for good.
     let claim = |owner: &str, claimed_now: bool| super::tenants::BranchClaim { owner: owner.into(), claimed_now };
-    assert_eq!(t.claim_branch("fix", "acct-a", 1).await.expect("claim"), claim("acct-a", true), "{kind}");
-    assert_eq!(t.claim_branch("fix", "acct-b", 2).await.expect("claim"), claim("acct-a", false), "{kind}: another account's key");
-    assert_eq!(t.claim_branch("fix", "acct-a", 3).await.expect("claim"), claim("acct-a", false), "{kind}");
-    assert_eq!(t.claim_branch("fix/b", "acct-b", 4).await.expect("claim"), claim("acct-b", true), "{kind}");
-    // Let go of by its owner only (a refused run's claim).
-    t.release_branch("fix", "acct-b").await.expect("release");
-    assert_eq!(t.claim_branch("fix", "acct-b", 5).await.expect("claim"), claim("acct-a", false), "{kind}: released by another account");
-    t.release_branch("fix/b", "acct-b").await.expect("release");
-    assert_eq!(t.claim_branch("fix/b", "acct-a", 6).await.expect("claim"), claim("acct-a", true), "{kind}");
+    assert_eq!(t.claim_branch("fix", "acct-a", 1, "c1").await.expect("claim"), claim("acct-a", true), "{kind}");
+    assert_eq!(t.claim_branch("fix", "acct-b", 2, "c2").await.expect("claim"), claim("acct-a", false), "{kind}: another account's key");
+    assert_eq!(t.claim_branch("fix/b", "acct-b", 4, "c4").await.expect("claim"), claim("acct-b", true), "{kind}");
+    // Let go of by the claim that made it the owner's only (a refused run's), and only while no
+    // later claim of the owner came (a run of that account admitted meanwhile works on the key).
+    t.release_branch("fix", "c2").await.expect("release");
+    assert_eq!(t.claim_branch("fix", "acct-b", 5, "c5").await.expect("claim"), claim("acct-a", false), "{kind}: let go of by another account's claim");
+    assert_eq!(t.claim_branch("fix", "acct-a", 3, "c3").await.expect("claim"), claim("acct-a", false), "{kind}");
+    t.release_branch("fix", "c1").await.expect("release");
+    assert_eq!(t.claim_branch("fix", "acct-b", 6, "c6").await.expect("claim"), claim("acct-a", false), "{kind}: let go of while a later claim holds it");
+    t.release_branch("fix/b", "c4").await.expect("release");
+    assert_eq!(t.claim_branch("fix/b", "acct-a", 7, "c7").await.expect("claim"), claim("acct-a", true), "{kind}");
 
     let limits = Limits { max_tokens: Some(1000), period_sec: Some(60), max_concurrent: Some(2), max_runs_per_minute: None };
     assert_eq!(t.limits("acct-a").await.expect("limits"), None, "{kind}");
@@ -603,7 +606,7 @@ async fn pg_tenant_rows_round_trip() {
 }
 
 /// Two replicas' accounts claiming one branch key at once: one of them owns it, and both are told
-/// the same owner (the claim's read sees the other's committed insert).
+/// the same owner (the upsert answers the other's committed row).
 #[tokio::test]
 async fn pg_a_branch_key_claimed_by_two_accounts_at_once_has_one_owner() {
     use super::tenants::TenantStore;
@@ -611,7 +614,7 @@ async fn pg_a_branch_key_claimed_by_two_accounts_at_once_has_one_owner() {
     let (a, b) = (open_pg(&url).await, open_pg(&url).await);
     for i in 0..20 {
         let key = format!("race-{i}");
-        let (x, y) = tokio::join!(a.claim_branch(&key, "acct-a", 1), b.claim_branch(&key, "acct-b", 1));
+        let (x, y) = tokio::join!(a.claim_branch(&key, "acct-a", 1, "ca"), b.claim_branch(&key, "acct-b", 1, "cb"));
         let (x, y) = (x.expect("claim"), y.expect("claim"));
         assert_eq!(x.owner, y.owner, "{key}: two owners");
         assert!(x.claimed_now != y.claimed_now, "{key}: one claim made it: {x:?} {y:?}");
@@ -869,7 +872,7 @@ async fn sqlite_migrating_to_branch_owners_gives_each_stored_key_to_its_first_ru
     let s = SqliteStore::open(&path).await.expect("migrates");
     let claim = |key: &'static str, account: &'static str| {
         let s = &s;
-        async move { s.claim_branch(key, account, 2).await.expect("claim") }
+        async move { s.claim_branch(key, account, 2, &format!("{key}-{account}")).await.expect("claim") }
     };
     assert_eq!(claim("shared", "acct-c").await, BranchClaim { owner: "acct-a".into(), claimed_now: false });
     assert_eq!(claim("b-own", "acct-a").await, BranchClaim { owner: "acct-b".into(), claimed_now: false });

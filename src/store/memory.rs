@@ -17,7 +17,8 @@ struct Inner {
     limits: BTreeMap<String, Limits>,
     spend: HashMap<(String, i64), u64>,
     /// Branch key → the billing account it belongs to.
-    branch_owners: HashMap<String, String>,
+    /// Branch key → its owning account, the claim that made it theirs, the last claim.
+    branch_owners: HashMap<String, (String, String, String)>,
     /// Deliveries: the item, when it is due, delivered, given up, the last error.
     outbox: Vec<(OutboxItem, i64, bool, bool, Option<String>)>,
 }
@@ -240,16 +241,18 @@ impl TenantStore for MemoryStore {
         Ok(self.lock().keys.get(id).cloned())
     }
 
-    async fn claim_branch(&self, branch_key: &str, account: &str, _at_ms: i64) -> Result<BranchClaim, StoreError> {
+    async fn claim_branch(&self, branch_key: &str, account: &str, _at_ms: i64, claim: &str) -> Result<BranchClaim, StoreError> {
         let mut st = self.lock();
-        let claimed_now = !st.branch_owners.contains_key(branch_key);
-        let owner = st.branch_owners.entry(branch_key.to_owned()).or_insert_with(|| account.to_owned()).clone();
-        Ok(BranchClaim { owner, claimed_now })
+        let entry = st.branch_owners.entry(branch_key.to_owned()).or_insert_with(|| (account.to_owned(), claim.to_owned(), claim.to_owned()));
+        if entry.0 == account {
+            claim.clone_into(&mut entry.2);
+        }
+        Ok(BranchClaim { owner: entry.0.clone(), claimed_now: entry.1 == claim })
     }
 
-    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
+    async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
         let mut st = self.lock();
-        if st.branch_owners.get(branch_key).is_some_and(|o| o == account) {
+        if st.branch_owners.get(branch_key).is_some_and(|(_, _, last)| last == claim) {
             st.branch_owners.remove(branch_key);
         }
         Ok(())

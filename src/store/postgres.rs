@@ -1024,22 +1024,26 @@ impl TenantStore for PgStore {
         Ok(self.keys_where("SELECT * FROM api_keys WHERE id = $1", Some(id)).await?.pop())
     }
 
-    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<BranchClaim, StoreError> {
-        // Two statements: the read sees a row another replica committed while the insert waited
-        // for it (one statement reads from a snapshot taken before).
-        let inserted = sqlx::query("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
-            .bind(branch_key)
-            .bind(account)
-            .bind(at_ms)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
-        let owner = sqlx::query_scalar("SELECT billing_account_id FROM branch_owners WHERE branch_key = $1").bind(branch_key).fetch_one(&self.pool).await.map_err(|e| self.err(e))?;
-        Ok(BranchClaim { owner, claimed_now: inserted.rows_affected() == 1 })
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64, claim: &str) -> Result<BranchClaim, StoreError> {
+        // One upsert: its conflict path locks and answers the row another replica committed while
+        // it waited (a plain read would see the snapshot taken before).
+        let (owner, first): (String, Option<String>) = sqlx::query_as(
+            "INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at, first_claim, last_claim) VALUES ($1, $2, $3, $4, $4) \
+             ON CONFLICT (branch_key) DO UPDATE SET last_claim = CASE WHEN branch_owners.billing_account_id = EXCLUDED.billing_account_id \
+             THEN EXCLUDED.last_claim ELSE branch_owners.last_claim END RETURNING billing_account_id, first_claim",
+        )
+        .bind(branch_key)
+        .bind(account)
+        .bind(at_ms)
+        .bind(claim)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(BranchClaim { owner, claimed_now: first.as_deref() == Some(claim) })
     }
 
-    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM branch_owners WHERE branch_key = $1 AND billing_account_id = $2").bind(branch_key).bind(account).execute(&self.pool).await.map_err(|e| self.err(e))?;
+    async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM branch_owners WHERE branch_key = $1 AND last_claim = $2").bind(branch_key).bind(claim).execute(&self.pool).await.map_err(|e| self.err(e))?;
         Ok(())
     }
 

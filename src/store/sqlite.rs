@@ -22,13 +22,14 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 6] = [
+const MIGRATIONS: [&str; 7] = [
     include_str!("../../migrations/sqlite/0001_runs.sql"),
     include_str!("../../migrations/sqlite/0002_tenants.sql"),
     include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
     include_str!("../../migrations/sqlite/0004_event_log.sql"),
     include_str!("../../migrations/sqlite/0005_branch_owners.sql"),
     include_str!("../../migrations/sqlite/0006_retention_per_account.sql"),
+    include_str!("../../migrations/sqlite/0007_branch_claims.sql"),
 ];
 
 /// How often the WAL is checkpointed into the database file.
@@ -581,6 +582,13 @@ impl Store for SqliteStore {
     }
 }
 
+/// Claims a branch key (`?1`) for an account (`?2`) at `?3` with the claim id `?4`: its first
+/// claim makes it the account's; a later one of the same account becomes its last claim (see
+/// [`TenantStore::release_branch`]). Answers the owner and the claim that made it theirs.
+const CLAIM_BRANCH: &str = "INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at, first_claim, last_claim) VALUES (?1, ?2, ?3, ?4, ?4) \
+     ON CONFLICT (branch_key) DO UPDATE SET last_claim = CASE WHEN branch_owners.billing_account_id = excluded.billing_account_id \
+     THEN excluded.last_claim ELSE branch_owners.last_claim END RETURNING billing_account_id, first_claim";
+
 fn decode_key(r: &Row<'_>) -> Result<KeyRecord, String> {
     let list = |c: &str| -> Result<Vec<String>, String> { parse_json(r, c).map(Option::unwrap_or_default) };
     Ok(KeyRecord {
@@ -654,16 +662,15 @@ impl TenantStore for SqliteStore {
         Ok(n > 0)
     }
 
-    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<BranchClaim, StoreError> {
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64, claim: &str) -> Result<BranchClaim, StoreError> {
         self.write_one(|c| {
-            let n = c.execute("INSERT INTO branch_owners (branch_key, billing_account_id, claimed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", params![branch_key, account, at_ms])?;
-            let owner = c.query_row("SELECT billing_account_id FROM branch_owners WHERE branch_key = ?", [branch_key], |r| r.get(0))?;
-            Ok(BranchClaim { owner, claimed_now: n == 1 })
+            let (owner, first): (String, Option<String>) = c.query_row(CLAIM_BRANCH, params![branch_key, account, at_ms, claim], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            Ok(BranchClaim { owner, claimed_now: first.as_deref() == Some(claim) })
         })
     }
 
-    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
-        self.write_one(|c| c.execute("DELETE FROM branch_owners WHERE branch_key = ? AND billing_account_id = ?", params![branch_key, account]))?;
+    async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
+        self.write_one(|c| c.execute("DELETE FROM branch_owners WHERE branch_key = ? AND last_claim = ?", params![branch_key, claim]))?;
         Ok(())
     }
 

@@ -158,10 +158,12 @@ pub trait TenantStore: Send + Sync + 'static {
     /// Revokes a key; false when there is none.
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError>;
     /// The billing account a branch key belongs to: the first to claim it (`account`, when no
-    /// account has), for good.
-    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<BranchClaim, StoreError>;
-    /// Undoes a claim made for a run that was then refused (only `account`'s claim of the key).
-    async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError>;
+    /// account has), for good. `claim` is the claim's own id (unique); a claim by the owning
+    /// account becomes the key's last claim.
+    async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64, claim: &str) -> Result<BranchClaim, StoreError>;
+    /// Undoes the claim `claim`, made for a run that was then refused, if it is still the key's
+    /// last: a later claim is a run of the same account that may be working on the key by now.
+    async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError>;
     /// An account's limits.
     async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError>;
     /// Every account's limits.

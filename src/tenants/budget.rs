@@ -355,11 +355,11 @@ pub(crate) mod tests {
         async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
             self.inner.revoke_key(id, at_ms).await
         }
-        async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64) -> Result<crate::store::tenants::BranchClaim, StoreError> {
-            self.inner.claim_branch(branch_key, account, at_ms).await
+        async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64, claim: &str) -> Result<crate::store::tenants::BranchClaim, StoreError> {
+            self.inner.claim_branch(branch_key, account, at_ms, claim).await
         }
-        async fn release_branch(&self, branch_key: &str, account: &str) -> Result<(), StoreError> {
-            self.inner.release_branch(branch_key, account).await
+        async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
+            self.inner.release_branch(branch_key, claim).await
         }
         async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {
             self.inner.limits(account).await
