@@ -134,6 +134,10 @@ pub struct SessionActor {
     metrics: Metrics,
     /// The connection as it is now (`None` when down).
     link: Option<GatewayUp>,
+    /// How many times the connection went down while the run waited for it: a recovery window's
+    /// timer ends the run only in the outage that armed it (a flapping connection gives each
+    /// outage a window of its own).
+    outages: u64,
     stage: Stage,
     /// When the run's timeout fires (admission + timeout).
     deadline: Instant,
@@ -208,6 +212,7 @@ impl SessionActor {
             cfg,
             metrics,
             link,
+            outages: 0,
             stage: Stage::Queued,
             deadline,
             resume,
@@ -403,6 +408,10 @@ impl SessionActor {
             self.stage = Stage::Subscribing;
             let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
             self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_SUBSCRIBE);
+            // Counted from the send: a run ended before the answer (or whose subscribe timed out)
+            // may be subscribed all the same, and the subscription would outlive it (every later
+            // event of the session sent to clawmux). A stray unsubscribe is harmless.
+            self.subscribed = true;
         } else {
             self.send_agent(ctx);
         }
@@ -685,8 +694,9 @@ impl SessionActor {
             // is cancelled once that gateway is back), never as a race between two timers.
             return;
         }
-        ctx.run_later(self.cfg.recovery_window, |act, ctx| {
-            if matches!(act.stage, Stage::Recovering | Stage::WaitingForGateway) && act.link.is_none() {
+        let outage = self.outages;
+        ctx.run_later(self.cfg.recovery_window, move |act, ctx| {
+            if act.outages == outage && matches!(act.stage, Stage::Recovering | Stage::WaitingForGateway) && act.link.is_none() {
                 act.finish(
                     ctx,
                     RunOutcome::failed(
@@ -725,9 +735,8 @@ impl SessionActor {
                 }
             }
             (TAG_SUBSCRIBE, result) if self.stage == Stage::Subscribing => {
-                match result {
-                    Ok(_) => self.subscribed = true,
-                    Err(e) => tracing::warn!(run_id = %self.spec.run_id, error = %describe(&e), "subscribe failed; the run's events may not arrive"),
+                if let Err(e) = result {
+                    tracing::warn!(run_id = %self.spec.run_id, error = %describe(&e), "subscribe failed; the run's events may not arrive");
                 }
                 self.send_agent(ctx);
             }
@@ -921,6 +930,7 @@ impl SessionActor {
     }
 
     fn on_link_down(&mut self, ctx: &mut Context<Self>) {
+        self.outages = self.outages.wrapping_add(1);
         match self.stage {
             Stage::Running | Stage::Waiting | Stage::Recovering => {
                 if let Some(reason) = self.cancelling {

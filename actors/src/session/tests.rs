@@ -710,6 +710,49 @@ async fn a_connection_that_stays_down_ends_the_run_and_hands_its_gateway_run_ove
     h.settled(Some(&agent)).await;
 }
 
+/// A run ended while its subscribe is unanswered undoes it: the gateway may have applied it, and
+/// it would outlive the run (every later event of the session sent to clawmux).
+#[actix_rt::test]
+async fn a_run_cancelled_while_subscribing_unsubscribes() {
+    let mut h = start(one_minute("r1"), Some(up("A", true)), cfg(), None);
+    h.addr.do_send(Turn::Go);
+    h.probe.add_route().await;
+    answer(&h.probe.call(name::SESSIONS_PATCH).await, json!({"ok": true}));
+    let sub = h.probe.call(name::SESSIONS_SUBSCRIBE).await;
+    h.addr.do_send(CancelRun(CancelReason::Api));
+    let (sent, _) = h.ended().await;
+    assert!(methods(&sent).contains(&name::SESSIONS_UNSUBSCRIBE.to_owned()), "{:?}", methods(&sent));
+    answer(&sub, json!({}));
+    h.settled(None).await;
+}
+
+/// A flapping connection: the first outage's recovery timer must not end the run in the second
+/// outage (it has a window of its own); once the link is back, the run ends as the gateway says.
+#[actix_rt::test]
+async fn a_second_outage_gets_a_recovery_window_of_its_own() {
+    let window = Duration::from_secs(2);
+    let c = SessionConfig { recovery_window: window, ..cfg() };
+    let mut h = start(one_minute("r1"), Some(up("A", false)), c, None);
+    let agent = h.accepted(false).await;
+    fail(&agent, CallError::Disconnected);
+    h.addr.do_send(Link(None));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    h.addr.do_send(Link(Some(up("A", false))));
+    let wait = h.probe.call(name::AGENT_WAIT).await;
+    // The second outage comes 1.5 s after the first: the first's timer fires 0.5 s into it.
+    tokio::time::sleep(Duration::from_millis(1450)).await;
+    fail(&wait, CallError::Disconnected);
+    h.addr.do_send(Link(None));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(!h.sink.events().iter().any(|e| matches!(e, RunEvent::Finished(_))), "ended inside its second outage's window: {:?}", h.sink.events());
+    h.addr.do_send(Link(Some(up("A", false))));
+    let wait = h.probe.call(name::AGENT_WAIT).await;
+    answer(&wait, json!({"runId": h.spec.gateway_run_id, "status": "ok", "endedAt": 2, "terminalReply": {"text": "Hello world"}}));
+    let (_, status) = h.ended().await;
+    assert_eq!(status, Some(RunStatus::Ok));
+    h.settled(Some(&agent)).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // A gateway that answers nonsense
 // ---------------------------------------------------------------------------------------------
