@@ -231,9 +231,11 @@ pub struct AgentWaitResult {
     pub run_id: Option<String>,
     /// `ok`, `error`, `timeout` (also: the wait itself timed out), `pending` (still queued).
     pub status: String,
-    /// When it ended (absent while it runs).
+    /// When it ended (absent while it runs). Only its presence is read (it tells a run that timed
+    /// out from a wait that did), so any value but `null` counts: a fractional or negative time
+    /// must not turn a finished run's answer into a protocol error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ended_at: Option<u64>,
+    pub ended_at: Option<serde_json::Value>,
     /// Error text, when the run failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<serde_json::Value>,
@@ -347,6 +349,10 @@ mod tests {
             Some(WaitOutcome::Ok(Some("hi".into())))
         );
         assert_eq!(w(r#"{"runId":"r","status":"sideways"}"#), None);
+        // `endedAt` is a hint: any value but `null` says the run ended.
+        assert_eq!(w(r#"{"runId":"r","status":"ok","endedAt":1.7e12,"terminalReply":{"text":"hi"}}"#), Some(WaitOutcome::Ok(Some("hi".into()))));
+        assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":-1}"#), Some(WaitOutcome::TimedOut));
+        assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":null}"#), Some(WaitOutcome::NotEnded));
     }
 
     #[test]
