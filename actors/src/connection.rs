@@ -43,7 +43,7 @@ pub trait ConnEvents: Send + 'static {
     /// The attempt failed before hello-ok.
     fn failed(&self, failure: ConnectFailure);
     /// A decoded frame (or a decode error) after hello-ok, with the moment its bytes arrived.
-    fn frame(&self, frame: Result<Frame, String>, received: std::time::Instant);
+    fn frame(&self, frame: Result<Frame, clawmux_protocol::DecodeError>, received: std::time::Instant);
     /// The connection ended.
     fn closed(&self, reason: String);
 }
@@ -135,12 +135,12 @@ pub async fn run(
             match stream.next().await {
                 Some(Ok(Message::Text(text))) => {
                     let received = std::time::Instant::now();
-                    events.frame(decode_frame(text.as_str(), max_payload).map_err(|e| e.to_string()), received);
+                    events.frame(decode_frame(text.as_str(), max_payload), received);
                     // The supervisor shares this thread: let it route this frame before the next
                     // one of a burst is decoded, rather than after all of them.
                     tokio::task::yield_now().await;
                 }
-                Some(Ok(Message::Binary(_))) => events.frame(Err("binary frame from the gateway".to_owned()), std::time::Instant::now()),
+                Some(Ok(Message::Binary(_))) => events.frame(Err(clawmux_protocol::DecodeError::Malformed { what: "frame".to_owned(), reason: "a binary frame".to_owned() }), std::time::Instant::now()),
                 Some(Ok(Message::Close(frame))) => {
                     return match frame {
                         Some(f) => format!("the gateway closed the connection ({} {})", u16::from(f.code), f.reason),

@@ -200,7 +200,7 @@ struct ConnFailed {
 #[rtype(result = "()")]
 struct Inbound {
     generation: u64,
-    frame: Result<Frame, String>,
+    frame: Result<Frame, clawmux_protocol::DecodeError>,
     /// When the frame's bytes arrived (the start of clawmux's added latency).
     received: Instant,
 }
@@ -226,7 +226,7 @@ impl ConnEvents for ToSupervisor {
     fn failed(&self, failure: ConnectFailure) {
         self.addr.do_send(ConnFailed { generation: self.generation, failure });
     }
-    fn frame(&self, frame: Result<Frame, String>, received: Instant) {
+    fn frame(&self, frame: Result<Frame, clawmux_protocol::DecodeError>, received: Instant) {
         self.addr.do_send(Inbound { generation: self.generation, frame, received });
     }
     fn closed(&self, reason: String) {
@@ -502,6 +502,18 @@ impl Supervisor {
         reply_to.do_send(Reply { tag: p.tag, result });
     }
 
+    /// A `res` whose id reads but whose body does not: the request is answered `Malformed` (an
+    /// `agent` call too, whether it was the ACK or the final), not left to its deadline.
+    fn on_unreadable_response(&mut self, id: &str, reason: String) {
+        let Some(p) = self.pending.remove(id) else {
+            self.metrics.responses_unmatched.inc();
+            return;
+        };
+        if let Some(reply_to) = p.reply_to {
+            reply_to.do_send(Reply { tag: p.tag, result: Err(CallError::Malformed(format!("the answer could not be decoded: {reason}"))) });
+        }
+    }
+
     fn on_event(&mut self, ctx: &mut Context<Self>, event: GatewayEvent, received: Instant) {
         match event {
             GatewayEvent::Chat(_) | GatewayEvent::Agent(_) => {
@@ -702,6 +714,11 @@ impl Handler<Inbound> for Supervisor {
             Ok(Frame::Req(_)) => {
                 self.metrics.frames_malformed.inc();
                 tracing::warn!("the gateway sent a request frame; ignored");
+            }
+            Err(clawmux_protocol::DecodeError::MalformedResponse { id, reason }) => {
+                self.metrics.frames_malformed.inc();
+                tracing::warn!(%id, %reason, "malformed answer from the gateway; its caller is told");
+                self.on_unreadable_response(&id, reason);
             }
             Err(e) => {
                 self.metrics.frames_malformed.inc();

@@ -267,6 +267,12 @@ fn expected(frames: &[String], mut ids: HashMap<String, (usize, bool)>) -> Expec
                     (false, _, e) => Got::Gateway(e.map(|e| e.code).unwrap_or_default()),
                 });
             }
+            // An answer whose id reads but whose body does not: its caller is told, once.
+            Err(clawmux_protocol::DecodeError::MalformedResponse { id, .. }) => {
+                if let Some((k, _)) = ids.remove(&id) {
+                    out.replies[k].push(Got::Malformed);
+                }
+            }
             Ok(Frame::Event(ev)) => match ev.event {
                 GatewayEvent::Chat(_) | GatewayEvent::Agent(_) => {
                     // Judged on the frame as sent (not as decoded): both keys, byte for byte.
@@ -305,6 +311,9 @@ fn res_frame() -> impl Strategy<Value = String> {
     let error = prop_oneof![
         3 => Just(json!({"code": "UNAVAILABLE", "message": "busy", "retryable": true, "retryAfterMs": -1})),
         1 => Just(json!({"code": "INVALID_REQUEST", "message": "no"})),
+        // Errors that do not decode: their answer still reaches its caller (as malformed).
+        1 => Just(json!({"code": "UNAVAILABLE", "message": "busy", "retryable": "true"})),
+        1 => Just(json!({"message": "no code"})),
         1 => small_json(),
     ];
     (id, any::<bool>(), payload, prop::option::of(error)).prop_map(|(id, ok, payload, error)| {

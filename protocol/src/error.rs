@@ -110,4 +110,13 @@ pub enum DecodeError {
     /// `type` is none of `req`, `res`, `event`.
     #[error("unknown frame type {0:?}")]
     UnknownType(String),
+    /// A `res` whose `id` reads but whose other fields do not: its caller is told (it would
+    /// otherwise wait for an answer that already came).
+    #[error("malformed res {id:?}: {reason}")]
+    MalformedResponse {
+        /// The request it answers.
+        id: String,
+        /// What was wrong.
+        reason: String,
+    },
 }

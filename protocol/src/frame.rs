@@ -96,13 +96,23 @@ pub fn decode_frame(text: &str, max_payload: usize) -> Result<Frame, DecodeError
     if let Some((event, seq)) = crate::one_pass::routed_event(text) {
         return Ok(Frame::Event(EventFrame { event, seq }));
     }
-    let wire: WireFrame<'_> = serde_json::from_str(text)?;
+    let wire: WireFrame<'_> = match serde_json::from_str(text) {
+        Ok(wire) => wire,
+        Err(e) => {
+            return Err(match response_id(text) {
+                Some(id) => DecodeError::MalformedResponse { id, reason: e.to_string() },
+                None => DecodeError::Json(e),
+            })
+        }
+    };
     match wire.kind.as_str() {
         "res" => {
             let id = wire.id.ok_or_else(|| malformed("res", "missing id"))?;
-            let ok = wire.ok.ok_or_else(|| malformed("res", "missing ok"))?;
+            let Some(ok) = wire.ok else {
+                return Err(DecodeError::MalformedResponse { id, reason: "missing ok".to_owned() });
+            };
             if !ok && wire.error.is_none() {
-                return Err(malformed("res", "ok:false without error"));
+                return Err(DecodeError::MalformedResponse { id, reason: "ok:false without error".to_owned() });
             }
             Ok(Frame::Res(ResponseFrame { id, ok, payload: wire.payload.map(RawValue::to_owned), error: wire.error }))
         }
@@ -121,6 +131,23 @@ pub fn decode_frame(text: &str, max_payload: usize) -> Result<Frame, DecodeError
             Ok(Frame::Req(RequestFrame { id, method, params, traceparent: wire.traceparent }))
         }
         other => Err(DecodeError::UnknownType(other.to_owned())),
+    }
+}
+
+/// The `id` of a frame that is a `res` (read with every other field skipped), for a `res` whose
+/// other fields do not decode (an `error` without a `code`, a `retryable` that is a string, ...).
+fn response_id(text: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct ResId {
+        #[serde(rename = "type")]
+        kind: String,
+        id: Option<String>,
+    }
+    let r: ResId = serde_json::from_str(text).ok()?;
+    if r.kind == "res" {
+        r.id
+    } else {
+        None
     }
 }
 
@@ -214,6 +241,24 @@ mod tests {
         let Frame::Res(res) = decode_frame(ack, MAX).expect("decodes") else { panic!() };
         assert!(res.ok);
         assert_eq!(res.id, "A-4");
+    }
+
+    /// A `res` whose body does not decode still names the request it answers (its caller would
+    /// otherwise wait for an answer that already came); a frame that is no `res` does not.
+    #[test]
+    fn an_undecodable_res_still_names_its_request() {
+        for text in [
+            r#"{"type":"res","id":"cm-3","ok":false,"error":{"code":"UNAVAILABLE","message":"busy","retryable":"true"}}"#,
+            r#"{"type":"res","id":"cm-3","ok":false,"error":{"message":"no code"}}"#,
+            r#"{"type":"res","id":"cm-3","ok":true,"payload":{},"error":5}"#,
+            r#"{"type":"res","id":"cm-3","ok":false}"#,
+            r#"{"type":"res","id":"cm-3"}"#,
+        ] {
+            assert!(matches!(decode_frame(text, MAX), Err(DecodeError::MalformedResponse { ref id, .. }) if id == "cm-3"), "{text}");
+        }
+        for text in [r#"{"type":"req","id":"cm-3","error":5}"#, r#"{"type":"res","id":3,"ok":true}"#, r#"{"type":"res","ok":"yes"}"#, "not json"] {
+            assert!(!matches!(decode_frame(text, MAX), Err(DecodeError::MalformedResponse { .. }) | Ok(_)), "{text}");
+        }
     }
 
     #[test]

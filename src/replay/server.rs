@@ -617,7 +617,7 @@ mod tests {
             self.up.store(1, Ordering::SeqCst);
         }
         fn failed(&self, _: clawmux_actors::connection::ConnectFailure) {}
-        fn frame(&self, _: Result<clawmux_protocol::Frame, String>, _: std::time::Instant) {
+        fn frame(&self, _: Result<clawmux_protocol::Frame, clawmux_protocol::DecodeError>, _: std::time::Instant) {
             self.seen.lock().unwrap().push(self.consumed.load(Ordering::SeqCst));
             let _ = self.to_consumer.send(());
         }
