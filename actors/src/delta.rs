@@ -100,7 +100,9 @@ impl DeltaTracker {
 /// The length of the longest prefix of `next` that `done` ends with, on a char boundary
 /// (prefix function over `next`, then a scan of `done`'s tail: linear in the text sizes).
 fn overlap(done: &str, next: &str) -> usize {
-    let p = next.as_bytes();
+    // Only a prefix no longer than `done` can be a border: the table (a word per byte) is kept to
+    // that, not to a whole frame's text (a resumed run's first frame may hold megabytes).
+    let p = &next.as_bytes()[..next.len().min(done.len())];
     let mut fail = vec![0usize; p.len()];
     let mut k = 0;
     for i in 1..p.len() {
@@ -133,6 +135,17 @@ fn overlap(done: &str, next: &str) -> usize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The border table is kept to the text already delivered, not to the frame's: a resumed
+    /// run's first frame of 25 MiB after 10 bytes needs a table of 10 words, not 25 M.
+    #[test]
+    fn a_long_frame_after_short_text_overlaps_without_a_frame_sized_table() {
+        let next = format!("world{}", "x".repeat(1 << 20));
+        assert_eq!(overlap("hello world", &next), 5);
+        assert_eq!(overlap("hello", &next), 0);
+        assert_eq!(overlap("", &next), 0);
+        assert_eq!(overlap("héllo wé", "wé, more"), 3);
+    }
 
     fn feed(frames: &[&str]) -> (Vec<String>, String) {
         let mut t = DeltaTracker::new();

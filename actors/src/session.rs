@@ -65,7 +65,15 @@ pub struct SessionConfig {
     pub request_timeout: Duration,
     /// Outbound headers policy.
     pub outbound_headers: OutboundHeadersMode,
+    /// The most text a run may produce. The gateway is a peer: a run whose frames keep bringing
+    /// new text (two messages interleaved count each as a new turn) would grow its delta tracker,
+    /// its event log and the store writer's queue shared by every run without bound. Past this the
+    /// run ends `agent_error` and its gateway run is cancelled.
+    pub max_output_bytes: usize,
 }
+
+/// [`SessionConfig::max_output_bytes`] by default: far beyond an agent's answer.
+pub const MAX_OUTPUT_BYTES: usize = 16 << 20;
 
 impl Default for SessionConfig {
     fn default() -> Self {
@@ -74,6 +82,7 @@ impl Default for SessionConfig {
             abort_grace: Duration::from_secs(10),
             request_timeout: Duration::from_secs(30),
             outbound_headers: OutboundHeadersMode::Auto,
+            max_output_bytes: MAX_OUTPUT_BYTES,
         }
     }
 }
@@ -490,10 +499,18 @@ impl SessionActor {
         self.sink.emit(RunEvent::Status { phase: next.0, tool: next.1 });
     }
 
-    fn push_text(&mut self, cumulative: &str, received: Instant) {
-        if let Some(delta) = self.tracker.push(cumulative) {
-            self.sink.text_delta(delta, received);
+    fn push_text(&mut self, ctx: &mut Context<Self>, cumulative: &str, received: Instant) {
+        let Some(delta) = self.tracker.push(cumulative) else { return };
+        if self.tracker.emitted().len() > self.cfg.max_output_bytes {
+            let message = format!("the run's output exceeded {} bytes; the gateway run was cancelled", self.cfg.max_output_bytes);
+            tracing::warn!(run_id = %self.spec.run_id, "{message}");
+            // Its text so far is in the outcome's content (what the run's clients were sent).
+            let mut outcome = RunOutcome::failed(ErrorCode::AgentError, message, String::new());
+            let sent = self.tracker.emitted().len() - delta.len();
+            outcome.content = self.tracker.emitted().get(..sent).unwrap_or_default().to_owned();
+            return self.finish(ctx, outcome);
         }
+        self.sink.text_delta(delta, received);
     }
 
     fn accept(&mut self, gateway_run_id: String) {
@@ -903,7 +920,7 @@ impl SessionActor {
         });
     }
 
-    fn on_event(&mut self, event: GatewayEvent, received: Instant) {
+    fn on_event(&mut self, ctx: &mut Context<Self>, event: GatewayEvent, received: Instant) {
         if matches!(self.stage, Stage::Done | Stage::Publishing) {
             return;
         }
@@ -911,7 +928,7 @@ impl SessionActor {
             GatewayEvent::Chat(chat) => match chat.state {
                 ChatState::Delta | ChatState::Final | ChatState::Aborted => {
                     if let Some(text) = chat.text() {
-                        self.push_text(text, received);
+                        self.push_text(ctx, text, received);
                     }
                 }
                 ChatState::Error => {
@@ -1005,8 +1022,8 @@ impl Handler<Turn> for SessionActor {
 
 impl Handler<Routed> for SessionActor {
     type Result = ();
-    fn handle(&mut self, msg: Routed, _ctx: &mut Context<Self>) {
-        self.on_event(msg.0, msg.1);
+    fn handle(&mut self, msg: Routed, ctx: &mut Context<Self>) {
+        self.on_event(ctx, msg.0, msg.1);
     }
 }
 

@@ -69,6 +69,7 @@ impl SupervisorConfig {
             abort_grace: self.abort_grace,
             request_timeout: self.request_timeout,
             outbound_headers: self.outbound_headers,
+            max_output_bytes: crate::session::MAX_OUTPUT_BYTES,
         }
     }
 

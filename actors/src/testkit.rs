@@ -429,6 +429,7 @@ pub fn test_registry(
         abort_grace: Duration::from_secs(30),
         request_timeout: Duration::from_secs(7),
         outbound_headers: crate::session::OutboundHeadersMode::Auto,
+        max_output_bytes: crate::session::MAX_OUTPUT_BYTES,
     };
     let metrics = crate::metrics::Metrics::new(&prometheus::Registry::new()).expect("metrics");
     let cfg = crate::registry::RegistryConfig { max_runs, max_starting, session };

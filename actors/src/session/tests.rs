@@ -27,6 +27,7 @@ fn cfg() -> SessionConfig {
         abort_grace: Duration::from_secs(30),
         request_timeout: Duration::from_secs(7),
         outbound_headers: OutboundHeadersMode::Auto,
+        max_output_bytes: crate::session::MAX_OUTPUT_BYTES,
     }
 }
 
@@ -707,6 +708,27 @@ async fn a_connection_that_stays_down_ends_the_run_and_hands_its_gateway_run_ove
         "cancelled once that process is back"
     );
     assert_eq!(h.sink.ended(), (RunStatus::Error, "gateway_disconnected"));
+    h.settled(Some(&agent)).await;
+}
+
+/// A gateway whose frames keep bringing new text (two messages interleaved: each frame a new
+/// turn) cannot grow a run without bound: past its output limit the run ends `agent_error`, its
+/// gateway run is cancelled, and its clients got no more than the limit.
+#[actix_rt::test]
+async fn a_run_past_its_output_limit_ends_and_is_cancelled() {
+    let c = SessionConfig { max_output_bytes: 100, ..cfg() };
+    let mut h = start(one_minute("r1"), Some(up("A", false)), c, None);
+    let agent = h.accepted(false).await;
+    let (a, b) = ("a".repeat(40), "b".repeat(40));
+    for i in 0..64 {
+        h.addr.do_send(chat_delta(&h.spec, if i % 2 == 0 { &a } else { &b }));
+    }
+    let (sent, status) = h.ended().await;
+    assert_eq!(status, Some(RunStatus::Error));
+    assert_eq!(methods(&sent), ["chat.abort", "remove_route", "release_session"], "the gateway run is cancelled");
+    assert_eq!(h.sink.ended(), (RunStatus::Error, "agent_error"));
+    assert!(h.sink.text().len() <= 100, "{} bytes sent to the run's clients", h.sink.text().len());
+    assert_eq!(h.sink.outcome().content, h.sink.text(), "the outcome holds what the clients were sent");
     h.settled(Some(&agent)).await;
 }
 
