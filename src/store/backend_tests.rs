@@ -16,7 +16,7 @@ pub(super) fn trace_of(run_id: &str) -> String {
     format!("{:016x}{:016x}", fnv(1), fnv(2))
 }
 
-pub(super) fn row(run_id: &str, account: &str, created_at_ms: i64) -> RunRow {
+pub(crate) fn row(run_id: &str, account: &str, created_at_ms: i64) -> RunRow {
     RunRow {
         seq: 0,
         run_id: run_id.to_owned(),
@@ -54,7 +54,7 @@ pub(super) fn row(run_id: &str, account: &str, created_at_ms: i64) -> RunRow {
     }
 }
 
-fn event(id: u64, name: EventName, data: &str) -> StoredEvent {
+pub(crate) fn event(id: u64, name: EventName, data: &str) -> StoredEvent {
     StoredEvent { id, name, data: data.to_owned() }
 }
 

@@ -41,7 +41,7 @@ mod sqlite_events_tests;
 pub mod tenants;
 pub mod writer;
 #[cfg(test)]
-mod backend_tests;
+pub(crate) mod backend_tests;
 #[cfg(test)]
 mod lease_tests;
 #[cfg(test)]

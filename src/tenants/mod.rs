@@ -69,12 +69,17 @@ pub struct StoreSecrets {
 }
 
 impl webhook::Secrets for StoreSecrets {
-    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Option<String>> {
+    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Result<Option<String>, String>> {
         let key_id = key_id.map(str::to_owned);
         Box::pin(async move {
             match key_id {
-                None => self.admin.as_ref().map(|s| s.expose().to_owned()),
-                Some(id) => self.store.key(&id).await.ok().flatten().map(|k| k.webhook_secret),
+                None => Ok(self.admin.as_ref().map(|s| s.expose().to_owned())),
+                Some(id) => self.store.key(&id).await.map(|k| k.map(|k| k.webhook_secret)).map_err(|e| {
+                    // The delivery's error is shown to its key's holder: the store's details go
+                    // to the log only.
+                    tracing::warn!(error = %e, "cannot read a webhook's signing secret");
+                    "the store cannot be read right now".to_owned()
+                }),
             }
         })
     }

@@ -77,9 +77,15 @@ pub fn backoff(attempts: u32) -> Duration {
 
 /// Where the signing secrets come from.
 pub trait Secrets: Send + Sync + 'static {
-    /// The secret of key `key_id`, or of the admin (`None`).
-    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Option<String>>;
+    /// The secret of key `key_id`, or of the admin (`None`); `Ok(None)` when there is none (the
+    /// key is gone, `CLAWMUX_WEBHOOK_SECRET` is unset), an error when it cannot be read now (the
+    /// store: the delivery is tried again, not given up).
+    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Result<Option<String>, String>>;
 }
+
+/// Deliveries attempted at once: one receiver that never answers holds one of them for an
+/// attempt's bound, not every other tenant's webhooks behind it.
+const CONCURRENT_ATTEMPTS: usize = 16;
 
 /// The delivery worker's settings.
 #[derive(Debug, Clone)]
@@ -114,28 +120,31 @@ pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secret
                 continue;
             }
         };
-        for item in due {
-            // Taken for one attempt (its bound plus a margin): another replica's loop passes it by.
-            let now = now_ms();
-            let until = now + i64::try_from(cfg.attempt_timeout.as_millis()).unwrap_or(i64::MAX / 2) + CLAIM_MARGIN_MS;
-            match store.claim_delivery(item.id, now, until).await {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot take a webhook delivery");
-                    continue;
-                }
-            }
-            let outcome = attempt(&client, &*secrets, &item, &cfg).await;
-            match &outcome {
-                DeliveryOutcome::Delivered => tracing::info!(run_id = %item.run_id, delivery = item.id, "webhook delivered"),
-                DeliveryOutcome::Retry { error, .. } => tracing::warn!(run_id = %item.run_id, delivery = item.id, error = %error, "webhook delivery failed; will retry"),
-                DeliveryOutcome::GaveUp { error } => tracing::error!(run_id = %item.run_id, delivery = item.id, error = %error, "webhook delivery given up"),
-            }
-            if let Err(e) = store.record_delivery(item.id, &outcome, now_ms()).await {
-                tracing::warn!(error = %e, "cannot record a webhook delivery");
-            }
+        futures_util::StreamExt::for_each_concurrent(futures_util::stream::iter(due), CONCURRENT_ATTEMPTS, |item| deliver(&*store, &client, &*secrets, item, &cfg)).await;
+    }
+}
+
+/// Takes one due delivery, attempts it and records the outcome.
+async fn deliver(store: &dyn TenantStore, client: &reqwest::Client, secrets: &dyn Secrets, item: OutboxItem, cfg: &DeliveryConfig) {
+    // Taken for one attempt (its bound plus a margin): another replica's loop passes it by.
+    let now = now_ms();
+    let until = now + i64::try_from(cfg.attempt_timeout.as_millis()).unwrap_or(i64::MAX / 2) + CLAIM_MARGIN_MS;
+    match store.claim_delivery(item.id, now, until).await {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot take a webhook delivery");
+            return;
         }
+    }
+    let outcome = attempt(client, secrets, &item, cfg).await;
+    match &outcome {
+        DeliveryOutcome::Delivered => tracing::info!(run_id = %item.run_id, delivery = item.id, "webhook delivered"),
+        DeliveryOutcome::Retry { error, .. } => tracing::warn!(run_id = %item.run_id, delivery = item.id, error = %error, "webhook delivery failed; will retry"),
+        DeliveryOutcome::GaveUp { error } => tracing::error!(run_id = %item.run_id, delivery = item.id, error = %error, "webhook delivery given up"),
+    }
+    if let Err(e) = store.record_delivery(item.id, &outcome, now_ms()).await {
+        tracing::warn!(error = %e, "cannot record a webhook delivery");
     }
 }
 
@@ -149,8 +158,10 @@ async fn attempt(client: &reqwest::Client, secrets: &dyn Secrets, item: &OutboxI
             DeliveryOutcome::Retry { next_at_ms: now_ms() + next.as_millis() as i64, error }
         }
     };
-    let Some(secret) = secrets.secret(item.key_id.as_deref()).await else {
-        return DeliveryOutcome::GaveUp { error: "no signing secret (the key is gone, or CLAWMUX_WEBHOOK_SECRET is unset)".to_owned() };
+    let secret = match secrets.secret(item.key_id.as_deref()).await {
+        Ok(Some(secret)) => secret,
+        Ok(None) => return DeliveryOutcome::GaveUp { error: "no signing secret (the key is gone, or CLAWMUX_WEBHOOK_SECRET is unset)".to_owned() },
+        Err(e) => return failed(format!("cannot read the signing secret: {e}")),
     };
     let t = now_ms() / 1000;
     let sent = client
@@ -197,6 +208,104 @@ mod tests {
         assert_ne!(s, signature("whsec_1", 1_700_000_001, "{}"));
         assert_ne!(s, signature("whsec_2", 1_700_000_000, "{}"));
         assert_ne!(s, signature("whsec_1", 1_700_000_000, "{ }"));
+    }
+
+    use crate::store::{EventName, NewDelivery, RunPatch, Store, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// A receiver: `/hang` is read and never answered; anything else is answered `200` and its
+    /// path recorded.
+    async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().expect("addr");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&head).lines().next().unwrap_or_default().to_owned();
+                    let path = line.split(' ').nth(1).unwrap_or_default().to_owned();
+                    if path == "/hang" {
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        return;
+                    }
+                    log.lock().expect("log").push(path);
+                    let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
+                });
+            }
+        });
+        (format!("http://{addr}"), seen)
+    }
+
+    /// A finished run `run_id` whose webhook goes to `url`.
+    async fn queue(store: &crate::store::memory::MemoryStore, run_id: &str, url: String) {
+        let row = crate::store::backend_tests::row(run_id, "acct", 1);
+        store.apply(&[Write::Insert(Box::new(row))]).await.expect("insert");
+        let end = RunPatch { status: Some("ok".into()), finished_at_ms: Some(now_ms()), ..RunPatch::default() };
+        let webhook = NewDelivery { url, key_id: Some("k1".into()), body: "{}".into() };
+        let event = crate::store::backend_tests::event(1, EventName::Final, "{}");
+        store.apply(&[Write::Append { run_id: run_id.into(), event: Some(event), patch: end, webhook: Some(webhook) }]).await.expect("end");
+    }
+
+    /// Secrets whose store fails the first `failures` reads.
+    struct Flaky(AtomicUsize);
+    impl Secrets for Flaky {
+        fn secret(&self, _: Option<&str>) -> futures_util::future::BoxFuture<'_, Result<Option<String>, String>> {
+            let failing = self.0.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+            Box::pin(async move { if failing { Err("the store cannot be read right now".to_owned()) } else { Ok(Some("whsec_1".to_owned())) } })
+        }
+    }
+
+    fn config() -> DeliveryConfig {
+        DeliveryConfig { poll: Duration::from_millis(50), max_age: Duration::from_secs(3600), attempt_timeout: Duration::from_secs(30) }
+    }
+
+    async fn until(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !done() {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A signing secret the store cannot read for a moment is tried again (after the backoff),
+    /// not given up: the run's only completion notice arrives.
+    #[tokio::test]
+    async fn a_secret_that_cannot_be_read_for_a_moment_is_retried_not_given_up() {
+        let (base, seen) = receiver().await;
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        queue(&store, "run-1", format!("{base}/ok")).await;
+        let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(1))), config()));
+        until("the webhook did not arrive after the store came back", || seen.lock().expect("log").len() == 1).await;
+        worker.abort();
+        let deliveries = store.deliveries_of("run-1").await.expect("read");
+        assert_eq!(deliveries.iter().map(|d| (d.0, d.1, d.2)).collect::<Vec<_>>(), [(2, true, false)], "{deliveries:?}");
+    }
+
+    /// Receivers that never answer (each attempt bounded at 30 s here) do not hold up another
+    /// run's webhook queued after theirs.
+    #[tokio::test]
+    async fn receivers_that_never_answer_do_not_hold_up_other_webhooks() {
+        let (base, seen) = receiver().await;
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        for i in 0..8 {
+            queue(&store, &format!("hang-{i}"), format!("{base}/hang")).await;
+        }
+        queue(&store, "run-ok", format!("{base}/ok")).await;
+        let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(0))), config()));
+        until("the webhook behind the hanging receivers did not arrive", || seen.lock().expect("log").len() == 1).await;
+        worker.abort();
     }
 
     #[test]
