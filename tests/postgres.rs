@@ -176,6 +176,10 @@ async fn pg_stopped_mid_load_admission_answers_503_with_retry_after_then_recover
     let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
     let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(90)).await;
     until_streaming(&seen, N / 2).await;
+    // An API key, to be checked while the database is down.
+    let key = http.post(format!("{}/v1/admin/keys", app.base)).json(&json!({"name": "k", "accounts": ["acct-0"], "actions": ["run"]})).send().await.unwrap();
+    assert_eq!(key.status(), 201);
+    let key = key.json::<Value>().await.unwrap()["key"].as_str().unwrap().to_owned();
 
     pg.stop();
     let stopped = Instant::now();
@@ -185,8 +189,16 @@ async fn pg_stopped_mid_load_admission_answers_503_with_retry_after_then_recover
     let refused: Value = r.json().await.unwrap();
     assert_eq!(status, 503, "{refused}");
     assert_eq!(refused["error"]["code"], "store_unavailable", "{refused}");
+    assert!(!refused.to_string().contains("127.0.0.1") && !refused.to_string().contains("postgres"), "the store's address is the operator's: {refused}");
     assert!(retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok_and(|n| n > 0)), "Retry-After: {retry_after:?}");
     eprintln!("503 after {:.1} s", stopped.elapsed().as_secs_f64());
+    // A request with an API key cannot have its key checked: the store's 503, not the gateway's
+    // (which tells a client to try another instance).
+    let r = http.post(format!("{}/v1/runs?wait=false", app.base)).bearer_auth(&key).json(&body(101, "pgdown")).send();
+    let r = tokio::time::timeout(Duration::from_secs(60), r).await.expect("POST answered").unwrap();
+    assert_eq!(r.status(), 503);
+    let refused: Value = r.json().await.unwrap();
+    assert_eq!(refused["error"]["code"], "store_unavailable", "{refused}");
     // Runs in flight are suspended, not ended: every stream ends (none hangs) without an error;
     // those that had not finished end without a terminal event (the clients re-attach).
     for r in readers {

@@ -222,7 +222,7 @@ async fn authorize(req: &HttpRequest, state: &AppState, action: Action) -> Resul
     let given = req.headers().get(header::AUTHORIZATION).map(|v| v.to_str().ok().and_then(bearer_token));
     let principal = match given {
         Some(Some(token)) => state.tenants.principal(token, state.cfg.api_token.as_ref()).await.map_err(|e| match e {
-            AuthError::Unavailable(m) => ApiError::unavailable(format!("cannot check the credentials: {m}")),
+            AuthError::Unavailable(m) => store_unavailable(format!("cannot check the credentials: {m}")),
             AuthError::Missing | AuthError::Invalid => {
                 ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the bearer token is not valid (or was revoked)")
             }
@@ -313,8 +313,14 @@ pub(crate) fn new_trace() -> TraceParent {
 /// JSON overhead allowed around a maximal `message`.
 const BODY_OVERHEAD: usize = 64 * 1024;
 
+/// `503 store_unavailable`. The store's own error (its address, user, driver message) goes to the
+/// log, not to the caller: a tenant learns nothing of the operator's database.
 pub(crate) fn store_unavailable(e: impl std::fmt::Display) -> ApiError {
-    ApiError { retry_after: Some(2), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", format!("the run store is not available: {e}")) }
+    tracing::warn!(error = %e, "request answered 503: the run store is not available");
+    ApiError {
+        retry_after: Some(2),
+        ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", "the run store is not available right now; retry shortly")
+    }
 }
 
 /// The agents runs may name.
