@@ -130,9 +130,23 @@ pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
             init: Some(true),
             auto_remove: Some(false),
             ipc_mode: Some("private".to_owned()),
+            log_config: Some(log_config(p.spec.output_bytes)),
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+/// The engine's log of the container, which is how clawmux reads its output: `json-file`,
+/// bounded. Without a bound an agent writing to stderr for its whole timeout fills the engine's
+/// disk (the daemon's default keeps everything); clawmux keeps only a tail of stderr anyway. Each
+/// file holds the whole allowed stdout twice over (plus room for stderr), and a rotated file is
+/// kept, so a run within its limits loses nothing while clawmux follows the log.
+pub fn log_config(output_bytes: usize) -> bollard::models::HostConfigLogConfig {
+    let file = output_bytes.saturating_mul(2).max(16 << 20);
+    bollard::models::HostConfigLogConfig {
+        typ: Some("json-file".to_owned()),
+        config: Some(HashMap::from([("max-size".to_owned(), file.to_string()), ("max-file".to_owned(), "2".to_owned())])),
     }
 }
 
@@ -182,6 +196,13 @@ mod tests {
         assert!(env.contains(&"OPENCLAW_LOAD_SHELL_ENV=0".to_owned()));
         assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_OWNER)).map(String::as_str), Some("o1"));
         assert_eq!(b.labels.as_ref().and_then(|l| l.get(LABEL_RUN)).map(String::as_str), Some("r1"));
+        // The engine's log of it is bounded (an agent writing stderr for its whole timeout would
+        // fill the engine's disk): two files of twice the allowed stdout (4 MiB here), 16 MiB at least.
+        let log = h.log_config.expect("a log config");
+        assert_eq!(log.typ.as_deref(), Some("json-file"));
+        let config = log.config.expect("its options");
+        assert_eq!((config.get("max-size").map(String::as_str), config.get("max-file").map(String::as_str)), (Some("16777216"), Some("2")));
+        assert_eq!(log_config(64 << 20).config.expect("options").get("max-size").map(String::as_str), Some("134217728"));
     }
 
     #[test]

@@ -40,7 +40,8 @@ pub struct EphemeralConfig {
 
 impl EphemeralConfig {
     /// `CLAWMUX_EPHEMERAL_MAX` (default 4), `CLAWMUX_EPHEMERAL_DIR` (default
-    /// `$TMPDIR/clawmux-ephemeral`), `CLAWMUX_EPHEMERAL_MODEL` (default `default`).
+    /// `$TMPDIR/clawmux-ephemeral`; it must be clawmux's own, and is kept `0700`),
+    /// `CLAWMUX_EPHEMERAL_MODEL` (default `default`).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
         let max_concurrent = match env("CLAWMUX_EPHEMERAL_MAX").filter(|s| !s.is_empty()) {
             None => 4,
@@ -269,9 +270,11 @@ fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let ws = dir.join("ws");
     let sock = dir.join("sock");
-    std::fs::create_dir_all(dir.parent().unwrap_or(dir))?;
+    secure_root(dir.parent().unwrap_or(dir))?;
     std::fs::create_dir(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    // The container reaches its workspace and socket through its bind mounts, never through this
+    // path: nobody else on the host needs to.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     let meta = std::fs::metadata(dir)?;
     let user = container::user_for(meta.uid(), meta.gid());
     for d in [ws.join(".openclaw"), ws.join(".clawmux"), ws.join(".openclaw-state"), sock.clone()] {
@@ -290,9 +293,37 @@ fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout
     Ok(Layout { workspace: ws, socket_dir: sock, user })
 }
 
+/// Creates the runs directory if needed and makes sure it is clawmux's own and private (`0700`):
+/// every run's LLM socket (billed to that run, forwarded with the upstream key), prompt and
+/// workspace are below it, and the Docker engine mounts paths below it as root. A directory of
+/// another user (say, created in a shared `/tmp` before clawmux first ran) or a symlink is
+/// refused: whoever owns it could swap a run's directory for a link between its preparation and
+/// the mount.
+fn secure_root(root: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::create_dir_all(root)?;
+    let meta = std::fs::symlink_metadata(root)?;
+    let me = std::fs::metadata("/proc/self")?.uid();
+    if !meta.is_dir() {
+        return Err(std::io::Error::other(format!("the ephemeral runs directory {} is not a directory (a symlink?)", root.display())));
+    }
+    if meta.uid() != me {
+        return Err(std::io::Error::other(format!(
+            "the ephemeral runs directory {} belongs to uid {}, not to clawmux (uid {me}); set CLAWMUX_EPHEMERAL_DIR to a directory of its own",
+            root.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Gives `path` and everything below it to `uid:gid`, never following a link.
 fn chown_tree(path: &Path, (uid, gid): (u32, u32)) -> std::io::Result<()> {
-    std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
-    if path.is_dir() {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid))?;
+    if std::fs::symlink_metadata(path)?.is_dir() {
         for e in std::fs::read_dir(path)? {
             chown_tree(&e?.path(), (uid, gid))?;
         }

@@ -34,6 +34,8 @@ struct Seen {
     files: Vec<(String, serde_json::Value)>,
     bodies: Vec<bollard::models::ContainerCreateBody>,
     reaped_owner: Option<String>,
+    /// Permission bits of each run's directory (the workspace's parent) at start.
+    dir_modes: Vec<u32>,
 }
 
 struct FakeRunner {
@@ -78,9 +80,14 @@ impl Runner for FakeRunner {
         let ws = binds[0].split(':').next().unwrap_or_default().to_owned();
         let prompt = std::fs::read_to_string(format!("{ws}/.clawmux/prompt.txt")).unwrap_or_default();
         let config: serde_json::Value = std::fs::read(format!("{ws}/.openclaw/openclaw.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let mode = {
+            use std::os::unix::fs::MetadataExt;
+            std::path::Path::new(&ws).parent().and_then(|d| std::fs::metadata(d).ok()).map_or(0, |m| m.mode() & 0o777)
+        };
         let n = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_running.fetch_max(n, Ordering::SeqCst);
         let mut seen = self.seen.lock().expect("lock");
+        seen.dir_modes.push(mode);
         seen.started.push(name.to_owned());
         seen.files.push((prompt, config));
         seen.bodies.push(body);
@@ -281,6 +288,34 @@ fn ok_exit(text: &str) -> Exit {
 }
 
 const LONG: Duration = Duration::from_secs(600);
+
+/// The runs directory is clawmux's own and private (every run's LLM socket, prompt and workspace
+/// are below it, and the engine mounts from it as root): one left open to everyone is closed,
+/// each run's directory is `0700`, and one of another user is refused (the run ends `internal`
+/// naming it, and no container starts).
+#[actix_rt::test]
+async fn the_runs_directory_is_private_and_another_users_is_refused() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let e = env(4);
+    let root = e.root.path().join("runs");
+    std::fs::create_dir_all(&root).expect("mkdir");
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    e.runner.script("r-ok", Script::Exit(ok_exit("fine")));
+    assert_eq!(e.run("r-ok", LONG).outcome().await.status, RunStatus::Ok);
+    assert_eq!(std::fs::metadata(&root).expect("stat").mode() & 0o777, 0o700, "the runs directory is private");
+    assert_eq!(e.runner.seen(|s| s.dir_modes.clone()), [0o700], "the run's directory is private");
+    if std::fs::metadata("/proc/self").expect("stat").uid() != 0 {
+        eprintln!("not root: the directory of another user is not tried");
+        return;
+    }
+    std::os::unix::fs::chown(&root, Some(4242), Some(4242)).expect("chown");
+    e.runner.script("r-foreign", Script::Exit(ok_exit("never")));
+    let o = e.run("r-foreign", LONG).outcome().await;
+    assert_eq!(o.status, RunStatus::Error);
+    let message = o.error.map(|e| e.message).unwrap_or_default();
+    assert!(message.contains("belongs to uid 4242"), "{message}");
+    assert_eq!(e.runner.seen(|s| s.started.len()), 1, "no container for the refused run");
+}
 
 #[actix_rt::test]
 async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
