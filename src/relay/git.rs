@@ -326,6 +326,13 @@ pub enum Plan {
         /// Remote commits that match the container's, from the start.
         common: usize,
     },
+    /// The remote branch has more commits since the fork point than the container's branch, so
+    /// they cannot be a prefix of the container's: diverged too, found by counting alone (the
+    /// remote's commits are not formatted, so how many match is not known).
+    Longer {
+        /// The remote branch's commits since the fork point.
+        remote: usize,
+    },
 }
 
 /// Compares the container's change keys with the remote branch's (both from the fork point).

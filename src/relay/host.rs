@@ -25,7 +25,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tracing::warn;
 
 /// Name of the environment variable the credential helper reads (set on git children only).
 pub const TOKEN_ENV: &str = "CLAWMUX_RELAY_GIT_TOKEN";
@@ -114,6 +115,10 @@ pub struct HostSettings {
     pub program: PathBuf,
     /// Bound on one command.
     pub timeout: Duration,
+    /// Bound on each of one command's stdout and stderr: what a command prints is read into
+    /// memory, in the process that serves every tenant, and the remote's history or the
+    /// container's patches decide how much that is.
+    pub max_output: usize,
     /// Committer identity for `git am` (the author stays the agent's).
     pub committer: (String, String),
     /// `HOME` of the children: an empty directory of the relay's own.
@@ -205,15 +210,34 @@ impl HostGit {
             }
             _ => None,
         };
-        let out = match tokio::time::timeout(self.settings.timeout, child.wait_with_output()).await {
-            Ok(r) => r.map_err(|e| RelayError::Io(format!("{what}: {e}")))?,
-            Err(_) => return Err(RelayError::Timeout { what, after: self.settings.timeout }),
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let max = self.settings.max_output;
+        let collected = tokio::time::timeout(self.settings.timeout, async {
+            let (out, err) = tokio::try_join!(read_capped(stdout, max, &what), read_capped(stderr, max, &what))?;
+            let status = child.wait().await.map_err(|e| RelayError::Io(format!("{what}: {e}")))?;
+            Ok::<_, RelayError>((status, out, err))
+        })
+        .await;
+        let failed = match collected {
+            Ok(Ok((status, stdout, stderr))) => {
+                if let Some(f) = feeder {
+                    let _ = f.await;
+                }
+                let stderr = self.redact(String::from_utf8_lossy(&stderr).trim());
+                return Ok(HostOutput { code: status.code().unwrap_or(-1), stdout, stderr });
+            }
+            Ok(Err(e)) => e,
+            Err(_) => RelayError::Timeout { what: what.clone(), after: self.settings.timeout },
         };
+        // the child is stopped now, not whenever the runtime gets to a dropped handle
+        let _ = child.kill().await;
         if let Some(f) = feeder {
-            let _ = f.await;
+            f.abort();
         }
-        let stderr = self.redact(String::from_utf8_lossy(&out.stderr).trim());
-        Ok(HostOutput { code: out.status.code().unwrap_or(-1), stdout: out.stdout, stderr })
+        if let RelayError::OutputTooLarge { limit } = failed {
+            warn!(what = %what, limit, "relay: host git printed more than the bound; killed");
+        }
+        Err(failed)
     }
 
     /// Like [`run`](Self::run), but a non-zero exit is an error naming the command.
@@ -224,6 +248,19 @@ impl HostGit {
         }
         Ok(o)
     }
+}
+
+/// All of `pipe` (none: empty), or [`RelayError::OutputTooLarge`] as soon as it passes `limit`
+/// bytes: what is read is never more than `limit + 1`.
+async fn read_capped(pipe: Option<impl AsyncRead + Unpin>, limit: usize, what: &str) -> Result<Vec<u8>, RelayError> {
+    let mut buf = Vec::new();
+    if let Some(p) = pipe {
+        p.take(limit as u64 + 1).read_to_end(&mut buf).await.map_err(|e| RelayError::Io(format!("{what}: {e}")))?;
+    }
+    if buf.len() > limit {
+        return Err(RelayError::OutputTooLarge { limit });
+    }
+    Ok(buf)
 }
 
 /// "git <subcommand>".
@@ -244,7 +281,7 @@ mod tests {
     use super::*;
 
     pub(super) fn settings(home: &Path, secs: u64) -> HostSettings {
-        HostSettings { program: "git".into(), timeout: Duration::from_secs(secs), committer: ("Relay".into(), "relay@x".into()), home: home.to_owned() }
+        HostSettings { program: "git".into(), timeout: Duration::from_secs(secs), max_output: crate::relay::exec::DEFAULT_MAX_OUTPUT, committer: ("Relay".into(), "relay@x".into()), home: home.to_owned() }
     }
 
     fn hg(url: &str) -> HostGit {
@@ -348,6 +385,31 @@ mod tests {
         // base64("x-access-token:tok-HTTP-7f3a")
         assert_eq!(auths[1].as_deref(), Some("Basic eC1hY2Nlc3MtdG9rZW46dG9rLUhUVFAtN2YzYQ=="));
         assert!(h.argv(&["ls-remote", "--", &url]).iter().all(|a| !a.contains("tok-HTTP-7f3a")));
+    }
+
+    /// A git that prints more than the bound (on stdout or stderr): an error, not a buffer of
+    /// everything, and the child is killed (and reaped) by the time it returns.
+    #[tokio::test]
+    async fn output_past_the_bound_is_an_error_and_the_child_is_killed() {
+        let dir = tempfile::tempdir().expect("tmp");
+        for (name, redirect) in [("stdout", ""), ("stderr", " >&2")] {
+            let (prog, pid_file) = (dir.path().join(format!("git-{name}")), dir.path().join(format!("pid-{name}")));
+            // 4 MB, then nothing until killed; `exec`: the pid written is the process that prints
+            std::fs::write(&prog, format!("#!/bin/sh\necho $$ > '{}'\nexec sh -c 'head -c 4000000 /dev/zero; exec sleep 60'{redirect}\n", pid_file.display())).expect("script");
+            let mut perm = std::fs::metadata(&prog).expect("meta").permissions();
+            std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+            std::fs::set_permissions(&prog, perm).expect("chmod");
+            let mut s = settings(dir.path(), 30);
+            s.program = prog;
+            s.max_output = 64 * 1024;
+            let h = HostGit::new(dir.path(), "/nowhere", None, s);
+            let t0 = std::time::Instant::now();
+            let e = h.run(&["format-patch"], None).await.expect_err(name);
+            assert_eq!(e, RelayError::OutputTooLarge { limit: 64 * 1024 }, "{name}");
+            assert!(t0.elapsed() < Duration::from_secs(20), "{name}: not the 30 s bound");
+            let pid = std::fs::read_to_string(&pid_file).expect("pid");
+            assert!(!Path::new(&format!("/proc/{}", pid.trim())).exists(), "{name}: the child {} is gone", pid.trim());
+        }
     }
 
     #[tokio::test]

@@ -470,7 +470,7 @@ impl GitRelay {
     }
 
     fn host_settings(&self, home: PathBuf, timeout: Duration) -> host::HostSettings {
-        host::HostSettings { program: self.cfg.git_program.clone(), timeout, committer: (self.cfg.committer_name.clone(), self.cfg.committer_email.clone()), home }
+        host::HostSettings { program: self.cfg.git_program.clone(), timeout, max_output: exec::DEFAULT_MAX_OUTPUT, committer: (self.cfg.committer_name.clone(), self.cfg.committer_email.clone()), home }
     }
 
     /// Before a run is admitted: the caller's mistakes the repositories show now. The base ref
@@ -629,20 +629,11 @@ impl GitRelay {
                 None => (fork.clone(), 0, false),
                 Some(tip) => match self.plan_against(&hg, &fork, tip, &container_keys).await? {
                     Plan::Append { skip } => (tip.clone(), skip, false),
-                    Plan::Diverged { common } if self.cfg.force_push => {
-                        warn!(branch = %p.branch, common, "relay: remote branch diverged; force_push is on, overwriting it");
+                    diverged if self.cfg.force_push => {
+                        warn!(branch = %p.branch, plan = ?diverged, "relay: remote branch diverged; force_push is on, overwriting it");
                         (fork.clone(), 0, true)
                     }
-                    Plan::Diverged { common } => {
-                        return Err(RelayFailure::new(
-                            RelayStage::Apply,
-                            format!(
-                                "the remote branch {} (head {tip}) has commits the container's branch does not have ({common} of its commits match the container's): someone else pushed to it, or the container's branch was rewritten; nothing pushed, nothing overwritten, the commits stay on the container's branch (force_push is off)",
-                                p.branch
-                            ),
-                            n,
-                        ));
-                    }
+                    diverged => return Err(diverged_failure(&p.branch, tip, &diverged, out.commit_count, n)),
                 },
             };
             let _ = hg.run(&["am", "--abort"], None).await;
@@ -712,6 +703,15 @@ impl GitRelay {
             return Ok(Plan::Diverged { common: 0 });
         }
         let range = format!("{fork}..{tip}");
+        // The fork point is the container's word: one far back (an agent that reset its branch to
+        // the root commit) would have the host format the whole history up to the remote tip, in
+        // memory, to find what counting finds: the remote branch can only be a prefix of the
+        // container's commits if it has at most as many.
+        let count = hg.ok(&["rev-list", "--count", &range], None).await.map_err(f)?;
+        let remote = git::parse_count(&count.text()).ok_or_else(|| RelayFailure::new(RelayStage::Apply, "unreadable commit count of the remote branch", 1))?;
+        if remote > container_keys.len() {
+            return Ok(Plan::Longer { remote });
+        }
         let mut args: Vec<&str> = git::FORMAT_PATCH_FLAGS.to_vec();
         args.push(&range);
         let mbox = hg.ok(&args, None).await.map_err(f)?.stdout;
@@ -762,6 +762,22 @@ impl GitRelay {
 async fn remote_tip(hg: &host::HostGit, remote_ref: &str) -> Step<Option<String>> {
     let tip = hg.run(&["rev-parse", "--verify", "--quiet", remote_ref], None).await.map_err(|e| RelayFailure::new(RelayStage::Apply, e.to_string(), 1))?;
     Ok((tip.code == 0).then(|| tip.text()).filter(|t| git::is_object_id(t)))
+}
+
+/// The remote branch has commits the container's does not: refused (force_push is off).
+fn diverged_failure(branch: &str, tip: &str, plan: &Plan, ours: usize, attempts: u32) -> RelayFailure {
+    let detail = match plan {
+        Plan::Longer { remote } => format!("{remote} commits since the container's fork point, more than the container's {ours}"),
+        Plan::Diverged { common } => format!("{common} of its commits match the container's"),
+        Plan::Append { .. } => "none".to_owned(),
+    };
+    RelayFailure::new(
+        RelayStage::Apply,
+        format!(
+            "the remote branch {branch} (head {tip}) has commits the container's branch does not have ({detail}): someone else pushed to it, or the container's branch was rewritten; nothing pushed, nothing overwritten, the commits stay on the container's branch (force_push is off)"
+        ),
+        attempts,
+    )
 }
 
 /// The remote branch changed while a publish worked: someone else pushed.
@@ -956,6 +972,90 @@ mod tests {
         let o = relay(f.clone()).publish("t1", "main", Some("t"), None).await;
         assert_eq!(o, RelayOutcome { branch: "sandbox/t1".into(), commit_count: 0, pushed: false, pushed_commits: 0, remote_head: None, pr_url: None, pr_number: None, error: None });
         assert!(!f.calls().iter().any(|c| c.contains(&"format-patch".to_owned())));
+    }
+
+    /// The container's side of a publish of one commit on `sandbox/<key>` forked at `fork`.
+    fn one_commit_container(key: &str, fork: &str) -> Arc<ScriptedExec> {
+        let f = Arc::new(ScriptedExec::default());
+        f.on(&["symbolic-ref"], 0, &format!("refs/heads/sandbox/{key}\n"), "");
+        f.on(&["rev-parse", "main^{commit}"], 0, &format!("{SHA}\n"), "");
+        f.on(&["rev-list", "--merges"], 0, "0\n", "");
+        f.on(&["rev-list", "--count"], 0, "1\n", "");
+        f.on(&["merge-base"], 0, &format!("{fork}\n"), "");
+        f.on(&["rev-parse", "HEAD^{tree}"], 0, &format!("{SHA}\n{SHA}\n"), "");
+        let mbox = format!("From {SHA} Mon Sep 17 00:00:00 2001\nFrom: Agent <agent@example.invalid>\nDate: Mon, 1 Jan 2024 00:00:00 +0000\nSubject: one small change\n\n---\n");
+        f.on(&["format-patch"], 0, &mbox, "");
+        f
+    }
+
+    /// The real git on `PATH`.
+    fn real_git() -> PathBuf {
+        let path = std::env::var("PATH").unwrap_or_default();
+        path.split(':').map(|d| std::path::Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH")
+    }
+
+    fn git_in(dir: &std::path::Path, args: &[&str], stdin: Option<&[u8]>) -> String {
+        use std::io::Write;
+        let mut c = std::process::Command::new(real_git());
+        c.arg("-C").arg(dir).args(args).env("GIT_CONFIG_GLOBAL", "/dev/null").env("GIT_CONFIG_NOSYSTEM", "1");
+        c.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let mut child = c.spawn().expect("git");
+        if let Some(data) = stdin {
+            child.stdin.take().expect("stdin").write_all(data).expect("write");
+        }
+        drop(child.stdin.take());
+        let o = child.wait_with_output().expect("git");
+        assert!(o.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).trim_end().to_owned()
+    }
+
+    /// An agent that resets its branch to the repository's root commit and commits once: the
+    /// container's fork point is the root, and the remote branch (run 1's relayed commit on top of
+    /// a long main) descends from it. Counting says the remote branch has more commits than the
+    /// container's, so it is refused as diverged; no host `format-patch` covers more commits than
+    /// the container has (before: `format-patch root..tip`, the whole history, in memory).
+    #[tokio::test]
+    async fn a_fork_point_far_back_is_not_formatted_on_the_host() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let origin = tmp.path().join("origin.git");
+        std::fs::create_dir(&origin).expect("origin");
+        git_in(&origin, &["init", "--quiet", "--bare"], None);
+        // main: 200 commits; sandbox/k: run 1's relayed commit on top
+        let mut stream = String::new();
+        for i in 1..=201 {
+            let (r, from) = if i <= 200 { ("refs/heads/main", String::new()) } else { ("refs/heads/sandbox/k", "from :200\n".to_owned()) };
+            stream.push_str(&format!("commit {r}\nmark :{i}\ncommitter Seed <seed@x> {} +0000\ndata 3\nc{}\n{from}M 644 inline f\ndata {}\n{i}\n\n", 1_700_000_000 + i, i % 10, format!("{i}\n").len()));
+        }
+        git_in(&origin, &["fast-import", "--quiet"], Some(stream.as_bytes()));
+        let root = git_in(&origin, &["rev-list", "--max-parents=0", "main"], None);
+        assert_eq!(git_in(&origin, &["rev-list", "--count", &format!("{root}..sandbox/k")], None), "200");
+        // a host git that logs every argv
+        let log = tmp.path().join("log");
+        std::fs::create_dir(&log).expect("log");
+        let wrapper = tmp.path().join("git");
+        std::fs::write(&wrapper, format!("#!/bin/sh\nprintf '%s\\0' \"$@\" > '{}'/$$-$(date +%s%N)\nexec '{}' \"$@\"\n", log.display(), real_git().display())).expect("wrapper");
+        let mut perm = std::fs::metadata(&wrapper).expect("meta").permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        std::fs::set_permissions(&wrapper, perm).expect("chmod");
+        let mut cfg = RelayConfig::new("gw", origin.to_string_lossy());
+        cfg.git_program = wrapper;
+        let r = GitRelay::new(cfg, one_commit_container("k", &root)).expect("relay");
+
+        let o = r.publish("k", "main", None, None).await;
+        let e = o.error.as_ref().expect("refused");
+        assert_eq!(e.stage, RelayStage::Apply, "{e}");
+        assert!(e.message.contains("has commits the container's branch does not have") && e.message.contains("force_push is off"), "{e}");
+        assert!(!o.pushed);
+        let calls: Vec<Vec<String>> = std::fs::read_dir(&log)
+            .expect("log")
+            .map(|f| std::fs::read(f.expect("entry").path()).expect("argv").split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect())
+            .collect();
+        assert!(calls.iter().any(|c| c.iter().any(|a| a == "clone")), "the wrapper saw the host's git calls: {calls:?}");
+        for c in calls.iter().filter(|c| c.iter().any(|a| a == "format-patch")) {
+            let range = c.last().expect("range");
+            let covered: usize = git_in(&origin, &["rev-list", "--count", range], None).parse().expect("count");
+            assert!(covered <= o.commit_count, "host format-patch of {covered} commits ({range}) for the container's {}", o.commit_count);
+        }
     }
 
     #[tokio::test]
