@@ -141,6 +141,10 @@ pub struct RelayConfig {
     pub host_git_timeout: Duration,
     /// Bound on one GitHub API request.
     pub api_timeout: Duration,
+    /// Bound on a whole publish. The per-step bounds above, times the retries, add up to hours
+    /// against a remote that accepts connections and then stalls, and the run holds its branch
+    /// key all that time (a run cannot be cancelled while it publishes).
+    pub publish_timeout: Duration,
     /// Committer of the relayed commits on the host (authors stay the agent's).
     pub committer_name: String,
     /// Committer email.
@@ -163,6 +167,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("retries", &self.retries)
             .field("force_push", &self.force_push)
+            .field("publish_timeout", &self.publish_timeout)
             .field("git_program", &self.git_program)
             .finish_non_exhaustive()
     }
@@ -170,7 +175,8 @@ impl std::fmt::Debug for RelayConfig {
 
 impl RelayConfig {
     /// Defaults for a container and a remote: workspace `/workspace`, base `main`, no API, 3
-    /// retries from 500 ms, no force push, 60 s per exec, 300 s per host git command.
+    /// retries from 500 ms, no force push, 60 s per exec, 300 s per host git command, 10 minutes
+    /// per publish.
     pub fn new(container: impl Into<String>, remote_url: impl Into<String>) -> Self {
         Self {
             container: container.into(),
@@ -188,6 +194,7 @@ impl RelayConfig {
             exec_timeout: Duration::from_secs(60),
             host_git_timeout: Duration::from_secs(300),
             api_timeout: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(600),
             committer_name: "clawmux relay".to_owned(),
             committer_email: "relay@clawmux.invalid".to_owned(),
             git_program: PathBuf::from("git"),
@@ -505,11 +512,17 @@ impl GitRelay {
     /// Relays the commits of `sandbox/<key>`: none → nothing pushed, no PR (not an error); else
     /// the new ones are pushed and the PR is created or updated (`pr_title`/`pr_body` update an
     /// existing PR only when given). Never fails as a call: failures are in
-    /// [`RelayOutcome::error`], and the commits stay in the container.
+    /// [`RelayOutcome::error`], and the commits stay in the container. Bounded as a whole by
+    /// [`RelayConfig::publish_timeout`]: past it, the step it was in fails.
     pub async fn publish(&self, branch_key: &str, base_ref: &str, pr_title: Option<&str>, pr_body: Option<&str>) -> RelayOutcome {
         let (_, branch) = self.paths(branch_key);
         let mut out = RelayOutcome { branch, commit_count: 0, pushed: false, pushed_commits: 0, remote_head: None, pr_url: None, pr_number: None, error: None };
-        match self.publish_steps(branch_key, base_ref, pr_title, pr_body, &mut out).await {
+        let mut stage = RelayStage::Validate;
+        let budget = self.cfg.publish_timeout;
+        // Dropping the steps stops them: host git children are killed on drop and the host clone's
+        // temp dir is removed; a container exec already started runs out its own bound in there.
+        let steps = tokio::time::timeout(budget, self.publish_steps(branch_key, base_ref, pr_title, pr_body, &mut out, &mut stage)).await;
+        match steps.unwrap_or_else(|_| Err(timed_out(stage, budget))) {
             Ok(()) => info!(branch = %out.branch, commits = out.commit_count, pushed = out.pushed, pushed_commits = out.pushed_commits, pr = ?out.pr_number, "relay: published"),
             Err(f) => {
                 warn!(branch = %out.branch, commits = out.commit_count, pushed = out.pushed, stage = %f.stage, attempts = f.attempts, error = %f.message, "relay: failed");
@@ -519,10 +532,12 @@ impl GitRelay {
         out
     }
 
-    async fn publish_steps(&self, key: &str, base_ref: &str, pr_title: Option<&str>, pr_body: Option<&str>, out: &mut RelayOutcome) -> Step<()> {
+    /// The steps of [`publish`](Self::publish); `stage` follows them (for a timeout's report).
+    async fn publish_steps(&self, key: &str, base_ref: &str, pr_title: Option<&str>, pr_body: Option<&str>, out: &mut RelayOutcome, stage: &mut RelayStage) -> Step<()> {
         let fail = |stage| move |e: RelayError| RelayFailure::new(stage, e.to_string(), 1);
         self.validate(key, base_ref).map_err(fail(RelayStage::Validate))?;
         let p = Paths::new(&self.cfg.workspace_root, key);
+        *stage = RelayStage::Inspect;
 
         // 1. the container's state: on the branch, how many commits, where it forked
         let head_ref = self.run(git::head_ref(&p)).await.map_err(fail(RelayStage::Inspect))?;
@@ -556,6 +571,7 @@ impl GitRelay {
         };
 
         // 2. the patches
+        *stage = RelayStage::Extract;
         let mbox = self.run_ok(git::format_patch(&p, &fork)).await.map_err(fail(RelayStage::Extract))?.stdout;
         let patches = git::split_mbox(&mbox);
         if patches.len() != out.commit_count {
@@ -563,6 +579,7 @@ impl GitRelay {
         }
 
         // 3. a fresh host clone
+        *stage = RelayStage::Clone;
         let tmp = tempfile::Builder::new().prefix("clawmux-relay-").tempdir().map_err(|e| RelayFailure::new(RelayStage::Clone, format!("temp dir: {e}"), 1))?;
         let home = tmp.path().join("home");
         std::fs::create_dir(&home).map_err(|e| RelayFailure::new(RelayStage::Clone, format!("temp dir: {e}"), 1))?;
@@ -584,6 +601,7 @@ impl GitRelay {
             }
         }
         let hg = outer.in_dir(&clone_dir);
+        *stage = RelayStage::Apply;
         if hg.run(&["cat-file", "-e", &format!("{fork}^{{commit}}")], None).await.map(|o| o.code).unwrap_or(-1) != 0 {
             return Err(RelayFailure::new(RelayStage::Apply, format!("the container's base commit {fork} is not in the remote"), 1));
         }
@@ -611,6 +629,7 @@ impl GitRelay {
         loop {
             n += 1;
             if n > 1 {
+                *stage = RelayStage::Clone;
                 self.backoff(n - 1).await;
                 if let Err(e) = hg.ok(&["fetch", "--quiet", "--prune", "--no-tags", "origin"], None).await {
                     if n < attempts {
@@ -619,6 +638,7 @@ impl GitRelay {
                     }
                     return Err(RelayFailure::new(RelayStage::Clone, e.to_string(), n));
                 }
+                *stage = RelayStage::Apply;
                 let now = remote_tip(&hg, &remote_ref).await?;
                 if now != observed {
                     out.remote_head = now.clone();
@@ -657,6 +677,7 @@ impl GitRelay {
                 info!(branch = %p.branch, "relay: the remote branch is up to date, nothing pushed");
                 break;
             }
+            *stage = RelayStage::Push;
             let dest = format!("HEAD:{}", p.branch_ref());
             // `<ref>:` (nothing after the colon): the branch must not exist yet
             let lease = format!("--force-with-lease={}:{}", p.branch_ref(), observed.as_deref().unwrap_or(""));
@@ -688,6 +709,7 @@ impl GitRelay {
 
         // 6. the pull request
         if let Some(api) = &self.cfg.github_api_url {
+            *stage = RelayStage::PullRequest;
             let pr = self.pull_request(api, &p.branch, base_ref, pr_title, pr_body).await?;
             out.pr_number = Some(pr.number);
             out.pr_url = Some(pr.url);
@@ -762,6 +784,11 @@ impl GitRelay {
 async fn remote_tip(hg: &host::HostGit, remote_ref: &str) -> Step<Option<String>> {
     let tip = hg.run(&["rev-parse", "--verify", "--quiet", remote_ref], None).await.map_err(|e| RelayFailure::new(RelayStage::Apply, e.to_string(), 1))?;
     Ok((tip.code == 0).then(|| tip.text()).filter(|t| git::is_object_id(t)))
+}
+
+/// The publish ran past its whole bound while at `stage`.
+fn timed_out(stage: RelayStage, budget: Duration) -> RelayFailure {
+    RelayFailure::new(stage, format!("publish timed out after {budget:?} (the bound on a whole publish, publish_timeout); stopped during this step, the commits stay on the container's branch"), 1)
 }
 
 /// The remote branch has commits the container's does not: refused (force_push is off).
@@ -1056,6 +1083,37 @@ mod tests {
             let covered: usize = git_in(&origin, &["rev-list", "--count", range], None).parse().expect("count");
             assert!(covered <= o.commit_count, "host format-patch of {covered} commits ({range}) for the container's {}", o.commit_count);
         }
+    }
+
+    /// A remote that accepts the connection and never answers: each clone attempt waits out
+    /// the host git bound (4 attempts × 10 s here, 4 × 300 s by default); the whole publish stops
+    /// at its own bound and says so.
+    #[tokio::test]
+    async fn a_stalled_remote_is_bounded_by_the_publish_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let server = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let mut cfg = RelayConfig::new("gw", format!("http://127.0.0.1:{port}/acme/widgets.git"));
+        cfg.host_git_timeout = Duration::from_secs(10);
+        cfg.retries = 3;
+        cfg.retry_backoff = Duration::from_millis(10);
+        cfg.publish_timeout = Duration::from_secs(2);
+        let r = GitRelay::new(cfg, one_commit_container("k", SHA)).expect("relay");
+        let t0 = std::time::Instant::now();
+        let o = r.publish("k", "main", None, None).await;
+        let took = t0.elapsed();
+        server.abort();
+        let e = o.error.as_ref().expect("timed out");
+        assert_eq!(e.stage, RelayStage::Clone, "{e}");
+        assert!(e.message.starts_with("publish timed out after 2s"), "{e}");
+        assert!(!o.pushed);
+        assert_eq!(o.commit_count, 1);
+        assert!(took < Duration::from_secs(20), "took {took:?}");
     }
 
     #[tokio::test]
