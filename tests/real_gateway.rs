@@ -592,7 +592,7 @@ impl clawmux_actors::connection::ConnEvents for ObserverEvents {
     fn failed(&self, failure: clawmux_actors::connection::ConnectFailure) {
         let _ = self.0.send(Seen::Failed(failure.reason));
     }
-    fn frame(&self, frame: Result<clawmux_protocol::Frame, String>, _received: std::time::Instant) {
+    fn frame(&self, frame: Result<clawmux_protocol::Frame, clawmux_protocol::DecodeError>, _received: std::time::Instant) {
         if let Ok(f) = frame {
             let _ = self.0.send(Seen::Frame(f));
         }
