@@ -1075,6 +1075,22 @@ async fn every_bad_request_gets_its_status_and_code_and_a_streaming_run_is_undis
     assert_eq!((status, doc["status"].as_str()), (200, Some("ok")), "{doc}");
 }
 
+/// The message limit is on the message, not on its JSON: a message within it is accepted however
+/// the client's encoder escapes it (`\u00e9` for `é`: three bytes of JSON per byte of message;
+/// Python's `json.dumps` by default), and one byte over it is still refused.
+#[actix_rt::test]
+async fn a_message_within_the_limit_is_accepted_however_its_json_escapes_it() {
+    const MAX_MESSAGE: usize = 128 * 1024;
+    let env = env_with(fast(), |c| c.max_message_bytes = MAX_MESSAGE, |_| {}).await;
+    let raw = |chars: usize, run: &str| format!(r#"{{"message":"{}","billingAccountId":"acct-esc","runId":"{run}"}}"#, "\\u00e9".repeat(chars));
+    let post = |body: String| env.http.post(env.url("/v1/runs?wait=false")).header("content-type", "application/json").body(body).send();
+    let r = post(raw(MAX_MESSAGE / 2, &unique("esc"))).await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    let r = post(format!(r#"{{"message":"x{}","billingAccountId":"acct-esc"}}"#, "\\u00e9".repeat(MAX_MESSAGE / 2))).await.unwrap();
+    let msg = expect_error(r, 413, "payload_too_large", "one byte over").await;
+    assert!(msg.contains("message"), "{msg}");
+}
+
 #[actix_rt::test]
 async fn a_configured_bearer_token_is_required_on_v1() {
     let env = env_with(fast(), |c| c.api_token = Some(Secret::new("api-s3cret")), |_| {}).await;

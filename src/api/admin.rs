@@ -91,12 +91,15 @@ pub struct AccountLimits {
     pub period_end: Option<i64>,
 }
 
+/// One JSON value and nothing after it (as `POST /v1/runs` reads its body).
 fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         ApiError::invalid(if path.is_empty() || path == "." { format!("invalid JSON body: {}", e.inner()) } else { format!("field `{path}`: {}", e.inner()) })
-    })
+    })?;
+    de.end().map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
+    Ok(value)
 }
 
 /// Create an API key.
@@ -261,4 +264,17 @@ async fn get_limits_of(state: &AppState, account: &str) -> Result<HttpResponse, 
         period_start: spent.map(|(_, (start, _))| start),
         period_end: spent.map(|(_, (_, end))| end),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    /// An admin body is one JSON value: anything after it is refused, as `POST /v1/runs` does.
+    #[test]
+    fn an_admin_body_with_anything_after_its_json_is_refused() {
+        assert!(super::decode::<serde_json::Value>(br#"{"name":"k"} "#).is_ok());
+        for body in [&br#"{"name":"k"} trailing"#[..], br#"{"name":"k"}{"name":"l"}"#, b"{} 5"] {
+            let e = super::decode::<serde_json::Value>(body).expect_err("refused");
+            assert_eq!(e.status, actix_web::http::StatusCode::BAD_REQUEST);
+        }
+    }
 }

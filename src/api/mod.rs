@@ -273,7 +273,7 @@ pub(crate) async fn read_body(mut payload: web::Payload, limit: usize) -> Result
             return Err(ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "payload_too_large",
-                format!("the request body exceeds {limit} bytes (CLAWMUX_MAX_MESSAGE_BYTES plus JSON overhead)"),
+                format!("the request body exceeds {limit} bytes (the JSON of a message of CLAWMUX_MAX_MESSAGE_BYTES, escaped, plus overhead)"),
             ));
         }
         body.extend_from_slice(&chunk);
@@ -312,6 +312,14 @@ pub(crate) fn new_trace() -> TraceParent {
 }
 /// JSON overhead allowed around a maximal `message`.
 const BODY_OVERHEAD: usize = 64 * 1024;
+
+/// The largest `POST /v1/runs` body read for a message limit of `max_message` bytes: the limit
+/// is on the decoded message, and JSON may escape each of its bytes as six (`\u0001`; any
+/// encoder's `\uXXXX` for non-ASCII text is up to three per byte). The decoded message is then
+/// held to `max_message` itself.
+pub(crate) fn run_body_limit(max_message: usize) -> usize {
+    max_message.saturating_mul(6).saturating_add(BODY_OVERHEAD)
+}
 
 /// `503 store_unavailable`. The store's own error (its address, user, driver message) goes to the
 /// log, not to the caller: a tenant learns nothing of the operator's database.
@@ -383,6 +391,17 @@ pub(crate) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     match encoder.encode(&state.metrics.gather(), &mut buf) {
         Ok(()) => HttpResponse::Ok().content_type(encoder.format_type()).body(buf),
         Err(e) => HttpResponse::InternalServerError().body(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod body_limit_tests {
+    /// A message of the limit's size fits the body read for it however JSON escapes it.
+    #[test]
+    fn a_maximal_message_fits_the_body_limit_in_its_most_escaped_form() {
+        let max = 1 << 20;
+        let escaped = format!(r#"{{"message":"{}","billingAccountId":"acct","runId":"r-1","stateKey":"s"}}"#, "\\u0001".repeat(max));
+        assert!(escaped.len() <= super::run_body_limit(max), "{} > {}", escaped.len(), super::run_body_limit(max));
     }
 }
 

@@ -1,7 +1,7 @@
 //! `POST /v1/runs` and everything about one run or the history.
 
 use super::sse::{sse_response, DisconnectGuard, SseEvent};
-use super::{authorize, query_wait_false, read_body, store_unavailable, wants_sse, new_trace, ApiError, AppState, ErrorBody, ADMIT_TIMEOUT, BODY_OVERHEAD};
+use super::{authorize, query_wait_false, read_body, store_unavailable, wants_sse, new_trace, ApiError, AppState, ErrorBody, ADMIT_TIMEOUT};
 use crate::admission::{NewRun, Refused, Submitted};
 use crate::audit::LlmCall;
 use crate::request::RunRequest;
@@ -134,7 +134,7 @@ pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: w
         return Err(admit_error(AdmitError::ShuttingDown, ""));
     }
     let wait_false = query_wait_false(&req)?;
-    let limit = state.cfg.max_message_bytes.saturating_add(BODY_OVERHEAD);
+    let limit = super::run_body_limit(state.cfg.max_message_bytes);
     let body = read_body(payload, limit).await?;
     // The `admit` stage of `clawmux_run_start_seconds` starts with the whole request in hand.
     let parsed = std::time::Instant::now();
