@@ -582,8 +582,9 @@ impl Actor for Supervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        // Admission answers come from here; a full mailbox makes HTTP answer 503 instead of queueing
-        // without bound.
+        // Bounds only `send`s that wait for room; everything reaches the supervisor by `do_send`
+        // (which ignores it), so its queue is bounded by its senders: admission is bounded at the
+        // registry (`CLAWMUX_MAX_RUNS`, start slots) and frames by the one connection's reads.
         ctx.set_mailbox_capacity(4096);
         self.connect(ctx);
         ctx.run_interval(Duration::from_millis(250), |act, ctx| act.check_liveness(ctx));
