@@ -386,6 +386,23 @@ async fn case_a_scoped_admin_key_administers_its_own_accounts_only(kind: &str) {
     assert_eq!(env.get(&b.token, "/v1/runs").await.0, 200, "team-b's key was revoked by another tenant");
     let (status, _) = env.call(reqwest::Method::POST, &boss_a.token, &format!("/v1/admin/keys/{}/revoke", made["id"].as_str().unwrap()), None).await;
     assert_eq!(status, 200, "its own account's key");
+    // Revoking the scoped admin key revokes what it made (and what those made), not other keys.
+    let (status, second) = env.call(reqwest::Method::POST, &boss_a.token, "/v1/admin/keys", Some(&post(json!(["acct-a"]), json!(["read", "admin"])))).await;
+    assert_eq!(status, 201, "{second}");
+    let second_token = second["key"].as_str().unwrap().to_owned();
+    let (status, third) = env.call(reqwest::Method::POST, &second_token, "/v1/admin/keys", Some(&post(json!(["acct-a"]), json!(["read"])))).await;
+    assert_eq!(status, 201, "{third}");
+    assert_eq!(env.get(third["key"].as_str().unwrap(), "/v1/runs").await.0, 200);
+    let (status, _) = env.call(reqwest::Method::POST, ADMIN, &format!("/v1/admin/keys/{}/revoke", boss_a.id), None).await;
+    assert_eq!(status, 200);
+    for (token, what) in [(boss_a.token.as_str(), "the revoked key"), (second_token.as_str(), "a key it made"), (third["key"].as_str().unwrap(), "a key made by a key it made")] {
+        assert_eq!(env.get(token, "/v1/runs").await.0, 401, "{what} still works");
+    }
+    assert_eq!(env.get(&b.token, "/v1/runs").await.0, 200, "another key was revoked with it");
+    let listed = env.get(ADMIN, "/v1/admin/keys").await.1;
+    let third_listed = listed["keys"].as_array().unwrap().iter().find(|k| k["id"] == third["id"]).expect("listed");
+    assert_eq!(third_listed["createdBy"], second["id"], "{listed}");
+    let boss_a = env.create_key("boss-a2", &["acct-a"], &["admin", "read", "run"]).await;
     // Limits: its accounts only.
     let cap = json!({"maxTokens": 0, "periodSec": PERIOD_SEC});
     let (status, body) = env.call(reqwest::Method::PUT, &boss_a.token, "/v1/admin/accounts/acct-b/limits", Some(&cap)).await;

@@ -137,7 +137,11 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
     if let Some(url) = &k.webhook_url {
         state.tenants.allow.check(url).map_err(|m| ApiError::invalid(format!("field `webhookUrl`: {m}")))?;
     }
-    let (record, token) = keys::generate(&k.name, accounts, actions, k.webhook_url, now_ms());
+    let (mut record, token) = keys::generate(&k.name, accounts, actions, k.webhook_url, now_ms());
+    // Made by a key: it goes when that key is revoked.
+    if let crate::tenants::keys::Principal::Key(creator) = &caller {
+        record.created_by = Some(creator.id.clone());
+    }
     state.tenants.store.create_key(&record).await.map_err(store_unavailable)?;
     tracing::info!(key_id = %record.id, name = %record.name, "API key created");
     // The only time the secrets are shown.

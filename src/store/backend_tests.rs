@@ -530,6 +530,7 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
         webhook_url: Some("https://hooks.example.com/k".into()),
         created_at_ms: at,
         revoked_at_ms: None,
+        created_by: None,
     };
     t.create_key(&key("k2", 2)).await.expect("create");
     t.create_key(&key("k1", 1)).await.expect("create");
@@ -540,6 +541,20 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert!(t.revoke_key("k1", 20).await.expect("revoke again"), "{kind}");
     assert_eq!(t.key("k1").await.expect("key").and_then(|k| k.revoked_at_ms), Some(10), "{kind}: the first revocation stays");
     assert!(!t.revoke_key("nope", 1).await.expect("revoke"), "{kind}");
+    // Revoking a key revokes the keys it made, theirs, ...; not its maker's nor others'.
+    let made_by = |id: &str, by: &str| KeyRecord { created_by: Some(by.to_owned()), ..key(id, 3) };
+    for k in [made_by("k3", "k2"), made_by("k4", "k3"), made_by("k5", "k1"), key("k6", 3)] {
+        t.create_key(&k).await.expect("create");
+    }
+    assert_eq!(t.key("k4").await.expect("key"), Some(made_by("k4", "k3")), "{kind}: the maker is stored");
+    assert!(t.revoke_key("k3", 30).await.expect("revoke"), "{kind}");
+    let revoked = |id: &'static str| {
+        let t = t.clone();
+        async move { t.key(id).await.expect("key").and_then(|k| k.revoked_at_ms) }
+    };
+    assert_eq!((revoked("k3").await, revoked("k4").await, revoked("k2").await, revoked("k6").await), (Some(30), Some(30), None, None), "{kind}");
+    assert!(t.revoke_key("k2", 40).await.expect("revoke"), "{kind}");
+    assert_eq!((revoked("k2").await, revoked("k3").await, revoked("k6").await), (Some(40), Some(30), None), "{kind}: an earlier revocation stays");
 
     // A branch key is the first account's that claims it, for good.
     let claim = |owner: &str, claimed_now: bool| super::tenants::BranchClaim { owner: owner.into(), claimed_now };

@@ -263,13 +263,23 @@ impl TenantStore for MemoryStore {
     }
 
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
-        Ok(match self.lock().keys.get_mut(id) {
-            Some(k) => {
+        let mut st = self.lock();
+        if !st.keys.contains_key(id) {
+            return Ok(false);
+        }
+        // The key, the keys it created, theirs, ...
+        let mut made = vec![id.to_owned()];
+        let mut i = 0;
+        while let Some(creator) = made.get(i).cloned() {
+            made.extend(st.keys.values().filter(|k| k.created_by.as_deref() == Some(&creator) && !made.contains(&k.id)).map(|k| k.id.clone()).collect::<Vec<_>>());
+            i += 1;
+        }
+        for k in made {
+            if let Some(k) = st.keys.get_mut(&k) {
                 k.revoked_at_ms.get_or_insert(at_ms);
-                true
             }
-            None => false,
-        })
+        }
+        Ok(true)
     }
 
     async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {

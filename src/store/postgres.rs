@@ -976,6 +976,7 @@ fn decode_key(r: &PgRow) -> Result<KeyRecord, String> {
         webhook_url: col(r, "webhook_url")?,
         created_at_ms: col(r, "created_at")?,
         revoked_at_ms: col(r, "revoked_at")?,
+        created_by: col(r, "created_by")?,
     })
 }
 
@@ -1003,8 +1004,8 @@ impl PgStore {
 impl TenantStore for PgStore {
     async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO api_keys (id, name, secret_sha256, accounts, actions, webhook_secret, webhook_url, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            "INSERT INTO api_keys (id, name, secret_sha256, accounts, actions, webhook_secret, webhook_url, created_at, created_by) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(&key.id)
         .bind(&key.name)
@@ -1014,6 +1015,7 @@ impl TenantStore for PgStore {
         .bind(&key.webhook_secret)
         .bind(&key.webhook_url)
         .bind(key.created_at_ms)
+        .bind(&key.created_by)
         .execute(&self.pool)
         .await
         .map_err(|e| self.err(e))?;
@@ -1052,9 +1054,15 @@ impl TenantStore for PgStore {
     }
 
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
-        let r = sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2")
-            .bind(at_ms)
-            .bind(id)
+        // The key, the keys it created, theirs, ... (one statement: a key created meanwhile by one
+        // of them is either in it or refused, its creator being revoked by then).
+        let r = sqlx::query(
+            "WITH RECURSIVE made(id) AS (SELECT id FROM api_keys WHERE id = $2 \
+               UNION SELECT k.id FROM api_keys k JOIN made m ON k.created_by = m.id) \
+             UPDATE api_keys SET revoked_at = COALESCE(revoked_at, $1) WHERE id IN (SELECT id FROM made)",
+        )
+        .bind(at_ms)
+        .bind(id)
             .execute(&self.pool)
             .await
             .map_err(|e| self.err(e))?;

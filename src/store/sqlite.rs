@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 7] = [
+const MIGRATIONS: [&str; 8] = [
     include_str!("../../migrations/sqlite/0001_runs.sql"),
     include_str!("../../migrations/sqlite/0002_tenants.sql"),
     include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
@@ -30,6 +30,7 @@ const MIGRATIONS: [&str; 7] = [
     include_str!("../../migrations/sqlite/0005_branch_owners.sql"),
     include_str!("../../migrations/sqlite/0006_retention_per_account.sql"),
     include_str!("../../migrations/sqlite/0007_branch_claims.sql"),
+    include_str!("../../migrations/sqlite/0008_key_creators.sql"),
 ];
 
 /// How often the WAL is checkpointed into the database file.
@@ -582,6 +583,12 @@ impl Store for SqliteStore {
     }
 }
 
+/// Revokes key `?1` at `?2` and the keys it created, theirs, and so on (a revoked key's earlier
+/// revocation time stays). Affects no row when there is no key `?1`.
+const REVOKE_KEY: &str = "WITH RECURSIVE made(id) AS (SELECT id FROM api_keys WHERE id = ?1 \
+     UNION SELECT k.id FROM api_keys k JOIN made m ON k.created_by = m.id) \
+     UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?2) WHERE id IN (SELECT id FROM made)";
+
 /// Claims a branch key (`?1`) for an account (`?2`) at `?3` with the claim id `?4`: its first
 /// claim makes it the account's; a later one of the same account becomes its last claim (see
 /// [`TenantStore::release_branch`]). Answers the owner and the claim that made it theirs.
@@ -601,6 +608,7 @@ fn decode_key(r: &Row<'_>) -> Result<KeyRecord, String> {
         webhook_url: col(r, "webhook_url")?,
         created_at_ms: col(r, "created_at")?,
         revoked_at_ms: col(r, "revoked_at")?,
+        created_by: col(r, "created_by")?,
     })
 }
 
@@ -641,9 +649,9 @@ impl TenantStore for SqliteStore {
     async fn create_key(&self, key: &KeyRecord) -> Result<(), StoreError> {
         self.write_one(|c| {
             c.execute(
-                "INSERT INTO api_keys (id, name, secret_sha256, accounts, actions, webhook_secret, webhook_url, created_at) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                params![key.id, key.name, key.secret_sha256, json(&key.accounts), json(&key.actions), key.webhook_secret, key.webhook_url, key.created_at_ms],
+                "INSERT INTO api_keys (id, name, secret_sha256, accounts, actions, webhook_secret, webhook_url, created_at, created_by) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                params![key.id, key.name, key.secret_sha256, json(&key.accounts), json(&key.actions), key.webhook_secret, key.webhook_url, key.created_at_ms, key.created_by],
             )
         })?;
         Ok(())
@@ -658,7 +666,7 @@ impl TenantStore for SqliteStore {
     }
 
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
-        let n = self.write_one(|c| c.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?", params![at_ms, id]))?;
+        let n = self.write_one(|c| c.execute(REVOKE_KEY, params![id, at_ms]))?;
         Ok(n > 0)
     }
 

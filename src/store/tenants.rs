@@ -55,6 +55,9 @@ pub struct KeyRecord {
     pub created_at_ms: i64,
     /// Revocation time (ms); a revoked key is refused.
     pub revoked_at_ms: Option<i64>,
+    /// The key that created it (`None`: the admin token or the CLI). Revoking a key revokes the
+    /// keys it created, and theirs.
+    pub created_by: Option<String>,
 }
 
 /// Limits of one billing account (`None`: unlimited).
@@ -155,7 +158,7 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn key(&self, id: &str) -> Result<Option<KeyRecord>, StoreError>;
     /// Every key.
     async fn keys(&self) -> Result<Vec<KeyRecord>, StoreError>;
-    /// Revokes a key; false when there is none.
+    /// Revokes a key and every key it created (and they created, ...); false when there is none.
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError>;
     /// The billing account a branch key belongs to: the first to claim it (`account`, when no
     /// account has), for good. `claim` is the claim's own id (unique); a claim by the owning

@@ -162,6 +162,7 @@ pub fn generate(
         webhook_url,
         created_at_ms: now_ms,
         revoked_at_ms: None,
+        created_by: None,
     };
     (record, token)
 }
