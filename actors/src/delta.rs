@@ -95,6 +95,14 @@ impl DeltaTracker {
     pub fn emitted(&self) -> &str {
         &self.emitted
     }
+
+    /// Forgets what was emitted past `len` bytes (a delta that was not delivered after all); a
+    /// `len` past the end or off a char boundary changes nothing.
+    pub fn forget_after(&mut self, len: usize) {
+        if self.emitted.is_char_boundary(len) {
+            self.emitted.truncate(len);
+        }
+    }
 }
 
 /// The length of the longest prefix of `next` that `done` ends with, on a char boundary

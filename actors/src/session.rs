@@ -504,11 +504,11 @@ impl SessionActor {
         if self.tracker.emitted().len() > self.cfg.max_output_bytes {
             let message = format!("the run's output exceeded {} bytes; the gateway run was cancelled", self.cfg.max_output_bytes);
             tracing::warn!(run_id = %self.spec.run_id, "{message}");
-            // Its text so far is in the outcome's content (what the run's clients were sent).
-            let mut outcome = RunOutcome::failed(ErrorCode::AgentError, message, String::new());
+            // The outcome's content is the text the run's clients were sent (the failed outcome
+            // takes the tracker's text): not the delta that crossed the limit.
             let sent = self.tracker.emitted().len() - delta.len();
-            outcome.content = self.tracker.emitted().get(..sent).unwrap_or_default().to_owned();
-            return self.finish(ctx, outcome);
+            self.tracker.forget_after(sent);
+            return self.finish(ctx, RunOutcome::failed(ErrorCode::AgentError, message, String::new()));
         }
         self.sink.text_delta(delta, received);
     }
@@ -1071,10 +1071,13 @@ impl Handler<Link> for SessionActor {
         if self.stage == Stage::Done {
             return;
         }
+        let was_up = self.link.is_some();
         self.link = msg.0.clone();
         match msg.0 {
             Some(up) => self.on_link_up(ctx, up),
-            None => self.on_link_down(ctx),
+            None if was_up => self.on_link_down(ctx),
+            // Down already: the outage under way keeps its recovery window.
+            None => {}
         }
     }
 }

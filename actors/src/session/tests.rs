@@ -730,6 +730,14 @@ async fn a_run_past_its_output_limit_ends_and_is_cancelled() {
     assert!(h.sink.text().len() <= 100, "{} bytes sent to the run's clients", h.sink.text().len());
     assert_eq!(h.sink.outcome().content, h.sink.text(), "the outcome holds what the clients were sent");
     h.settled(Some(&agent)).await;
+    // A first frame past the limit on its own: nothing is sent, and nothing is kept.
+    let mut h = start(one_minute("r2"), Some(up("A", false)), SessionConfig { max_output_bytes: 100, ..cfg() }, None);
+    let agent = h.accepted(false).await;
+    h.addr.do_send(chat_delta(&h.spec, &"c".repeat(500)));
+    let (_, status) = h.ended().await;
+    assert_eq!(status, Some(RunStatus::Error));
+    assert_eq!((h.sink.text().as_str(), h.sink.outcome().content.as_str()), ("", ""));
+    h.settled(Some(&agent)).await;
 }
 
 /// A run ended while its subscribe is unanswered undoes it: the gateway may have applied it, and
@@ -752,7 +760,10 @@ async fn a_run_cancelled_while_subscribing_unsubscribes() {
 /// outage (it has a window of its own); once the link is back, the run ends as the gateway says.
 #[actix_rt::test]
 async fn a_second_outage_gets_a_recovery_window_of_its_own() {
-    let window = Duration::from_secs(2);
+    // Windows of 4 s; the second outage 3 s after the first: the first's timer fires 1 s into it,
+    // the second's 4 s in. The check comes 2.5 s into it: 1.5 s before the second's timer (a
+    // busy machine stretching the sleeps by less than that cannot fail the test with the fix).
+    let window = Duration::from_secs(4);
     let c = SessionConfig { recovery_window: window, ..cfg() };
     let mut h = start(one_minute("r1"), Some(up("A", false)), c, None);
     let agent = h.accepted(false).await;
@@ -761,11 +772,12 @@ async fn a_second_outage_gets_a_recovery_window_of_its_own() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     h.addr.do_send(Link(Some(up("A", false))));
     let wait = h.probe.call(name::AGENT_WAIT).await;
-    // The second outage comes 1.5 s after the first: the first's timer fires 0.5 s into it.
-    tokio::time::sleep(Duration::from_millis(1450)).await;
+    tokio::time::sleep(Duration::from_millis(2950)).await;
     fail(&wait, CallError::Disconnected);
     h.addr.do_send(Link(None));
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // A repeated "down" is the same outage: it does not restart the window.
+    h.addr.do_send(Link(None));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(!h.sink.events().iter().any(|e| matches!(e, RunEvent::Finished(_))), "ended inside its second outage's window: {:?}", h.sink.events());
     h.addr.do_send(Link(Some(up("A", false))));
     let wait = h.probe.call(name::AGENT_WAIT).await;
