@@ -303,7 +303,7 @@ fn secure_root(root: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     std::fs::create_dir_all(root)?;
     let meta = std::fs::symlink_metadata(root)?;
-    let me = std::fs::metadata("/proc/self")?.uid();
+    let me = rustix::process::geteuid().as_raw();
     if !meta.is_dir() {
         return Err(std::io::Error::other(format!("the ephemeral runs directory {} is not a directory (a symlink?)", root.display())));
     }
