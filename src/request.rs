@@ -177,6 +177,13 @@ pub struct ValidRun {
     pub branch_key: Option<String>,
 }
 
+/// The longest `webhook.url`.
+pub const MAX_URL_BYTES: usize = 2048;
+/// The longest `branch.prTitle` (GitHub's limit is 256 characters).
+pub const MAX_PR_TITLE_BYTES: usize = 1024;
+/// The longest `branch.prBody` (GitHub's limit is 65,536 characters).
+pub const MAX_PR_BODY_BYTES: usize = 32 * 1024;
+
 /// Validates a decoded request against the contract's rules.
 pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -> String) -> Result<ValidRun, RequestError> {
     let invalid = |m: String| Err(RequestError::Invalid(m));
@@ -211,6 +218,19 @@ pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -
     if let Some(g) = &request.graph_id {
         if !is_valid_id(g) {
             return invalid("field `graphId`: must match [A-Za-z0-9._:-]{1,128}".to_owned());
+        }
+    }
+    // Every field but `message` fits the body's overhead (the body is read up to six times the
+    // message limit, for escapes): each is stored with the run, and sent on (GitHub, webhooks).
+    if request.webhook.as_ref().is_some_and(|w| w.url.len() > MAX_URL_BYTES) {
+        return invalid(format!("field `webhook.url`: must be at most {MAX_URL_BYTES} bytes"));
+    }
+    if let Some(b) = &request.branch {
+        if b.pr_title.as_ref().is_some_and(|t| t.is_empty() || t.len() > MAX_PR_TITLE_BYTES) {
+            return invalid(format!("field `branch.prTitle`: must be 1 to {MAX_PR_TITLE_BYTES} bytes"));
+        }
+        if b.pr_body.as_ref().is_some_and(|t| t.len() > MAX_PR_BODY_BYTES) {
+            return invalid(format!("field `branch.prBody`: must be at most {MAX_PR_BODY_BYTES} bytes"));
         }
     }
     let timeout_sec = match request.timeout_sec {
@@ -311,6 +331,7 @@ mod tests {
             (r#"{"message":"hi","billingAccountId":"a","timeoutSec":3601}"#, "timeoutSec"),
             (r#"{"message":"hi","billingAccountId":"a","onDisconnect":"later"}"#, "onDisconnect"),
             (r#"{"message":"hi","billingAccountId":"a","branch":{"branchName":"x","extra":1}}"#, "extra"),
+            (r#"{"message":"hi","billingAccountId":"a","branch":{"branchName":"x","prTitle":""}}"#, "branch.prTitle"),
         ];
         for (body, field) in cases {
             match err(body) {
@@ -321,6 +342,23 @@ mod tests {
         for body in ["{not json", "", r#"{"message":"hi","billingAccountId":"a"} trailing"#] {
             assert!(matches!(err(body), RequestError::Invalid(m) if m.starts_with("invalid JSON body")), "{body}");
         }
+    }
+
+    /// The fields besides `message` are bounded on their own: the body may be six times the
+    /// message limit, and each is stored with the run and sent on.
+    #[test]
+    fn long_urls_and_pull_request_texts_are_refused() {
+        let long = |n: usize| "x".repeat(n);
+        let cases = [
+            (format!(r#"{{"message":"hi","billingAccountId":"a","webhook":{{"url":"https://h/{}"}}}}"#, long(MAX_URL_BYTES)), "webhook.url"),
+            (format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","prTitle":"{}"}}}}"#, long(MAX_PR_TITLE_BYTES + 1)), "branch.prTitle"),
+            (format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","prBody":"{}"}}}}"#, long(MAX_PR_BODY_BYTES + 1)), "branch.prBody"),
+        ];
+        for (body, field) in cases {
+            assert!(matches!(err(&body), RequestError::Invalid(m) if m.contains(field)), "{field}");
+        }
+        let fine = format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","prTitle":"{}","prBody":"{}"}}}}"#, long(MAX_PR_TITLE_BYTES), long(MAX_PR_BODY_BYTES));
+        assert_eq!(ok(&fine).branch_key.as_deref(), Some("x"));
     }
 
     #[test]
