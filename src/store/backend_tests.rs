@@ -601,6 +601,20 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert!(t.due_deliveries(super::now_ms() + 1_000, 10).await.expect("due").is_empty(), "{kind}: not due before its next attempt");
     t.record_delivery(due[0].id, &DeliveryOutcome::Delivered, 2).await.expect("delivered");
     assert_eq!(t.deliveries_of("run-w").await.expect("deliveries"), [(2, true, false, Some("503".into()))], "{kind}");
+
+    // Due deliveries: at most `DUE_PER_KEY` of one key (the admin token's, `None`, are one), so a
+    // tenant's backlog does not fill the list the others wait behind.
+    let per_key = super::tenants::DUE_PER_KEY;
+    for (i, key) in (0..per_key + 2).map(|i| (i, Some("k-busy"))).chain([(100, Some("k-quiet")), (101, None), (102, None)]) {
+        let id = format!("run-d{i}");
+        insert(&*s, row(&id, "acct-a", 1)).await;
+        let webhook = NewDelivery { url: "https://hooks.example.com/k".into(), key_id: key.map(str::to_owned), body: "{}".into() };
+        s.apply(&[Write::Append { run_id: id, event: Some(event(1, EventName::Final, "{}")), patch: finish(5), webhook: Some(webhook) }]).await.expect("end");
+    }
+    let due: Vec<(String, Option<String>)> = t.due_deliveries(super::now_ms() + 1_000, 64).await.expect("due").into_iter().map(|d| (d.run_id, d.key_id)).collect();
+    let mut want: Vec<(String, Option<String>)> = (0..per_key).map(|i| (format!("run-d{i}"), Some("k-busy".to_owned()))).collect();
+    want.extend([("run-d100".to_owned(), Some("k-quiet".to_owned())), ("run-d101".to_owned(), None), ("run-d102".to_owned(), None)]);
+    assert_eq!(due, want, "{kind}");
 }
 
 #[tokio::test]

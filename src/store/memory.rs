@@ -300,7 +300,20 @@ impl TenantStore for MemoryStore {
     }
 
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
-        Ok(self.lock().outbox.iter().filter(|o| !o.2 && !o.3 && o.1 <= now_ms).take(limit).map(|o| o.0.clone()).collect())
+        let mut per_key: HashMap<Option<String>, usize> = HashMap::new();
+        Ok(self
+            .lock()
+            .outbox
+            .iter()
+            .filter(|o| !o.2 && !o.3 && o.1 <= now_ms)
+            .filter(|o| {
+                let n = per_key.entry(o.0.key_id.clone()).or_default();
+                *n += 1;
+                *n <= super::tenants::DUE_PER_KEY
+            })
+            .take(limit)
+            .map(|o| o.0.clone())
+            .collect())
     }
 
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, _at_ms: i64) -> Result<(), StoreError> {

@@ -1118,11 +1118,12 @@ impl TenantStore for PgStore {
         // A plain read: each attempt first takes its item (`claim_delivery`), so replicas share
         // the outbox without sending a webhook twice.
         let rows: Vec<(i64, String, String, Option<String>, String, i64, i64)> = sqlx::query_as(
-            "SELECT id, run_id, url, key_id, body, attempts, created_at FROM webhook_outbox \
-             WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1 ORDER BY id LIMIT $2",
+            "SELECT id, run_id, url, key_id, body, attempts, created_at FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY key_id ORDER BY id) AS nth \
+             FROM webhook_outbox WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1) due WHERE nth <= $3 ORDER BY id LIMIT $2",
         )
         .bind(now_ms)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .bind(i64::try_from(super::tenants::DUE_PER_KEY).unwrap_or(i64::MAX))
         .fetch_all(&self.pool)
         .await
         .map_err(|e| self.err(e))?;
