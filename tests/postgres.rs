@@ -284,7 +284,9 @@ async fn doctor_reports_an_sqlite_store_with_its_schema_version() {
     let url = format!("sqlite://{}", dir.path().join("runs.db").display());
     let (out, ok) = doctor(&gw, &url).await;
     assert!(ok, "{out}");
-    assert!(out.contains(&format!("store ({url}): OK, sqlite kind, reachable, schema version 5, 0 unfinished")), "{out}");
+    // Every migration in the repository is applied after a start.
+    let newest = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/sqlite")).unwrap().count();
+    assert!(out.contains(&format!("store ({url}): OK, sqlite kind, reachable, schema version {newest}, 0 unfinished")), "{out}");
 }
 
 #[actix_rt::test]

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 /// The schema, in order; `PRAGMA user_version` says how many are applied.
-const MIGRATIONS: [&str; 8] = [
+pub(crate) const MIGRATIONS: [&str; 8] = [
     include_str!("../../migrations/sqlite/0001_runs.sql"),
     include_str!("../../migrations/sqlite/0002_tenants.sql"),
     include_str!("../../migrations/sqlite/0003_idempotency_per_account.sql"),
