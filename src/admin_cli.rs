@@ -118,7 +118,8 @@ pub async fn keys(cfg: Config, command: KeysCommand) -> i32 {
             Ok(keys) => {
                 for k in keys {
                     let state = if k.revoked_at_ms.is_some() { "revoked" } else { "active" };
-                    println!("{}  {:<8} {:<24} accounts={} actions={}", k.id, state, k.name, k.accounts.join(","), k.actions.join(","));
+                    let made_by = k.created_by.as_deref().map(|m| format!(" created_by={m}")).unwrap_or_default();
+                    println!("{}  {:<8} {:<24} accounts={} actions={}{made_by}", k.id, state, k.name, k.accounts.join(","), k.actions.join(","));
                 }
                 exit::OK
             }
@@ -129,7 +130,7 @@ pub async fn keys(cfg: Config, command: KeysCommand) -> i32 {
         },
         KeysCommand::Revoke { id } => match store.revoke_key(&id, now_ms()).await {
             Ok(true) => {
-                println!("revoked {id}");
+                println!("revoked {id} (and every key it made, and they made)");
                 exit::OK
             }
             Ok(false) => {

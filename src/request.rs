@@ -67,6 +67,7 @@ pub enum IfBusy {
 #[serde(deny_unknown_fields)]
 pub struct WebhookRequest {
     /// Where the final run document is `POST`ed.
+    #[schema(max_length = 2048)]
     pub url: String,
 }
 
@@ -101,9 +102,11 @@ pub struct BranchRequest {
     pub base_ref: Option<String>,
     /// PR title.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_length = 1, max_length = 1024)]
     pub pr_title: Option<String>,
     /// PR body.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 32768)]
     pub pr_body: Option<String>,
 }
 

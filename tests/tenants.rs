@@ -402,6 +402,9 @@ async fn case_a_scoped_admin_key_administers_its_own_accounts_only(kind: &str) {
     let listed = env.get(ADMIN, "/v1/admin/keys").await.1;
     let third_listed = listed["keys"].as_array().unwrap().iter().find(|k| k["id"] == third["id"]).expect("listed");
     assert_eq!(third_listed["createdBy"], second["id"], "{listed}");
+    let long_url = json!({"name": "long", "accounts": ["acct-a"], "actions": ["read"], "webhookUrl": format!("https://hooks.example.com/{}", "x".repeat(3000))});
+    let (status, body) = env.call(reqwest::Method::POST, ADMIN, "/v1/admin/keys", Some(&long_url)).await;
+    assert_eq!((status, body["error"]["message"].as_str().is_some_and(|m| m.contains("webhookUrl"))), (400, true), "{body}");
     let boss_a = env.create_key("boss-a2", &["acct-a"], &["admin", "read", "run"]).await;
     // Limits: its accounts only.
     let cap = json!({"maxTokens": 0, "periodSec": PERIOD_SEC});

@@ -135,6 +135,9 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
         return Err(beyond_scope("this key may only create keys for its own billing accounts, with actions it has itself"));
     }
     if let Some(url) = &k.webhook_url {
+        if url.len() > crate::request::MAX_URL_BYTES {
+            return Err(ApiError::invalid(format!("field `webhookUrl`: must be at most {} bytes", crate::request::MAX_URL_BYTES)));
+        }
         state.tenants.allow.check(url).map_err(|m| ApiError::invalid(format!("field `webhookUrl`: {m}")))?;
     }
     let (mut record, token) = keys::generate(&k.name, accounts, actions, k.webhook_url, now_ms());
@@ -176,7 +179,7 @@ pub(super) async fn list_keys(req: HttpRequest, state: web::Data<AppState>) -> R
 #[utoipa::path(post, path = "/v1/admin/keys/{key_id}/revoke", tag = "admin", security(("bearer" = [])),
     params(("key_id" = String, Path, description = "The key's public id")),
     responses(
-        (status = 200, description = "Revoked", body = Revoked),
+        (status = 200, description = "Revoked, with every key it made (and they made)", body = Revoked),
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
         (status = 403, description = "Not the `admin` action", body = ErrorBody),
         (status = 404, description = "No such key (or one with an account beyond the caller's)", body = ErrorBody),
@@ -194,7 +197,7 @@ pub(super) async fn revoke_key(req: HttpRequest, path: web::Path<String>, state:
     if !state.tenants.store.revoke_key(&path, now_ms()).await.map_err(store_unavailable)? {
         return Err(not_found());
     }
-    tracing::info!(key_id = %path, "API key revoked");
+    tracing::info!(key_id = %path, "API key revoked, with the keys it made");
     Ok(HttpResponse::Ok().json(Revoked { id: path.into_inner(), revoked: true }))
 }
 

@@ -1054,8 +1054,9 @@ impl TenantStore for PgStore {
     }
 
     async fn revoke_key(&self, id: &str, at_ms: i64) -> Result<bool, StoreError> {
-        // The key, the keys it created, theirs, ... (one statement: a key created meanwhile by one
-        // of them is either in it or refused, its creator being revoked by then).
+        // The key, the keys it created, theirs, ... A key written while this runs may be missed
+        // (the statement sees the rows of its snapshot): it is refused at authentication all the
+        // same, its maker being revoked (`tenants::makers_live`).
         let r = sqlx::query(
             "WITH RECURSIVE made(id) AS (SELECT id FROM api_keys WHERE id = $2 \
                UNION SELECT k.id FROM api_keys k JOIN made m ON k.created_by = m.id) \
