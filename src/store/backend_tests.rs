@@ -602,8 +602,8 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     t.record_delivery(due[0].id, &DeliveryOutcome::Delivered, 2).await.expect("delivered");
     assert_eq!(t.deliveries_of("run-w").await.expect("deliveries"), [(2, true, false, Some("503".into()))], "{kind}");
 
-    // Due deliveries: at most `DUE_PER_KEY` of one key (the admin token's, `None`, are one), so a
-    // tenant's backlog does not fill the list the others wait behind.
+    // Due deliveries: round-robin across keys (the admin token's, `None`, are one), at most
+    // `DUE_PER_KEY` of one key, so a tenant's backlog does not fill the list the others wait behind.
     let per_key = super::tenants::DUE_PER_KEY;
     for (i, key) in (0..per_key + 2).map(|i| (i, Some("k-busy"))).chain([(100, Some("k-quiet")), (101, None), (102, None)]) {
         let id = format!("run-d{i}");
@@ -612,8 +612,9 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
         s.apply(&[Write::Append { run_id: id, event: Some(event(1, EventName::Final, "{}")), patch: finish(5), webhook: Some(webhook) }]).await.expect("end");
     }
     let due: Vec<(String, Option<String>)> = t.due_deliveries(super::now_ms() + 1_000, 64).await.expect("due").into_iter().map(|d| (d.run_id, d.key_id)).collect();
-    let mut want: Vec<(String, Option<String>)> = (0..per_key).map(|i| (format!("run-d{i}"), Some("k-busy".to_owned()))).collect();
-    want.extend([("run-d100".to_owned(), Some("k-quiet".to_owned())), ("run-d101".to_owned(), None), ("run-d102".to_owned(), None)]);
+    let busy = |i: usize| (format!("run-d{i}"), Some("k-busy".to_owned()));
+    let mut want = vec![busy(0), ("run-d100".to_owned(), Some("k-quiet".to_owned())), ("run-d101".to_owned(), None), busy(1), ("run-d102".to_owned(), None)];
+    want.extend((2..per_key).map(busy));
     assert_eq!(due, want, "{kind}");
 }
 

@@ -300,20 +300,22 @@ impl TenantStore for MemoryStore {
     }
 
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
+        // Numbered per key in id order, then taken by (number, id), as the SQL stores do.
         let mut per_key: HashMap<Option<String>, usize> = HashMap::new();
-        Ok(self
-            .lock()
+        let st = self.lock();
+        let mut due: Vec<(usize, i64, &OutboxItem)> = st
             .outbox
             .iter()
             .filter(|o| !o.2 && !o.3 && o.1 <= now_ms)
-            .filter(|o| {
+            .map(|o| {
                 let n = per_key.entry(o.0.key_id.clone()).or_default();
                 *n += 1;
-                *n <= super::tenants::DUE_PER_KEY
+                (*n, o.0.id, &o.0)
             })
-            .take(limit)
-            .map(|o| o.0.clone())
-            .collect())
+            .filter(|(n, _, _)| *n <= super::tenants::DUE_PER_KEY)
+            .collect();
+        due.sort_by_key(|(n, id, _)| (*n, *id));
+        Ok(due.into_iter().take(limit).map(|(_, _, o)| o.clone()).collect())
     }
 
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, _at_ms: i64) -> Result<(), StoreError> {

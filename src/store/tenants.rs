@@ -141,7 +141,7 @@ pub enum DeliveryOutcome {
 }
 
 /// The most due deliveries of one key [`TenantStore::due_deliveries`] answers at once.
-pub const DUE_PER_KEY: usize = 4;
+pub const DUE_PER_KEY: usize = 16;
 
 /// Whose a branch key is, as a claim found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,9 +178,10 @@ pub trait TenantStore: Send + Sync + 'static {
     async fn set_limits(&self, account: &str, limits: &Limits, at_ms: i64) -> Result<(), StoreError>;
     /// Tokens spent by an account in the window starting at `window_start_ms`.
     async fn spend(&self, account: &str, window_start_ms: i64) -> Result<u64, StoreError>;
-    /// Deliveries due at `now_ms`, oldest first, at most [`DUE_PER_KEY`] of each key (the admin
-    /// token's count as one key): one tenant's backlog (a receiver that never answers) cannot
-    /// fill the list every other tenant's deliveries wait behind.
+    /// Deliveries due at `now_ms`, round-robin across keys (each key's oldest, then each key's
+    /// second oldest, ...; the admin token's count as one key), at most [`DUE_PER_KEY`] of one
+    /// key: one tenant's backlog (a receiver that never answers) cannot fill the list every
+    /// other tenant's deliveries wait behind.
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError>;
     /// Takes a delivery that is due at `now_ms` for one attempt, until `until_ms`: false when
     /// another replica's delivery loop took it first (or it is not due any more), so replicas

@@ -87,9 +87,6 @@ pub trait Secrets: Send + Sync + 'static {
 /// attempt's bound, not every other tenant's webhooks behind it.
 const CONCURRENT_ATTEMPTS: usize = 16;
 
-/// Of those, the most one key's deliveries take (the admin token's count as one key): a tenant
-/// whose receiver never answers keeps the others' deliveries going.
-const ATTEMPTS_PER_KEY: usize = 4;
 
 /// The delivery worker's settings.
 #[derive(Debug, Clone)]
@@ -115,51 +112,84 @@ pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secret
         }
     };
     let mut tick = tokio::time::interval(cfg.poll);
-    // Attempts under way (each ends with its delivery id and key), and how many each key has: a
-    // slot is taken again as soon as an attempt ends, not when a whole batch has.
-    let mut in_flight = futures_util::stream::FuturesUnordered::new();
-    let mut ids = std::collections::HashSet::new();
-    let mut per_key: std::collections::HashMap<Option<String>, usize> = std::collections::HashMap::new();
+    // A slow read of the due list does not make the missed ticks fire back to back.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Attempts run as tasks of their own (they go on while the due list is read); a slot is taken
+    // again from the last due list as soon as an attempt ends, not at the next tick.
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut started: std::collections::HashMap<tokio::task::Id, (i64, Option<String>)> = std::collections::HashMap::new();
+    let mut slots = Slots::default();
+    let mut pending = std::collections::VecDeque::new();
     loop {
         tokio::select! {
-            Some((id, key)) = futures_util::StreamExt::next(&mut in_flight), if !in_flight.is_empty() => {
-                ids.remove(&id);
-                if let std::collections::hash_map::Entry::Occupied(mut n) = per_key.entry(key) {
-                    *n.get_mut() -= 1;
-                    if *n.get() == 0 {
-                        n.remove();
+            Some(ended) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                let task = match &ended {
+                    Ok((task, ())) => *task,
+                    Err(e) => e.id(),
+                };
+                if let Some((id, key)) = started.remove(&task) {
+                    slots.done(id, &key);
+                }
+            }
+            _ = tick.tick() => {
+                if slots.free() == 0 {
+                    continue;
+                }
+                match store.due_deliveries(now_ms(), 64).await {
+                    Ok(d) => pending = d.into(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read due webhook deliveries");
+                        continue;
                     }
                 }
-                continue;
             }
-            _ = tick.tick() => {}
         }
-        if in_flight.len() >= CONCURRENT_ATTEMPTS {
-            continue;
-        }
-        let due = match store.due_deliveries(now_ms(), 64).await {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read due webhook deliveries");
-                continue;
-            }
-        };
-        for item in due {
-            if in_flight.len() >= CONCURRENT_ATTEMPTS {
-                break;
-            }
-            let n = per_key.entry(item.key_id.clone()).or_default();
-            if *n >= ATTEMPTS_PER_KEY || ids.contains(&item.id) {
-                continue;
-            }
-            *n += 1;
-            ids.insert(item.id);
+        for item in slots.pick(&mut pending) {
             let (store, client, secrets, cfg) = (store.clone(), client.clone(), secrets.clone(), cfg.clone());
-            let done = (item.id, item.key_id.clone());
-            in_flight.push(async move {
-                deliver(&*store, &client, &*secrets, item, &cfg).await;
-                done
-            });
+            let what = (item.id, item.key_id.clone());
+            let task = tasks.spawn(async move { deliver(&*store, &client, &*secrets, item, &cfg).await }).id();
+            started.insert(task, what);
+        }
+    }
+}
+
+/// The attempts under way: how many, of which deliveries, per key.
+#[derive(Default)]
+struct Slots {
+    ids: std::collections::HashSet<i64>,
+    per_key: std::collections::HashMap<Option<String>, usize>,
+}
+
+impl Slots {
+    fn free(&self) -> usize {
+        CONCURRENT_ATTEMPTS.saturating_sub(self.ids.len())
+    }
+
+    /// Takes from `due` (round-robin across keys, as the store lists them) the deliveries to start
+    /// now, up to the free slots: each slot to the delivery whose key has the fewest attempts
+    /// under way (the first in `due` among equals). Keys whose receivers never answer then hold
+    /// at most their share of the slots: a key with nothing under way goes first. One busy key
+    /// alone takes them all. Deliveries under way are dropped from `due`.
+    fn pick(&mut self, due: &mut std::collections::VecDeque<OutboxItem>) -> Vec<OutboxItem> {
+        due.retain(|d| !self.ids.contains(&d.id));
+        let mut picked = Vec::new();
+        while self.free() > 0 {
+            let fewest = due.iter().enumerate().min_by_key(|(i, d)| (self.per_key.get(&d.key_id).copied().unwrap_or(0), *i)).map(|(i, _)| i);
+            let Some(d) = fewest.and_then(|i| due.remove(i)) else { break };
+            *self.per_key.entry(d.key_id.clone()).or_default() += 1;
+            self.ids.insert(d.id);
+            picked.push(d);
+        }
+        picked
+    }
+
+    fn done(&mut self, id: i64, key: &Option<String>) {
+        self.ids.remove(&id);
+        if let Some(n) = self.per_key.get_mut(key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_key.remove(key);
+            }
         }
     }
 }
@@ -347,6 +377,35 @@ mod tests {
         let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(0))), config()));
         until("the webhook behind the hanging receivers did not arrive", || seen.lock().expect("log").len() == 1).await;
         worker.abort();
+    }
+
+    fn item(id: i64, key: &str) -> OutboxItem {
+        OutboxItem { id, run_id: format!("r{id}"), url: "https://h/x".into(), key_id: Some(key.into()), body: "{}".into(), attempts: 0, created_at_ms: 1 }
+    }
+
+    /// The slots: a lone busy key takes them all; keys whose receivers never answer hold them all
+    /// only until one frees, which goes to a key with nothing under way, ahead of their backlog.
+    #[test]
+    fn slots_are_shared_across_keys() {
+        let ids = |v: &[OutboxItem]| v.iter().map(|d| d.id).collect::<Vec<_>>();
+        // One key alone: every slot.
+        let mut s = Slots::default();
+        let mut due: std::collections::VecDeque<OutboxItem> = (1..=20).map(|i| item(i, "a")).collect();
+        assert_eq!(ids(&s.pick(&mut due)), (1..=16).collect::<Vec<_>>());
+        assert_eq!(ids(&due.iter().cloned().collect::<Vec<_>>()), (17..=20).collect::<Vec<_>>());
+        // Four keys whose receivers never answer hold the 16 slots; a fifth key's delivery (first
+        // in the next round-robin list) takes the first slot freed, ahead of their backlog.
+        let mut s = Slots::default();
+        let mut due: std::collections::VecDeque<OutboxItem> = (0..8).flat_map(|n| ["a", "b", "c", "d"].map(|k| item(100 * n + i64::from(k.as_bytes()[0]), k))).collect();
+        assert_eq!(s.pick(&mut due).len(), 16);
+        assert!(s.pick(&mut due).is_empty(), "no slot free");
+        s.done(100 + i64::from(b'a'), &Some("a".into()));
+        let mut next: std::collections::VecDeque<OutboxItem> = [item(500 + i64::from(b'a'), "a"), item(7, "e"), item(600 + i64::from(b'a'), "a")].into();
+        assert_eq!(ids(&s.pick(&mut next)), [7], "the waiting key's delivery, not the busy key's backlog");
+        // A delivery under way is not started twice.
+        let mut again: std::collections::VecDeque<OutboxItem> = [item(7, "e")].into();
+        s.done(101, &Some("b".into()));
+        assert!(s.pick(&mut again).is_empty());
     }
 
     #[test]
