@@ -232,10 +232,10 @@ pub struct AgentWaitResult {
     /// `ok`, `error`, `timeout` (also: the wait itself timed out), `pending` (still queued).
     pub status: String,
     /// When it ended (absent while it runs). Only its presence is read (it tells a run that timed
-    /// out from a wait that did), so any value but `null` counts: a fractional or negative time
-    /// must not turn a finished run's answer into a protocol error.
+    /// out from a wait that did), so any number counts: a fractional, negative or huge time must
+    /// not turn a finished run's answer into a protocol error. Not a number at all is malformed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ended_at: Option<serde_json::Value>,
+    pub ended_at: Option<f64>,
     /// Error text, when the run failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<serde_json::Value>,
@@ -349,10 +349,12 @@ mod tests {
             Some(WaitOutcome::Ok(Some("hi".into())))
         );
         assert_eq!(w(r#"{"runId":"r","status":"sideways"}"#), None);
-        // `endedAt` is a hint: any value but `null` says the run ended.
+        // `endedAt` is a hint: any number says the run ended; not a number is malformed.
         assert_eq!(w(r#"{"runId":"r","status":"ok","endedAt":1.7e12,"terminalReply":{"text":"hi"}}"#), Some(WaitOutcome::Ok(Some("hi".into()))));
         assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":-1}"#), Some(WaitOutcome::TimedOut));
+        assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":18446744073709551616}"#), Some(WaitOutcome::TimedOut));
         assert_eq!(w(r#"{"runId":"r","status":"timeout","endedAt":null}"#), Some(WaitOutcome::NotEnded));
+        assert!(serde_json::from_str::<AgentWaitResult>(r#"{"runId":"r","status":"ok","endedAt":"yesterday"}"#).is_err());
     }
 
     #[test]
