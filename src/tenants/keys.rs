@@ -49,8 +49,8 @@ impl Action {
 pub enum Principal {
     /// `CLAWMUX_API_TOKEN` (or a loopback caller when no token is configured): everything.
     Admin,
-    /// An API key.
-    Key(KeyRecord),
+    /// An API key (boxed: a record is far larger than the admin variant).
+    Key(Box<KeyRecord>),
 }
 
 impl Principal {
@@ -191,7 +191,7 @@ mod tests {
     #[test]
     fn a_scoped_admin_key_governs_and_grants_only_within_its_scope() {
         let (rec, _) = generate("t", vec!["a".into(), "b".into()], vec![Action::Admin, Action::Read], None, 1);
-        let k = Principal::Key(rec);
+        let k = Principal::Key(Box::new(rec));
         let acc = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
         assert!(k.governs(&acc(&["a"])) && k.governs(&acc(&["a", "b"])));
         assert!(!k.governs(&acc(&["c"])) && !k.governs(&acc(&["a", "c"])) && !k.governs(&acc(&["*"])));
@@ -200,7 +200,7 @@ mod tests {
         assert!(!k.may_grant(&acc(&["b"]), &[Action::Run]), "an action it lacks");
         assert!(!k.may_grant(&acc(&["*"]), &[Action::Read]), "all accounts");
         let (all, _) = generate("w", vec!["*".into()], vec![Action::Admin], None, 1);
-        let w = Principal::Key(all);
+        let w = Principal::Key(Box::new(all));
         assert!(w.governs(&acc(&["*"])) && w.governs(&acc(&["c"])) && w.may_grant(&acc(&["*"]), &[Action::Admin]));
         assert!(!w.may_grant(&acc(&["c"]), &[Action::Run]));
         assert!(Principal::Admin.may_grant(&acc(&["*"]), &[Action::Run, Action::Admin]));
@@ -228,13 +228,13 @@ mod tests {
     #[test]
     fn scopes() {
         let (rec, _) = generate("k", vec!["a".into(), "b".into()], vec![Action::Read], None, 1);
-        let p = Principal::Key(rec);
+        let p = Principal::Key(Box::new(rec));
         assert!(p.sees("a") && p.sees("b") && !p.sees("c"));
         assert!(p.can(Action::Read) && !p.can(Action::Run) && !p.can(Action::Admin));
         assert_eq!(p.account_scope(), Some(vec!["a".into(), "b".into()]));
         let (all, _) = generate("k", vec!["*".into()], vec![Action::Run], None, 1);
-        assert!(Principal::Key(all.clone()).sees("anything"));
-        assert_eq!(Principal::Key(all).account_scope(), None);
+        assert!(Principal::Key(Box::new(all.clone())).sees("anything"));
+        assert_eq!(Principal::Key(Box::new(all)).account_scope(), None);
         assert!(Principal::Admin.can(Action::Admin) && Principal::Admin.sees("x"));
         assert!(validate_accounts(&["*".into(), "a".into()]).is_err());
         assert!(validate_accounts(&[]).is_err());

@@ -54,7 +54,7 @@ impl Tenants {
         // Looked up on every request: a revoked key (by the CLI, another process) is refused at once.
         match self.store.key(given.id).await {
             Ok(Some(record)) if keys::matches(&record, &given) => match makers_live(&*self.store, &record).await {
-                Ok(true) => Ok(Principal::Key(record)),
+                Ok(true) => Ok(Principal::Key(Box::new(record))),
                 Ok(false) => Err(AuthError::Invalid),
                 Err(e) => Err(AuthError::Unavailable(e.to_string())),
             },
@@ -81,6 +81,32 @@ async fn makers_live(store: &dyn TenantStore, key: &crate::store::tenants::KeyRe
         }
     }
     Ok(maker.is_none())
+}
+
+
+/// The signing secrets of webhook deliveries, from the store and the configuration.
+pub struct StoreSecrets {
+    /// Keys.
+    pub store: Arc<dyn TenantStore>,
+    /// `CLAWMUX_WEBHOOK_SECRET`.
+    pub admin: Option<Secret>,
+}
+
+impl webhook::Secrets for StoreSecrets {
+    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Result<Option<String>, String>> {
+        let key_id = key_id.map(str::to_owned);
+        Box::pin(async move {
+            match key_id {
+                None => Ok(self.admin.as_ref().map(|s| s.expose().to_owned())),
+                Some(id) => self.store.key(&id).await.map(|k| k.map(|k| k.webhook_secret)).map_err(|e| {
+                    // The delivery's error is shown to its key's holder: the store's details go
+                    // to the log only.
+                    tracing::warn!(error = %e, "cannot read a webhook's signing secret");
+                    "the store cannot be read right now".to_owned()
+                }),
+            }
+        })
+    }
 }
 
 #[cfg(test)]
@@ -111,30 +137,5 @@ mod tests {
         assert!(!makers_live(&store, &late).await.expect("read"), "made by a revoked key");
         assert!(!makers_live(&store, &later).await.expect("read"), "made by a key made by a revoked key");
         assert!(makers_live(&store, &boss).await.expect("read"), "made by the admin token: no maker to ask");
-    }
-}
-
-/// The signing secrets of webhook deliveries, from the store and the configuration.
-pub struct StoreSecrets {
-    /// Keys.
-    pub store: Arc<dyn TenantStore>,
-    /// `CLAWMUX_WEBHOOK_SECRET`.
-    pub admin: Option<Secret>,
-}
-
-impl webhook::Secrets for StoreSecrets {
-    fn secret(&self, key_id: Option<&str>) -> futures_util::future::BoxFuture<'_, Result<Option<String>, String>> {
-        let key_id = key_id.map(str::to_owned);
-        Box::pin(async move {
-            match key_id {
-                None => Ok(self.admin.as_ref().map(|s| s.expose().to_owned())),
-                Some(id) => self.store.key(&id).await.map(|k| k.map(|k| k.webhook_secret)).map_err(|e| {
-                    // The delivery's error is shown to its key's holder: the store's details go
-                    // to the log only.
-                    tracing::warn!(error = %e, "cannot read a webhook's signing secret");
-                    "the store cannot be read right now".to_owned()
-                }),
-            }
-        })
     }
 }
