@@ -60,4 +60,6 @@ pub mod request;
 pub mod server;
 pub mod store;
 pub mod tenants;
+#[cfg(test)]
+mod test_http;
 pub mod ui;

@@ -744,22 +744,14 @@ mod tests {
 
     /// An upstream that answers every request `200 {}` and records its request lines.
     async fn recording_upstream() -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("the upstream binds");
         let addr = listener.local_addr().expect("an address");
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let log = seen.clone();
         actix_web::rt::spawn(async move {
             while let Ok((mut conn, _)) = listener.accept().await {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let line = String::from_utf8_lossy(&head).lines().next().unwrap_or_default().to_owned();
+                let line = crate::test_http::request_line(&mut conn).await.unwrap_or_default();
                 log.lock().expect("log").push(line);
                 let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}").await;
             }

@@ -276,6 +276,25 @@ pub fn truncate(s: &str, n: usize) -> String {
     }
 }
 
+/// Test helpers: the real git, and scripts standing in for it.
+#[cfg(test)]
+pub(super) mod scripts {
+    use std::path::{Path, PathBuf};
+
+    /// The real git on `PATH`.
+    pub fn real_git() -> PathBuf {
+        let path = std::env::var("PATH").unwrap_or_default();
+        path.split(':').map(|d| Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH")
+    }
+
+    /// Writes `text` to `path`, executable.
+    pub fn write_executable(path: &Path, text: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, text).expect("script");
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -395,10 +414,7 @@ mod tests {
         for (name, redirect) in [("stdout", ""), ("stderr", " >&2")] {
             let (prog, pid_file) = (dir.path().join(format!("git-{name}")), dir.path().join(format!("pid-{name}")));
             // 4 MB, then nothing until killed; `exec`: the pid written is the process that prints
-            std::fs::write(&prog, format!("#!/bin/sh\necho $$ > '{}'\nexec sh -c 'head -c 4000000 /dev/zero; exec sleep 60'{redirect}\n", pid_file.display())).expect("script");
-            let mut perm = std::fs::metadata(&prog).expect("meta").permissions();
-            std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-            std::fs::set_permissions(&prog, perm).expect("chmod");
+            super::scripts::write_executable(&prog, &format!("#!/bin/sh\necho $$ > '{}'\nexec sh -c 'head -c 4000000 /dev/zero; exec sleep 60'{redirect}\n", pid_file.display()));
             let mut s = settings(dir.path(), 30);
             s.program = prog;
             s.max_output = 64 * 1024;
@@ -467,13 +483,10 @@ mod env_tests {
         std::fs::create_dir_all(&bin).expect("bin");
         std::fs::create_dir_all(&log).expect("log");
         let path = std::env::var("PATH").unwrap_or_default();
-        let real = path.split(':').map(|d| Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH");
+        let real = super::scripts::real_git();
         let wrapper = bin.join("git");
         // `/proc/$$/environ` is the environment the wrapper was started with, untouched by the shell
-        std::fs::write(&wrapper, format!("#!/bin/sh\ncat /proc/$$/environ > '{}/env-'$$\nexec '{}' \"$@\"\n", log.display(), real.display())).expect("wrapper");
-        let mut perm = std::fs::metadata(&wrapper).expect("meta").permissions();
-        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-        std::fs::set_permissions(&wrapper, perm).expect("chmod");
+        super::scripts::write_executable(&wrapper, &format!("#!/bin/sh\ncat /proc/$$/environ > '{}/env-'$$\nexec '{}' \"$@\"\n", log.display(), real.display()));
         let exe = std::env::current_exe().expect("test binary");
         let mut cmd = std::process::Command::new(exe);
         cmd.args(["--exact", "relay::host::env_tests::host_git_children_get_only_their_own_environment", "--test-threads=1", "--nocapture"])

@@ -1015,11 +1015,7 @@ mod tests {
         f
     }
 
-    /// The real git on `PATH`.
-    fn real_git() -> PathBuf {
-        let path = std::env::var("PATH").unwrap_or_default();
-        path.split(':').map(|d| std::path::Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH")
-    }
+    use super::host::scripts::{real_git, write_executable};
 
     fn git_in(dir: &std::path::Path, args: &[&str], stdin: Option<&[u8]>) -> String {
         use std::io::Write;
@@ -1060,10 +1056,7 @@ mod tests {
         let log = tmp.path().join("log");
         std::fs::create_dir(&log).expect("log");
         let wrapper = tmp.path().join("git");
-        std::fs::write(&wrapper, format!("#!/bin/sh\nprintf '%s\\0' \"$@\" > '{}'/$$-$(date +%s%N)\nexec '{}' \"$@\"\n", log.display(), real_git().display())).expect("wrapper");
-        let mut perm = std::fs::metadata(&wrapper).expect("meta").permissions();
-        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-        std::fs::set_permissions(&wrapper, perm).expect("chmod");
+        write_executable(&wrapper, &format!("#!/bin/sh\nprintf '%s\\0' \"$@\" > '{}'/$$-$(date +%s%N)\nexec '{}' \"$@\"\n", log.display(), real_git().display()));
         let mut cfg = RelayConfig::new("gw", origin.to_string_lossy());
         cfg.git_program = wrapper;
         let r = GitRelay::new(cfg, one_commit_container("k", &root)).expect("relay");

@@ -287,7 +287,7 @@ mod tests {
     /// A receiver: `/hang` is read and never answered; anything else is answered `200` and its
     /// path recorded.
     async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
         let addr = listener.local_addr().expect("addr");
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -296,15 +296,7 @@ mod tests {
             while let Ok((mut conn, _)) = listener.accept().await {
                 let log = log.clone();
                 tokio::spawn(async move {
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match conn.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let line = String::from_utf8_lossy(&head).lines().next().unwrap_or_default().to_owned();
+                    let Some(line) = crate::test_http::request_line(&mut conn).await else { return };
                     let path = line.split(' ').nth(1).unwrap_or_default().to_owned();
                     if path == "/hang" {
                         tokio::time::sleep(Duration::from_secs(3600)).await;
