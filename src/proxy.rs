@@ -796,6 +796,36 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Fuzz: of any path an agent sends, only the listed routes are forwarded, and the URL
+        /// built for one (with any query) reaches that route of the upstream and no other.
+        #[test]
+        fn only_listed_routes_reach_the_upstream_and_only_as_themselves(
+            method in proptest::prelude::prop_oneof![proptest::prelude::Just("POST"), proptest::prelude::Just("GET"), proptest::prelude::Just("PUT")],
+            path in proptest::prelude::prop_oneof![
+                "/v1/[a-z./%2eE_-]{0,24}",
+                proptest::prelude::Just("/v1/chat/completions".to_owned()),
+                proptest::prelude::Just("/v1/models".to_owned()),
+                "/v1/chat/completions[/.%?#a-z]{0,6}",
+            ],
+            query in "[a-z=&./%]{0,12}",
+            root in proptest::prelude::prop_oneof![proptest::prelude::Just("http://litellm:4000"), proptest::prelude::Just("http://127.0.0.1:9/v1/")],
+        ) {
+            let listed = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/messages"];
+            let expected = match method {
+                "POST" => listed.contains(&path.as_str()),
+                "GET" => path == "/v1/models",
+                _ => false,
+            };
+            proptest::prop_assert_eq!(forwarded_route(method, &path), expected, "{} {}", method, path);
+            if expected {
+                let url = upstream_url(root, &format!("{path}?{query}"));
+                let parsed = reqwest::Url::parse(&url).expect("a URL");
+                proptest::prop_assert_eq!(parsed.path(), path.as_str(), "{}", url);
+            }
+        }
+    }
+
     #[test]
     fn forwarded_routes_are_the_inference_apis_and_the_model_list() {
         assert!(forwarded_route("POST", "/v1/chat/completions") && forwarded_route("POST", "/v1/messages") && forwarded_route("GET", "/v1/models"));

@@ -364,6 +364,37 @@ mod tests {
         assert_eq!(ok(&fine).branch_key.as_deref(), Some("x"));
     }
 
+    proptest::proptest! {
+        /// Fuzz: any body (fields of any JSON value, lengths around every bound, raw bytes) is
+        /// accepted or refused with an error, never a panic; an accepted run keeps every bound.
+        #[test]
+        fn any_body_is_refused_or_accepted_within_the_bounds(
+            message in proptest::prelude::prop_oneof![proptest::prelude::Just(String::new()), "[a-zé\\\\\"]{0,120}"],
+            title_len in 0usize..(MAX_PR_TITLE_BYTES + 3),
+            body_len in proptest::prelude::prop_oneof![0usize..8, (MAX_PR_BODY_BYTES - 2)..(MAX_PR_BODY_BYTES + 3)],
+            url_len in proptest::prelude::prop_oneof![0usize..8, (MAX_URL_BYTES - 2)..(MAX_URL_BYTES + 3)],
+            key in "[A-Za-z0-9._/-]{0,12}",
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            let body = serde_json::json!({
+                "message": message, "billingAccountId": "acct",
+                "webhook": {"url": "u".repeat(url_len)},
+                "branch": {"branchName": key, "prTitle": "t".repeat(title_len), "prBody": "b".repeat(body_len)},
+            });
+            let decoded = decode(body.to_string().as_bytes());
+            if let Ok(r) = decoded {
+                if let Ok(v) = validate(r, LIMITS, || "generated".into()) {
+                    let b = v.request.branch.as_ref().expect("branch");
+                    proptest::prop_assert!(!v.request.message.is_empty() && v.request.message.len() <= LIMITS.max_message_bytes);
+                    proptest::prop_assert!(b.pr_title.as_ref().is_some_and(|t| !t.is_empty() && t.len() <= MAX_PR_TITLE_BYTES));
+                    proptest::prop_assert!(b.pr_body.as_ref().is_some_and(|t| t.len() <= MAX_PR_BODY_BYTES));
+                    proptest::prop_assert!(v.request.webhook.as_ref().is_some_and(|w| w.url.len() <= MAX_URL_BYTES));
+                }
+            }
+            let _ = decode(&raw).map(|r| validate(r, LIMITS, || "generated".into()));
+        }
+    }
+
     #[test]
     fn oversize_message_is_413() {
         let body = format!(r#"{{"message":"{}","billingAccountId":"a"}}"#, "x".repeat(101));
