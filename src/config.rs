@@ -154,6 +154,11 @@ pub struct Config {
     /// How long a run stays this process's without a renewal (`CLAWMUX_RUN_LEASE_SEC`, PostgreSQL
     /// store): another replica takes a run over this long after its owner stopped renewing.
     pub run_lease_sec: u64,
+    /// How long data written to a client may stay unacknowledged (`CLAWMUX_SEND_TIMEOUT_SEC`), on
+    /// the API's and the proxy's connections: a client that stops reading (its TCP window stays
+    /// shut) is cut after it, and so lets go of what its response holds (an SSE stream holds its
+    /// run's event log). The kernel enforces it (`TCP_USER_TIMEOUT`): actix has no write timeout.
+    pub send_timeout_sec: u64,
 }
 
 /// `<hostname>-<pid>`: unique among the processes sharing a store, and readable in `doctor`.
@@ -230,6 +235,7 @@ impl Default for Config {
             webhook_max_age_sec: 86_400,
             replica_id: default_replica_id(),
             run_lease_sec: 10,
+            send_timeout_sec: 60,
         }
     }
 }
@@ -269,6 +275,7 @@ struct FileConfig {
     shutdown: Option<String>,
     webhook_allow: Option<String>,
     webhook_max_age_sec: Option<u64>,
+    send_timeout_sec: Option<u64>,
 }
 
 /// A configuration problem, naming the setting.
@@ -361,7 +368,7 @@ impl Config {
             ($($field:ident),*) => { $( if let Some(v) = f.$field { self.$field = v; } )* };
         }
         set!(run_timeout_sec, max_run_timeout_sec, max_message_bytes, log, log_format, relay_workspace, relay_base_ref, github_api_url,
-             run_retention_sec, run_retention_max, max_runs, shards, max_starting);
+             run_retention_sec, run_retention_max, max_runs, shards, max_starting, send_timeout_sec);
         if let Some(v) = f.proxy_listen {
             self.proxy_listen = parse_addr("proxy_listen", &v)?;
         }
@@ -519,6 +526,9 @@ impl Config {
         if let Some(v) = get("CLAWMUX_RUN_LEASE_SEC") {
             self.run_lease_sec = parse_num("CLAWMUX_RUN_LEASE_SEC", &v)?;
         }
+        if let Some(v) = get("CLAWMUX_SEND_TIMEOUT_SEC") {
+            self.send_timeout_sec = parse_num("CLAWMUX_SEND_TIMEOUT_SEC", &v)?;
+        }
         if let Some(v) = get("CLAWMUX_WEBHOOK_MAX_AGE_SEC") {
             self.webhook_max_age_sec = parse_num("CLAWMUX_WEBHOOK_MAX_AGE_SEC", &v)?;
         }
@@ -555,6 +565,10 @@ impl Config {
         // hand live runs to another replica; over an hour, a dead replica's runs wait that long.
         if !(3..=3600).contains(&self.run_lease_sec) {
             return Err(invalid("CLAWMUX_RUN_LEASE_SEC", "must be between 3 and 3600 seconds"));
+        }
+        // Under a second cuts clients on a congested link; over an hour is no bound.
+        if !(1..=3600).contains(&self.send_timeout_sec) {
+            return Err(invalid("CLAWMUX_SEND_TIMEOUT_SEC", "must be between 1 and 3600 seconds"));
         }
         if self.max_runs == 0 {
             return Err(invalid("CLAWMUX_MAX_RUNS", "must be at least 1"));
@@ -605,6 +619,7 @@ impl Config {
             ("CLAWMUX_WEBHOOK_MAX_AGE_SEC", self.webhook_max_age_sec.to_string()),
             ("CLAWMUX_REPLICA_ID", self.replica_id.clone()),
             ("CLAWMUX_RUN_LEASE_SEC", self.run_lease_sec.to_string()),
+            ("CLAWMUX_SEND_TIMEOUT_SEC", self.send_timeout_sec.to_string()),
         ]
     }
 }
@@ -642,6 +657,16 @@ mod tests {
         for bad in ["257", "many", "-1"] {
             let err = Config::load(None, &env(&[("CLAWMUX_SHARDS", bad)])).expect_err(bad).to_string();
             assert!(err.contains("CLAWMUX_SHARDS"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_send_timeout_defaults_to_a_minute_and_is_bounded() {
+        assert_eq!(Config::load(None, &env(&[])).expect("defaults are valid").send_timeout_sec, 60);
+        assert_eq!(Config::load(None, &env(&[("CLAWMUX_SEND_TIMEOUT_SEC", "1")])).expect("valid").send_timeout_sec, 1);
+        for bad in ["0", "3601", "-1", "soon"] {
+            let e = Config::load(None, &env(&[("CLAWMUX_SEND_TIMEOUT_SEC", bad)])).expect_err(bad).to_string();
+            assert!(e.contains("CLAWMUX_SEND_TIMEOUT_SEC"), "{e}");
         }
     }
 

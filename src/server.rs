@@ -281,7 +281,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     });
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
-        .on_connect(no_delay)
+        .on_connect(tune_connection(Duration::from_secs(state.cfg.send_timeout_sec)))
         .disable_signals()
         // A caller that closes its connection is gone (`onDisconnect: abort` must cancel its run
         // now): with half-closed connections allowed, actix notices only when a write fails, i.e.
@@ -382,7 +382,7 @@ fn start_proxy(
     });
     let shared = state.clone();
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(crate::proxy::routes))
-        .on_connect(no_delay)
+        .on_connect(tune_connection(Duration::from_secs(cfg.send_timeout_sec)))
         .disable_signals()
         // A handoff lets the LLM streams of the runs in flight finish before the process exits.
         .shutdown_timeout(PROXY_DRAIN.as_secs())
@@ -400,11 +400,21 @@ fn start_proxy(
 /// How long a stopping clawmux lets in-flight LLM streams through its proxy finish.
 const PROXY_DRAIN: Duration = Duration::from_secs(30);
 
-/// Small SSE events must leave at once: Nagle's algorithm would hold one back until the client's
-/// (delayed) ACK of the previous write.
-fn no_delay(conn: &dyn std::any::Any, _ext: &mut actix_web::dev::Extensions) {
-    if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+/// Socket options of each accepted connection (`send_timeout`: `CLAWMUX_SEND_TIMEOUT_SEC`).
+fn tune_connection(send_timeout: Duration) -> impl Fn(&dyn std::any::Any, &mut actix_web::dev::Extensions) + Send + Sync + 'static {
+    let ms = u32::try_from(send_timeout.as_millis()).unwrap_or(u32::MAX);
+    move |conn, _ext| {
+        let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() else { return };
+        // Small SSE events must leave at once: Nagle's algorithm would hold one back until the
+        // client's (delayed) ACK of the previous write.
         let _ = tcp.set_nodelay(true);
+        // A client that stops reading shuts its TCP window; actix then stops polling the response
+        // (an SSE stream and the run's event log it holds) and never times the write out. The
+        // kernel cuts such a connection once written data has waited this long (Linux >= 5.11
+        // counts a window that stays shut, RFC 5482), so the response is dropped.
+        if let Err(e) = rustix::net::sockopt::set_tcp_user_timeout(tcp, ms) {
+            tracing::warn!(error = %e, "cannot set TCP_USER_TIMEOUT on a client connection");
+        }
     }
 }
 

@@ -1422,6 +1422,66 @@ async fn closing_the_stream_aborts_the_run_unless_on_disconnect_is_continue() {
     assert!(!rec.aborted && rec.status == RunStatus::Ok, "{rec:?}");
 }
 
+/// A client that stops reading its SSE stream (its TCP window shut) is cut after
+/// `CLAWMUX_SEND_TIMEOUT_SEC`: actix never times a write out, so without the socket's own timeout
+/// the stream (and the run's event log it holds) stayed until the client closed. Nothing is lost:
+/// the run's events are all there for a re-attach.
+#[actix_rt::test]
+async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = env_with(fast(), |c| c.send_timeout_sec = 1, |_| {}).await;
+    let marker = unique("<stalled>");
+    // 4 MB of text: more than the client's receive buffer, the server's send buffer and actix's.
+    let big = "x".repeat(4_000_000);
+    env.gw.script_runs(&marker, clawmux::replay::RunScript { before_final: vec![clawmux::replay::ScriptFrame::chat("delta", big)], ..Default::default() });
+    let run_id = unique("stalled-run");
+    let mut b = body(&marker, "acct-stalled");
+    b["runId"] = json!(run_id);
+    let payload = b.to_string();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(env.app.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nhost: {}\r\naccept: text/event-stream\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        env.app.addr,
+        payload.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(payload.as_bytes()).await.unwrap();
+    // The run ends on the gateway and in the store while its stream is stuck in the buffers.
+    let e = &env;
+    eventually(WAIT, "the stalled client's run finishes", || {
+        let id = run_id.clone();
+        async move {
+            let r = e.http.get(e.url(&format!("/v1/runs/{id}"))).send().await.unwrap();
+            r.status() == 200 && r.json::<Value>().await.unwrap()["status"] == "ok"
+        }
+    })
+    .await;
+    // Well past the timeout (zero-window probes back off from 200 ms; the kernel checks at each).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let ended = tokio::time::timeout(WAIT, async {
+        loop {
+            match conn.read(&mut buf).await {
+                Ok(0) => return "eof".to_owned(),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => return format!("{:?}", e.kind()),
+            }
+        }
+    })
+    .await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(!text.contains("event: final"), "the stalled stream was still delivered whole ({} bytes, then {ended:?})", got.len());
+    assert!(ended.is_ok(), "the connection was not cut ({} bytes read, the read then hung)", got.len());
+    // Re-attaching gets every event, the big delta and the end included.
+    let r = env.http.get(env.url(&format!("/v1/runs/{run_id}/events"))).header("accept", "text/event-stream").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let all = r.text().await.unwrap();
+    assert!(all.contains("event: final") && all.len() > 4_000_000, "re-attached: {} bytes", all.len());
+}
+
 #[actix_rt::test]
 async fn a_run_over_its_timeout_ends_timeout_and_is_cancelled_on_the_gateway() {
     let env = env(fast()).await;
