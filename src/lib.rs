@@ -47,6 +47,7 @@ pub mod ephemeral;
 pub mod config;
 pub mod exit;
 pub mod expiring;
+pub mod log_gate;
 pub mod lease;
 pub mod load;
 pub mod record;

@@ -324,7 +324,11 @@ pub(crate) fn run_body_limit(max_message: usize) -> usize {
 /// `503 store_unavailable`. The store's own error (its address, user, driver message) goes to the
 /// log, not to the caller: a tenant learns nothing of the operator's database.
 pub(crate) fn store_unavailable(e: impl std::fmt::Display) -> ApiError {
-    tracing::warn!(error = %e, "request answered 503: the run store is not available");
+    // Every request meets an outage: one line per 10 s, with how many were answered meanwhile.
+    static GATE: crate::log_gate::LogGate = crate::log_gate::LogGate::new(std::time::Duration::from_secs(10));
+    if let Some(also) = GATE.pass() {
+        tracing::warn!(error = %e, also_answered_503_since_the_last_warning = also, "request answered 503: the run store is not available");
+    }
     ApiError {
         retry_after: Some(2),
         ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", "the run store is not available right now; retry shortly")
