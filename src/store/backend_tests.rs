@@ -953,16 +953,16 @@ async fn sqlite_an_unreadable_run_is_ended_when_a_start_takes_the_runs_up() {
     // Ending it can fail too (a trigger refuses it here): the readable runs are taken up all the
     // same (the start continued none before), and the next start ends it.
     c.execute_batch("CREATE TRIGGER refuse_end BEFORE UPDATE OF status ON runs BEGIN SELECT RAISE(ABORT, 'refused'); END;").expect("trigger");
-    let claimed: Vec<String> = s.claim(&lease, true).await.expect("the claim stands").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = s.claim(&lease, true, &[]).await.expect("the claim stands").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     let finished: Option<i64> = c.query_row("SELECT finished_at FROM runs WHERE run_id = 'bad'", [], |r| r.get(0)).expect("read");
     assert_eq!(finished, None);
     c.execute_batch("DROP TRIGGER refuse_end;").expect("drop");
-    let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = s.claim(&lease, true, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     let (status, code, finished): (String, Option<String>, Option<i64>) =
         c.query_row("SELECT status, error_code, finished_at FROM runs WHERE run_id = 'bad'", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).expect("read");
     assert_eq!((status.as_str(), code.as_deref(), finished.is_some()), ("error", Some("internal"), true));
-    let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = s.claim(&lease, true, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"], "taken up again at the next start, the ended one not");
 }

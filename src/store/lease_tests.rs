@@ -50,7 +50,7 @@ async fn pg_concurrent_takeovers_give_each_expired_run_to_exactly_one_claimer_wi
     }
     let mut won: HashMap<String, Vec<super::RunRow>> = HashMap::new();
     for _round in 0..20 {
-        let all = futures_util::future::join_all(claimers.iter().map(|(s, l)| s.claim(l, false))).await;
+        let all = futures_util::future::join_all(claimers.iter().map(|(s, l)| s.claim(l, false, &[]))).await;
         for ((_, l), got) in claimers.iter().zip(all) {
             let got = got.expect("claim");
             assert!(got.windows(2).all(|w| w[0].seq < w[1].seq), "not in admission order");
@@ -78,7 +78,7 @@ async fn pg_concurrent_takeovers_give_each_expired_run_to_exactly_one_claimer_wi
     }
     // Claimed runs hold a fresh lease: nothing is left to take.
     for (s, l) in &claimers {
-        assert!(s.claim(l, false).await.expect("claim").is_empty());
+        assert!(s.claim(l, false, &[]).await.expect("claim").is_empty());
     }
 }
 
@@ -91,7 +91,7 @@ async fn pg_a_replica_that_lost_a_run_is_fenced_told_by_its_renewal_and_aborts_r
     assert_eq!(a.apply(&[delta("r1", 1)]).await.expect("a writes its run"), [Applied::Done]);
     // A's lease expired (it renews with a negative lease: as if too slow); b takes the run over.
     assert!(a.renew(&la, &["r1".to_owned()]).await.expect("renew").lost.is_empty(), "still a's until someone claims it");
-    let got = b.claim(&lb, false).await.expect("claim");
+    let got = b.claim(&lb, false, &[]).await.expect("claim");
     assert_eq!(got.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), ["r1"]);
     // A's next writes are dropped (fenced), b's are stored; a's renewal reports the loss.
     assert_eq!(a.apply(&[delta("r1", 2), Write::Spend { account: "acct".into(), window_start_ms: 0, tokens: 1, id: super::BillingId::new() }]).await.expect("batch"), [Applied::Fenced, Applied::Done]);
@@ -111,19 +111,19 @@ async fn pg_a_replica_that_lost_a_run_is_fenced_told_by_its_renewal_and_aborts_r
     sqlx::query("UPDATE runs SET finished_at = 1 WHERE run_id = 'r3'").execute(&sqlx::PgPool::connect(&url).await.expect("connect")).await.expect("end r3");
     // At start, a replica continues its own runs (a restart under its id) even with a lease that
     // holds; another replica does not take them.
-    assert!(a.claim(&la, true).await.expect("claim").is_empty());
+    assert!(a.claim(&la, true, &[]).await.expect("claim").is_empty());
     // A run whose (old) owner's batch is being committed is passed by until that commits: a
     // takeover never reads its events while they grow.
     assert!(matches!(a.apply(&[Write::Insert(Box::new(row("r2", "acct", 2)))]).await.expect("insert")[..], [Applied::Inserted { .. }]));
     let pool = sqlx::PgPool::connect(&url).await.expect("connect");
     let mut batch = pool.begin().await.expect("begin");
     sqlx::query("SELECT run_id FROM runs WHERE run_id = 'r2' FOR KEY SHARE").execute(&mut *batch).await.expect("lock");
-    assert!(b.claim(&lb, false).await.expect("claim").is_empty(), "claimed a run while its owner's batch was being committed");
+    assert!(b.claim(&lb, false, &[]).await.expect("claim").is_empty(), "claimed a run while its owner's batch was being committed");
     batch.commit().await.expect("commit");
-    assert_eq!(b.claim(&lb, false).await.expect("claim").len(), 1);
+    assert_eq!(b.claim(&lb, false, &[]).await.expect("claim").len(), 1);
     pool.close().await;
     let (b2, lb2) = open(&url, "b", 60_000).await;
-    assert_eq!(b2.claim(&lb2, true).await.expect("claim").len(), 2);
+    assert_eq!(b2.claim(&lb2, true, &[]).await.expect("claim").len(), 2);
     assert_eq!(claims_of(&url).await["r1"], ("b".to_owned(), 1), "a restart under the same id is no change of hands");
 }
 
@@ -146,7 +146,7 @@ async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_rep
     assert!(matches!(one(&a, keyed("k3", "x")).await, Applied::Assigned { .. }));
     let owners = claims_of(&url).await;
     assert_eq!((owners["k2"].0.as_str(), owners["k3"].0.as_str(), owners["other"].0.as_str()), ("a", "a", "b"));
-    let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let took: Vec<String> = a.claim(&la, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(took, ["k2", "k3"], "taken up in admission order");
     assert_eq!(claims_of(&url).await["k2"].1, 0, "assigned to a from the start: no change of hands");
     assert!(matches!(one(&a, keyed("k4", "x")).await, Applied::Inserted { .. }), "nothing waits any more: a's own");
@@ -154,7 +154,7 @@ async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_rep
     // claimer takes them all.
     assert!(matches!(one(&dead, keyed("d1", "z")).await, Applied::Inserted { .. }));
     assert!(matches!(one(&b, keyed("d2", "z")).await, Applied::Assigned { .. }));
-    let took: Vec<String> = a.claim(&la, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let took: Vec<String> = a.claim(&la, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(took, ["d1", "d2"]);
 }
 
@@ -182,7 +182,7 @@ async fn pg_a_renewal_renews_only_the_runs_held_and_those_assigned_not_taken_up(
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     }
     a.renew(&la, &["held".to_owned()]).await.expect("renew");
-    let claimed: Vec<String> = b.claim(&lb, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = b.claim(&lb, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["orphan"], "only the run `a` holds nowhere expired");
     let owners = claims_of(&url).await;
     assert_eq!((owners["held"].0.as_str(), owners["assigned"].0.as_str(), owners["orphan"].0.as_str()), ("a", "a", "b"));
@@ -204,7 +204,7 @@ async fn pg_an_interrupt_is_kept_only_for_the_first_take_up_of_an_assigned_run()
     given.spec.if_busy = super::BusyPolicy::Interrupt;
     assert!(matches!(one(&b, Write::Insert(Box::new(given))).await, Applied::Assigned { .. }));
     // `a` starts again under its id: it claims its own run and the one `b` gave it.
-    let claimed = a.claim(&la, true).await.expect("claim");
+    let claimed = a.claim(&la, true, &[]).await.expect("claim");
     let policy: HashMap<String, super::BusyPolicy> = claimed.into_iter().map(|r| (r.run_id, r.spec.if_busy)).collect();
     assert_eq!(policy["own"], super::BusyPolicy::Enqueue, "taken up before: no second interrupt");
     assert_eq!(policy["given"], super::BusyPolicy::Interrupt, "first take-up of an assigned run");
@@ -288,7 +288,7 @@ async fn pg_an_unreadable_run_taken_over_is_ended_and_frees_its_session_key() {
     listener.listen(super::pg_shares::ENDED).await.expect("listen");
 
     let (b, lb) = open(&url, "b", 60_000).await;
-    let claimed: Vec<String> = b.claim(&lb, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = b.claim(&lb, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     let (status, code, message, finished): (String, Option<String>, Option<String>, Option<i64>) =
         sqlx::query_as("SELECT status, error_code, error_message, finished_at FROM runs WHERE run_id = 'bad'").fetch_one(&pool).await.expect("read");
@@ -296,7 +296,7 @@ async fn pg_an_unreadable_run_taken_over_is_ended_and_frees_its_session_key() {
     let note = tokio::time::timeout(std::time::Duration::from_secs(10), listener.recv()).await.expect("notified").expect("note");
     assert_eq!(note.payload(), "bad");
     // Nothing left to claim, and the key is free: another replica's run of it is its own.
-    assert!(b.claim(&lb, false).await.expect("claim").is_empty());
+    assert!(b.claim(&lb, false, &[]).await.expect("claim").is_empty());
     let (c, _) = open(&url, "c", 60_000).await;
     assert!(matches!(one(&c, keyed("next", "k1", 3)).await, Applied::Inserted { .. }));
 }
@@ -315,14 +315,31 @@ async fn pg_a_failed_end_of_an_unreadable_run_still_gives_the_claimer_the_readab
     sqlx::query("CREATE TRIGGER refuse_end BEFORE UPDATE OF status ON runs FOR EACH ROW EXECUTE FUNCTION refuse_end()").execute(&pool).await.expect("trigger");
     // Its leases expire at once: the next claimer takes everything again.
     let (b, lb) = open(&url, "b", -1000).await;
-    let claimed: Vec<String> = b.claim(&lb, false).await.expect("the claim stands").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = b.claim(&lb, false, &[]).await.expect("the claim stands").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     let unfinished: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id = 'bad' AND finished_at IS NULL").fetch_one(&pool).await.expect("read");
     assert_eq!(unfinished, 1);
     sqlx::query("DROP TRIGGER refuse_end ON runs").execute(&pool).await.expect("drop");
     let (c, lc) = open(&url, "c", 60_000).await;
-    let claimed: Vec<String> = c.claim(&lc, false).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = c.claim(&lc, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     let code: Option<String> = sqlx::query_scalar("SELECT error_code FROM runs WHERE run_id = 'bad'").fetch_one(&pool).await.expect("read");
     assert_eq!(code.as_deref(), Some("internal"));
+}
+
+/// A run this replica owns whose lease expired and that it holds no log of (a takeover's claim
+/// committed, then reading its events failed) is claimed again by this replica's next takeover;
+/// before, only another replica could, and alone it never was: the run stayed unfinished for good.
+/// A run it still holds (its renewal late) is not claimed again.
+#[tokio::test]
+async fn pg_a_replica_claims_again_its_own_expired_runs_it_holds_no_log_of() {
+    let Some(url) = pg_url("pg_own_orphans_claimed").await else { return };
+    // A negative lease: every run a inserts is expired at once.
+    let (a, la) = open(&url, "a", -1000).await;
+    for id in ["orphan", "held"] {
+        assert!(matches!(a.apply(&[Write::Insert(Box::new(row(id, "acct", 1)))]).await.expect("insert")[..], [Applied::Inserted { .. }]));
+    }
+    let took: Vec<String> = a.claim(&la, false, &["held".to_owned()]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["orphan"]);
+    assert_eq!(claims_of(&url).await["orphan"], ("a".to_owned(), 0), "no change of hands");
 }

@@ -746,8 +746,8 @@ impl RunSink for RunLog {
                 let usage = self.live_usage();
                 let patch = RunPatch {
                     status: Some(status_of(outcome.status).to_owned()),
-                    content: Some(outcome.content.clone()),
-                    error: outcome.error.as_ref().map(|e| (e.code.as_str().to_owned(), e.message.clone())),
+                    content: Some(super::storable_text(&outcome.content)),
+                    error: outcome.error.as_ref().map(|e| (e.code.as_str().to_owned(), super::storable_text(&e.message))),
                     gateway_usage: outcome.gateway_usage,
                     usage,
                     finished_at_ms: Some(now_ms()),

@@ -591,9 +591,11 @@ pub trait Store: Send + Sync + 'static {
     fn set_lease(&self, _lease: &Lease) {}
     /// Takes the runs this process may continue, in admission order: at start (`at_start`) the
     /// ones of its own id (a restart under the same id) and those whose lease expired; later only
-    /// the expired ones of other processes. Each claimed run is this process's from then on (no
-    /// other process gets it). Stores without leases: every unfinished run at start, none later.
-    async fn claim(&self, _lease: &Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+    /// the expired ones of other processes, and its own expired ones it does not hold (`held`: a
+    /// claim of them whose continuation failed halfway left them with no log to renew them).
+    /// Each claimed run is this process's from then on (no other process gets it). Stores without
+    /// leases: every unfinished run at start, none later.
+    async fn claim(&self, _lease: &Lease, at_start: bool, _held: &[String]) -> Result<Vec<RunRow>, StoreError> {
         if at_start { self.unfinished().await } else { Ok(Vec::new()) }
     }
     /// Renews the leases of `live` (the runs this process holds) and of the runs other processes
@@ -813,6 +815,18 @@ impl StoreUrl {
             StoreUrl::Memory => "memory:".to_owned(),
             StoreUrl::Postgres { display, .. } => display.clone(),
         }
+    }
+}
+
+/// `text` as a text column takes it on every backend: PostgreSQL's `text` refuses U+0000 (a
+/// final answer with one would fail its run `internal` there and end `ok` on SQLite), so it is
+/// stored as U+FFFD. For what the gateway or the model wrote (a run's content, its error's
+/// message); the events keep it, JSON-escaped.
+pub fn storable_text(text: &str) -> String {
+    if text.contains('\0') {
+        text.replace('\0', "\u{FFFD}")
+    } else {
+        text.to_owned()
     }
 }
 

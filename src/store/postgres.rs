@@ -783,14 +783,16 @@ impl Store for PgStore {
         }
     }
 
-    async fn claim(&self, lease: &Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+    async fn claim(&self, lease: &Lease, at_start: bool, held: &[String]) -> Result<Vec<RunRow>, StoreError> {
         // Row locks decide: a run locked by another claimer (or by a batch of its owner, see
         // `fence`) is passed by, so each run goes to exactly one claimer. The runs of one session
         // key go together: a claimer takes the key's advisory lock (until it commits) before it
         // takes any of its runs, and a concurrent claimer that cannot get it leaves them all, so
         // their admission order is continued by one replica. (The CASE guards the order of
         // evaluation: only expired runs' keys are locked.)
-        let mine = if at_start { "owner = $1 OR " } else { "" };
+        // Later, its own expired runs it holds no log of: a claim whose continuation failed after
+        // it committed (a read of their events, say) left them owned here and renewed by nobody.
+        let mine = if at_start { "owner = $1 OR ".to_owned() } else { format!("(owner = $1 AND lease_until < {DB_NOW_MS} AND NOT (run_id = ANY($3))) OR ") };
         // Runs other replicas admitted for this one (assigned) are taken up here too.
         let sql = format!(
             "WITH c AS (SELECT run_id, assigned_at IS NOT NULL AS was_assigned FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
@@ -801,7 +803,13 @@ impl Store for PgStore {
                claims = r.claims + CASE WHEN r.owner IS DISTINCT FROM $1 THEN 1 ELSE 0 END FROM c \
              WHERE r.run_id = c.run_id RETURNING r.*, c.was_assigned"
         );
-        let rows = self.bounded(async { sqlx::query(&sql).bind(&lease.replica).bind(lease.ms).fetch_all(&self.pool).await.map_err(|e| self.err(e)) }).await?;
+        let rows = self
+            .bounded(async {
+                let q = sqlx::query(&sql).bind(&lease.replica).bind(lease.ms);
+                let q = if at_start { q } else { q.bind(held) };
+                q.fetch_all(&self.pool).await.map_err(|e| self.err(e))
+            })
+            .await?;
         let assigned: HashSet<String> = rows
             .iter()
             .filter(|r| r.try_get::<bool, _>("was_assigned").unwrap_or(false))

@@ -107,7 +107,7 @@ async fn pg_a_run_usage_is_the_sum_of_every_replica_share_each_written_idempoten
     assert_eq!((shares.mine, shares.others.get("b").copied()), (usage(10, 1, 1), Some(usage(5, 2, 2))));
     // b takes r1 over (a died): its share goes on from where it was, a's stays; the sum is unchanged.
     sqlx::query("UPDATE runs SET lease_until = 0").execute(&sqlx::PgPool::connect(&url).await.expect("connect")).await.expect("expire");
-    let claimed = b.claim(&lb, false).await.expect("claim");
+    let claimed = b.claim(&lb, false, &[]).await.expect("claim");
     assert_eq!(claimed.iter().map(|r| (r.run_id.as_str(), r.usage)).collect::<Vec<_>>(), [("r1", Some(sum))]);
     let shares = b.usage_shares("r1", claimed[0].usage).await.expect("shares");
     assert_eq!((shares.mine, shares.others.get("a").copied()), (usage(5, 2, 2), Some(usage(10, 1, 1))));
@@ -140,7 +140,7 @@ async fn pg_a_claimer_without_a_share_continues_from_nothing_not_from_the_claime
     a.apply(&[share("r1", usage(10, 1, 1))]).await.expect("a's share");
     b.apply(&[share("r1", usage(5, 2, 2))]).await.expect("b's share");
     sqlx::query("UPDATE runs SET lease_until = 0").execute(&sqlx::PgPool::connect(&url).await.expect("connect")).await.expect("expire");
-    let claimed = c.claim(&lc, false).await.expect("claim");
+    let claimed = c.claim(&lc, false, &[]).await.expect("claim");
     assert_eq!(claimed.iter().map(|r| (r.run_id.as_str(), r.usage)).collect::<Vec<_>>(), [("r1", Some(usage(15, 3, 3)))]);
     let shares = c.usage_shares("r1", claimed[0].usage).await.expect("shares");
     assert_eq!(shares.mine, Usage::default(), "the claimed sum taken as the claimer's own share");

@@ -474,10 +474,16 @@ impl RunStore {
     /// suspended. A run it owns in the store but holds nowhere (its continuation failed halfway)
     /// is not renewed: its lease expires and it is claimed again, here or elsewhere.
     pub async fn renew(&self, lease: &Lease) -> Result<Renewed, StoreError> {
+        self.backend.renew(lease, &self.held()).await
+    }
+
+    /// The runs this process holds: live here (ended here with the end not yet stored included)
+    /// or suspended.
+    fn held(&self) -> Vec<String> {
         let mut held: Vec<String> =
             self.live.iter().filter(|l| !l.is_lost() && (!l.is_finished() || !l.end_stored())).map(|l| l.run_id.clone()).collect();
         held.extend(self.suspended.iter().map(|e| e.key().clone()));
-        self.backend.renew(lease, &held).await
+        held
     }
 
     /// Which of `run_ids` the store says are unfinished (none when it cannot say: a statement
@@ -540,7 +546,7 @@ impl RunStore {
     pub async fn take_over(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
         // This process's own usage shares are stored before they are read for the runs it takes.
         self.writer.flush().await;
-        let rows = self.backend.claim(lease, false).await?;
+        let rows = self.backend.claim(lease, false, &self.held()).await?;
         self.logs_of(rows).await
     }
 
@@ -683,7 +689,7 @@ impl RunStore {
     /// first, never continued.
     pub async fn resume(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
         let ended = self.end_noted_runs().await?;
-        let mut rows: Vec<RunRow> = self.backend.claim(lease, true).await?.into_iter().filter(|r| !ended.contains(&r.run_id)).collect();
+        let mut rows: Vec<RunRow> = self.backend.claim(lease, true, &[]).await?.into_iter().filter(|r| !ended.contains(&r.run_id)).collect();
         if !self.backend.shared() {
             // One process: every run was taken up here before (no replica assigns runs to it).
             for r in &mut rows {
@@ -763,6 +769,36 @@ impl RunStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An answer holding U+0000 ends its run `ok` on every backend (PostgreSQL's `text` refused it:
+    /// the final write failed and the run ended `internal` there, `ok` on SQLite), its content and
+    /// error message as U+FFFD.
+    #[actix_rt::test]
+    async fn an_answer_holding_a_nul_ends_its_run_the_same_on_every_backend() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut urls = vec![StoreUrl::Memory, StoreUrl::Sqlite(dir.path().join("runs.db"))];
+        if let Some(url) = super::super::backend_tests::pg_url("an_answer_holding_a_nul_ends_its_run_the_same_on_every_backend").await {
+            urls.push(StoreUrl::parse(&url).expect("pg url"));
+        }
+        for url in urls {
+            let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+            let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+            let store = RunStore::open(&url, retention, metrics, None).await.expect("opens");
+            for (id, outcome) in [
+                ("nul-ok", RunOutcome::ok("a\0b".to_owned(), None)),
+                ("nul-error", RunOutcome::failed(ErrorCode::AgentError, "bad\0news", "c\0".to_owned())),
+            ] {
+                let Ok(Insert::New(log)) = store.insert(super::super::backend_tests::row(id, "acct", 1)).await else { panic!("{id} not stored") };
+                log.emit(RunEvent::Accepted { gateway_run_id: format!("gw-{id}") });
+                log.emit(RunEvent::Finished(outcome));
+            }
+            store.flush().await;
+            let ok = store.backend.run("nul-ok").await.expect("read").expect("row");
+            assert_eq!((ok.status.as_str(), ok.content.as_str()), ("ok", "a\u{FFFD}b"), "{}", url.display());
+            let failed = store.backend.run("nul-error").await.expect("read").expect("row");
+            assert_eq!(failed.error, Some(("agent_error".to_owned(), "bad\u{FFFD}news".to_owned())), "{}", url.display());
+        }
+    }
 
     /// A run suspended here and then found taken over by another replica is let go of wholly: its
     /// writes are no longer held (they were, forever, when it never came back here).
@@ -882,6 +918,26 @@ mod tests {
     /// unfinished, their clients waiting for good).
     #[actix_rt::test]
     async fn a_run_with_an_unreadable_event_ends_internal_and_the_others_are_continued_after_a_restart() {
+        unreadable_event_after_a_restart("UPDATE events SET name = 'from_a_newer_version' WHERE run_id = 'r2' AND id = 2", "from_a_newer_version", 3).await;
+    }
+
+    /// SQLite keeps any value in any column: a damaged row whose columns do not read as their types
+    /// (a blob, text that is not UTF-8, a real id) ends its own run, not every run's restart.
+    #[actix_rt::test]
+    async fn an_event_column_of_another_type_ends_only_its_run_after_a_restart() {
+        // The end's id follows the last readable one (an id that does not read is no id).
+        for (damage, end_id) in [
+            ("UPDATE events SET data = X'00ff' WHERE run_id = 'r2' AND id = 2", 3),
+            ("UPDATE events SET data = CAST(X'ff' AS TEXT) WHERE run_id = 'r2' AND id = 2", 3),
+            ("UPDATE events SET name = X'00' WHERE run_id = 'r2' AND id = 2", 3),
+            ("UPDATE events SET id = 2.5 WHERE run_id = 'r2' AND id = 2", 2),
+            ("UPDATE events SET id = 'x' WHERE run_id = 'r2' AND id = 2", 2),
+        ] {
+            unreadable_event_after_a_restart(damage, crate::store::sqlite_events::UNREADABLE_COLUMN, end_id).await;
+        }
+    }
+
+    async fn unreadable_event_after_a_restart(damage: &str, named: &str, end_id: u64) {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("runs.db");
         let url = StoreUrl::Sqlite(path.clone());
@@ -899,23 +955,23 @@ mod tests {
         first.flush().await;
         drop(first);
         let c = rusqlite::Connection::open(&path).expect("open");
-        c.execute("UPDATE events SET name = 'from_a_newer_version' WHERE run_id = 'r2' AND id = 2", []).expect("damage");
+        c.execute(damage, []).expect("damage");
 
         let second = open().await;
         let lease = Lease { replica: "test".into(), ms: 60_000 };
         let continued: Vec<String> = second.resume(&lease).await.expect("resumed").into_iter().map(|(_, r)| r.run_id).collect();
-        assert_eq!(continued, ["r1", "r3"]);
+        assert_eq!(continued, ["r1", "r3"], "{damage}");
         second.flush().await;
         let r2 = second.backend.run("r2").await.expect("read").expect("r2");
         assert_eq!(r2.status, "error");
         let (code, message) = r2.error.expect("an error");
         assert_eq!(code, "internal");
-        assert!(message.contains("from_a_newer_version") && message.contains("unknown kind"), "{message}");
+        assert!(message.contains(named) && message.contains("unknown kind"), "{damage}: {message}");
         // Its end comes after the events it had (ids go on from the stored ones), and it is live
         // until that end is stored, then served as any finished run.
         let log = second.live("r2").expect("its log");
         assert!(log.is_finished());
-        assert_eq!(r2.last_event_id, 3);
+        assert_eq!(r2.last_event_id, end_id, "{damage}");
         for id in ["r1", "r3"] {
             let log = second.live(id).expect("continued");
             assert!(!log.is_finished(), "{id}");

@@ -509,7 +509,7 @@ impl Store for SqliteStore {
 
     /// One process: every unfinished run at start, none later. One whose row cannot be read is
     /// ended (see [`super::UNREADABLE_RUN`]) instead of left unfinished for good.
-    async fn claim(&self, _lease: &super::Lease, at_start: bool) -> Result<Vec<RunRow>, StoreError> {
+    async fn claim(&self, _lease: &super::Lease, at_start: bool, _held: &[String]) -> Result<Vec<RunRow>, StoreError> {
         if !at_start {
             return Ok(Vec::new());
         }

@@ -199,8 +199,23 @@ fn stored_places(c: &Connection, run_id: &str, e: &RunEntry) -> rusqlite::Result
     Ok(out)
 }
 
+/// The kind an event is read as when a column of it does not read (`decode_event` knows no such
+/// kind: its run alone is ended as unreadable).
+pub const UNREADABLE_COLUMN: &str = "<a column of another type>";
+
+/// One event as stored. SQLite keeps any value in any column: a damaged or hand-edited row (a blob,
+/// a real, text that is not UTF-8) reads as an event of no known kind, so that it ends its own run
+/// as unreadable rather than failing the read of every run at a restart.
 fn raw_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawEvent> {
-    Ok(RawEvent { id: r.get(0)?, name: r.get(1)?, data: r.get(2)? })
+    let id = match r.get_ref(0)? {
+        ValueRef::Integer(id) => Some(id),
+        _ => None,
+    };
+    let text = |i: usize| r.get_ref(i).ok().and_then(|v| v.as_str().ok()).map(str::to_owned);
+    Ok(match (id, text(1), text(2)) {
+        (Some(id), Some(name), Some(data)) => RawEvent { id, name, data },
+        (id, _, _) => RawEvent { id: id.unwrap_or(0), name: UNREADABLE_COLUMN.to_owned(), data: String::new() },
+    })
 }
 
 /// The events of `run_id` with an id above `after`, in id order.
@@ -219,6 +234,12 @@ pub fn read(c: &Connection, live: &LiveRows, run_id: &str, after: u64) -> rusqli
     let mut st = c.prepare_cached("SELECT id, name, data FROM events WHERE rowid = ? AND run_id = ?")?;
     let mut out = Vec::new();
     for (row, id) in places {
+        if id == 0 && after == 0 {
+            // An id that is not a positive integer (a damaged row; a place reads it as 0): a
+            // whole read (a restart continuing the run) must not go on without the event.
+            out.push(RawEvent { id: 0, name: UNREADABLE_COLUMN.to_owned(), data: String::new() });
+            continue;
+        }
         if id <= after {
             continue;
         }

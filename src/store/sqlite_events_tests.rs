@@ -345,7 +345,7 @@ async fn a_run_ended_at_start_for_an_unreadable_row_gets_its_list() {
     let s = SqliteStore::open(&path).await.expect("reopen");
     assert!(s.keeps_places_of("bad"));
     let lease = super::Lease { replica: "one".into(), ms: 60_000 };
-    let claimed: Vec<String> = s.claim(&lease, true).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    let claimed: Vec<String> = s.claim(&lease, true, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(claimed, ["good"]);
     assert!(!s.keeps_places_of("bad"), "an ended run's places are in its row");
     let list = listed(&open_raw(&path), "bad").expect("its end lists its events");
