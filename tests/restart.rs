@@ -510,6 +510,18 @@ async fn case_sigterm_refuses_new_runs_with_503_and_retry_after_until_the_proces
         assert_eq!((r.status().as_u16(), retry.is_some_and(|s| s >= 1)), (503, true), "re-attaching during the handoff: {:?}", r.headers());
         assert_eq!(doc(&http, &app.base, &id).await["status"], "running");
     }
+    // An abort of the run, whose actor is gone and whose log is still here: never `aborted:
+    // false` (that says the run had finished, and the abort was lost: the next start ran it to
+    // its end). One process: `503` + `Retry-After` (retry against the next start); on a shared
+    // store: recorded for whoever continues it.
+    let r = http.post(format!("{}/v1/runs/{id}/abort", app.base)).send().await.unwrap();
+    let (status, retry) = (r.status().as_u16(), r.headers().get("retry-after").is_some());
+    let answer = r.json::<Value>().await.unwrap_or(Value::Null);
+    if kind == "postgres" {
+        assert_eq!((status, &answer["aborted"]), (202, &json!(true)), "an abort during the handoff: {answer}");
+    } else {
+        assert_eq!((status, retry), (503, true), "an abort during the handoff: {answer}");
+    }
     assert!(app.running(), "exited with an LLM stream in flight through its proxy");
     assert_eq!(gw.runs().len(), 1, "a run was admitted during the handoff");
     release.send_replace(true);

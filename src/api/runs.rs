@@ -439,7 +439,7 @@ pub(super) async fn run_events(req: HttpRequest, path: web::Path<String>, state:
         (status = 401, description = "No or a wrong bearer token", body = ErrorBody),
         (status = 403, description = "The API key lacks the `abort` action", body = ErrorBody),
         (status = 404, description = "No such run (or another tenant's)", body = ErrorBody),
-        (status = 503, description = "Overloaded, or the store is not available", body = ErrorBody,
+        (status = 503, description = "Overloaded, the store is not available, or (one process) the run is being handed over to the next start", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ))]
 pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -455,13 +455,20 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
         .timeout(ADMIT_TIMEOUT)
         .await
         .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
-    if !found && matches!(view, RunView::Stored(_)) {
-        // Live on another replica (a shared store): recorded for its owner, whose next lease
-        // renewal cancels it.
+    if found || view.is_finished() {
+        return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }));
+    }
+    // Unfinished, and no session actor here: live on another replica, or its log is here but
+    // its actor is not (a handoff draining this process; a takeover still handing its runs to
+    // the registry). Either way whoever continues it must cancel it: on a shared store the abort
+    // is recorded for them (the owner's next lease renewal carries it out).
+    if matches!(view, RunView::Stored(_)) || state.store.shared() {
         let recorded = state.store.request_abort(&run_id, crate::store::AbortReason::Api).await.map_err(store_unavailable)?;
         return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: recorded }));
     }
-    Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }))
+    // One process, being stopped with its runs handed to the next start: `aborted: false` would
+    // say the run had finished; the caller retries against the next process.
+    Err(ApiError::unavailable("clawmux is handing this run over to its next start; retry the abort shortly"))
 }
 
 /// The run's LLM calls, from the LLM proxy's audit log (a store shared by replicas: every replica's

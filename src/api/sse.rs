@@ -62,15 +62,27 @@ impl Drop for DisconnectGuard {
             return;
         }
         tracing::info!(run_id = %self.run_id, "caller disconnected; cancelling the run (onDisconnect: abort)");
+        let (store, run_id) = (self.store.clone(), self.run_id.clone());
+        let record = |store: Arc<crate::store::RunStore>, run_id: String| async move {
+            if let Err(e) = store.request_abort(&run_id, crate::store::AbortReason::Api).await {
+                tracing::error!(%run_id, error = %e, "cannot record the abort of a run its disconnected caller asked to cancel");
+            }
+        };
         match &self.view {
-            RunView::Live(_) => self.registry.do_send(Cancel { run_id: self.run_id.clone(), reason: CancelReason::ClientGone }),
-            RunView::Stored(_) => {
-                let (store, run_id) = (self.store.clone(), self.run_id.clone());
+            RunView::Live(log) => {
+                let (registry, log) = (self.registry.clone(), log.clone());
                 actix_web::rt::spawn(async move {
-                    if let Err(e) = store.request_abort(&run_id, crate::store::AbortReason::Api).await {
-                        tracing::error!(%run_id, error = %e, "cannot record the abort of a run its disconnected caller asked to cancel");
+                    let found = registry.send(Cancel { run_id: run_id.clone(), reason: CancelReason::ClientGone }).await.unwrap_or(false);
+                    // Its log is here but its actor is not (a handoff draining this process, a
+                    // takeover handing its runs to the registry): on a shared store whoever
+                    // continues it cancels it (as `POST …/abort` does).
+                    if !found && !log.is_finished() && store.shared() {
+                        record(store, run_id).await;
                     }
                 });
+            }
+            RunView::Stored(_) => {
+                actix_web::rt::spawn(record(store, run_id));
             }
         }
     }
