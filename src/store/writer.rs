@@ -8,6 +8,7 @@
 //! A failed batch is retried write by write, so one bad write (a full disk fails them all anyway)
 //! fails only its own run, never the other runs that happened to share its transaction.
 
+use std::collections::HashSet;
 use super::{Applied, Store, StoreError, Write};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -154,6 +155,15 @@ fn run_of_write(w: &Write) -> Option<&str> {
     }
 }
 
+/// True for a write of a run in `failed` other than its end (see `failed` in [`run`]).
+fn after_failure(w: &Write, failed: &HashSet<String>) -> bool {
+    matches!(w, Write::Append { run_id, .. } if failed.contains(run_id))
+}
+
+fn after_failure_error() -> StoreError {
+    StoreError("an earlier write of this run failed; the run ended there".to_owned())
+}
+
 /// What the LLM proxy records about calls that were made (spend, usage shares, call records):
 /// kept and written again when the store was out of reach, since nothing else would (a run goes
 /// on through an outage, and so do its calls).
@@ -179,6 +189,12 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
     let mut kept: std::collections::VecDeque<Write> = std::collections::VecDeque::new();
     let mut closed = false;
     let mut last_batch = 0usize;
+    // Runs a write of which failed for its own reason (not an outage), until their end (`Fail`)
+    // is stored: their log ended them at that write, and the end replaces what follows it, so
+    // their later writes are not applied. Before, one queued behind the failed one (a `final`
+    // with its webhook) could commit: a second webhook, and after a restart a second terminal
+    // event, different from the one clients saw.
+    let mut failed: HashSet<String> = HashSet::new();
     loop {
         if closed && kept.is_empty() {
             // Every handle is gone and nothing is left to write.
@@ -209,6 +225,11 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
                 Job::Write(w, d) if run_of_write(&w).is_some_and(|r| held.contains(r)) => {
                     if let Some(d) = d {
                         d(Ok(Applied::Fenced));
+                    }
+                }
+                Job::Write(w, d) if after_failure(&w, &failed) => {
+                    if let Some(d) = d {
+                        d(Err(after_failure_error()));
                     }
                 }
                 Job::Write(w, d) => {
@@ -244,8 +265,20 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
                     // run like any other lost to an outage.
                     metrics.commits.with_label_values(&["failed"]).inc();
                     let (mut out, mut lost) = (Vec::with_capacity(writes.len()), Vec::with_capacity(writes.len()));
+                    let mut failed_here: HashSet<String> = HashSet::new();
                     for w in &writes {
+                        // A run's writes after its own failed one are not applied (see `failed`).
+                        if after_failure(w, &failed_here) {
+                            out.push(Err(after_failure_error()));
+                            lost.push(false);
+                            continue;
+                        }
                         let r = store.apply(std::slice::from_ref(w)).await;
+                        if let (Err(_), Write::Append { run_id, .. }) = (&r, w) {
+                            if !store.unreachable() {
+                                failed_here.insert(run_id.clone());
+                            }
+                        }
                         metrics.commits.with_label_values(&[if r.is_ok() { "ok" } else { "failed" }]).inc();
                         lost.push(r.is_err() && store.unreachable());
                         out.push(r.and_then(|mut r| r.pop().ok_or_else(|| StoreError("the run store returned no result".to_owned()))));
@@ -256,6 +289,15 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
             let out_of_reach = lost.iter().any(|l| *l);
             down.store(out_of_reach, Ordering::Release);
             for ((w, r), lost) in writes.iter().zip(&results).zip(&lost) {
+                match (w, r) {
+                    (Write::Append { run_id, .. }, Err(_)) if !*lost => {
+                        failed.insert(run_id.clone());
+                    }
+                    (Write::Fail { run_id, .. }, Ok(_)) => {
+                        failed.remove(run_id);
+                    }
+                    _ => {}
+                }
                 if r.is_err() && *lost && is_billing_record(w) {
                     if kept.len() == MAX_KEPT {
                         kept.pop_front();
@@ -425,6 +467,57 @@ mod tests {
         }
         let results = std::mem::take(&mut *results.lock().expect("results"));
         (results, probe)
+    }
+
+    /// A run's write that fails for its own reason (a full disk) ends the run there: its later
+    /// writes, in the same batch's one-by-one retry or in later batches, are not applied until its
+    /// end (`Fail`) is stored. Before, the second write of "r" below (say its `final`, with its
+    /// webhook) was committed after the first had failed.
+    #[actix_rt::test]
+    async fn a_runs_writes_after_its_own_failed_one_are_not_applied_until_its_end_is() {
+        let alone = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = alone.clone();
+        let (release, hold) = std::sync::mpsc::channel();
+        // A batch holding r's write fails; r's first write retried alone fails too; any later
+        // write would succeed.
+        let probe = Arc::new(Probe {
+            batches: Mutex::default(),
+            hold: Mutex::new(Some(hold)),
+            holding: AtomicBool::new(false),
+            fails: Box::new(move |b: &[Write]| b.iter().any(|w| run_of(w) == "r") && (b.len() > 1 || counted.fetch_add(1, Ordering::SeqCst) == 0)),
+            down: Arc::new(AtomicBool::new(false)),
+        });
+        let (writer, first) = start_holding_a_first_commit(&probe).await;
+        let results = Arc::new(Mutex::new(Vec::new()));
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        for run in ["a", "r", "b", "r"] {
+            let (results, done_tx) = (results.clone(), done_tx.clone());
+            writer.submit(
+                write(run),
+                Some(Box::new(move |r: Result<Applied, StoreError>| {
+                    results.lock().expect("results").push((run, r.is_ok()));
+                    let _ = done_tx.send(());
+                })),
+            );
+        }
+        release.send(()).expect("release");
+        let _ = first.await.expect("first write");
+        for _ in 0..4 {
+            tokio::time::timeout(std::time::Duration::from_secs(20), done_rx.recv()).await.expect("every waiter is told").expect("open");
+        }
+        let told = results.lock().expect("results").clone();
+        assert_eq!(told, [("a", true), ("r", false), ("b", true), ("r", false)]);
+        let applied_alone = |probe: &Probe| probe.batches.lock().expect("batches").iter().filter(|b| b.as_slice() == ["r"]).count();
+        assert_eq!(applied_alone(&probe), 1, "r's second write reached the store after its first failed");
+        // A later batch: not applied either.
+        assert!(writer.apply(write("r")).await.is_err());
+        assert_eq!(applied_alone(&probe), 1);
+        // Its end is stored; from then on the run id's writes are applied again.
+        let end = crate::store::StoredEvent { id: 2, name: crate::store::EventName::Error, data: "{}".to_owned() };
+        let fail = Write::Fail { run_id: "r".to_owned(), event: end, patch: RunPatch::default(), webhook: None };
+        assert!(writer.apply(fail).await.is_ok());
+        assert!(writer.apply(write("r")).await.is_ok());
+        assert_eq!(applied_alone(&probe), 2);
     }
 
     #[actix_rt::test]
