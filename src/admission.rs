@@ -54,6 +54,9 @@ pub enum Refused {
     /// The registry refused it.
     #[error("{0}")]
     Registry(AdmitError),
+    /// Its session key and branch key are in use by runs on two different replicas.
+    #[error("this run's session (stateKey) and its branch each have a run in flight, on two different replicas: it cannot be queued behind both; retry once one of them has finished")]
+    KeysOnTwoReplicas,
     /// The registry did not answer in time.
     #[error("clawmux is overloaded; retry shortly")]
     Overloaded,
@@ -238,6 +241,7 @@ impl Admission {
             Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
             // `ifBusy: reject` and the session key is busy on another replica (the store decided).
             Insert::SessionBusy => return Err(Refused::Registry(AdmitError::SessionBusy)),
+            Insert::KeysOnTwoReplicas => return Err(Refused::KeysOnTwoReplicas),
             Insert::Limited { budget: false, message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
             Insert::Limited { budget: true, message, retry_after_sec } => return Err(Refused::Limit(Refusal::BudgetExceeded { message, retry_after_sec })),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),

@@ -132,7 +132,7 @@ pub struct ErrorDetail {
     /// `method_not_allowed`, `conflict`, `session_busy`, `payload_too_large`,
     /// `idempotency_mismatch`, `unknown_base_ref`, `branch_conflict`, `budget_exceeded`,
     /// `rate_limited`, `gateway_unavailable`, `store_unavailable`, `budget_unavailable`,
-    /// `audit_unavailable`.
+    /// `audit_unavailable`, `keys_busy_apart`.
     #[schema(value_type = String, pattern = "^[a-z_]+$")]
     pub code: &'static str,
     /// One sentence a person can act on.

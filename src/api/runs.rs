@@ -82,6 +82,7 @@ fn refused(e: Refused, run_id: &str) -> ApiError {
         ),
         Refused::Registry(e) => admit_error(e, run_id),
         e @ Refused::Overloaded => ApiError::unavailable(e.to_string()),
+        e @ Refused::KeysOnTwoReplicas => ApiError { retry_after: Some(5), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "keys_busy_apart", e.to_string()) },
         e @ Refused::UnknownBaseRef(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown_base_ref", e.to_string()),
         e @ Refused::BranchConflict { .. } => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "branch_conflict", e.to_string()),
     }

@@ -343,3 +343,30 @@ async fn pg_a_replica_claims_again_its_own_expired_runs_it_holds_no_log_of() {
     assert_eq!(took, ["orphan"]);
     assert_eq!(claims_of(&url).await["orphan"], ("a".to_owned(), 0), "no change of hands");
 }
+
+/// A branch run whose session key has unfinished runs on one replica and whose branch key has
+/// unfinished runs on another is refused (nothing stored): given to either, it would run one of
+/// its keys on two replicas at once (two runs of a session side by side, or two runs on one
+/// branch: the branch lock is per process). Before, it went to the owner of the earliest run of
+/// either key. With both keys on one replica it is assigned there as before.
+#[tokio::test]
+async fn pg_a_run_whose_two_keys_are_on_two_replicas_is_refused_and_stored_nowhere() {
+    let Some(url) = pg_url("pg_keys_on_two_replicas").await else { return };
+    let (x, _) = open(&url, "x", 60_000).await;
+    let (z, _) = open(&url, "z", 60_000).await;
+    let (y, _) = open(&url, "y", 60_000).await;
+    let run = |id: &str, session: &str, branch: Option<&str>| {
+        let mut r = row(id, "acct", 1);
+        r.session_key = format!("agent:main:clawmux:acct.s.{session}");
+        r.spec.branch = branch.map(|key| clawmux_actors::branch::BranchPlan { key: key.into(), base_ref: "main".into(), pr_title: None, pr_body: None });
+        Write::Insert(Box::new(r))
+    };
+    assert!(matches!(one(&x, run("a", "s1", Some("feat"))).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&z, run("c", "s2", None)).await, Applied::Inserted { .. }));
+    // Session s2 is z's, branch feat is x's.
+    assert_eq!(one(&y, run("d", "s2", Some("feat"))).await, Applied::KeysOnTwoReplicas);
+    assert!(!claims_of(&url).await.contains_key("d"), "a refused run was stored");
+    // Both keys on x: assigned to x, as before.
+    assert!(matches!(one(&y, run("e", "s1", Some("feat"))).await, Applied::Assigned { .. }));
+    assert_eq!(claims_of(&url).await["e"].0, "x");
+}

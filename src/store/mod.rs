@@ -481,6 +481,11 @@ pub enum Applied {
     /// on another replica (stores shared by replicas; decided in the admitting transaction, so the
     /// other replica never sees the run).
     SessionBusy,
+    /// Not stored: the run's session key and its branch key each have unfinished runs, on two
+    /// different replicas. It can wait behind neither from the other's replica (each key's runs
+    /// run on one replica, in order, and a branch key's lock is per process): the caller retries
+    /// once one of them has finished.
+    KeysOnTwoReplicas,
     /// Not stored: the run would take its billing account past its live-run or per-minute limit,
     /// or its token budget is spent, counted over every replica sharing the store (stores that
     /// count them: PostgreSQL).

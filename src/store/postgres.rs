@@ -279,6 +279,24 @@ fn insert_owned() -> String {
 }
 
 async fn insert(tx: &mut Tx<'_>, row: &RunRow, lease: Option<&Lease>) -> Result<Applied, sqlx::Error> {
+    // A run with a branch key has two keys; `insert_owned` gives it to the owner of the earliest
+    // unfinished run of either. When the two keys' runs are on two replicas, either choice would
+    // run one key on two replicas at once (a session's runs side by side, or two runs on one
+    // branch: its lock is per process). Refused; decided under the batch's advisory locks of
+    // both keys, as the insert is.
+    if let (Some(lease), Some(branch)) = (lease, &row.spec.branch) {
+        let owners: Vec<Option<String>> = sqlx::query_scalar(
+            "SELECT DISTINCT COALESCE(owner, $3) FROM runs WHERE finished_at IS NULL AND (session_key = $1 OR branch_key = $2)",
+        )
+        .bind(&row.session_key)
+        .bind(&branch.key)
+        .bind(&lease.replica)
+        .fetch_all(&mut **tx)
+        .await?;
+        if owners.len() > 1 {
+            return Ok(Applied::KeysOnTwoReplicas);
+        }
+    }
     let sql = match lease {
         Some(_) => insert_owned(),
         None => INSERT_UNOWNED.to_owned(),

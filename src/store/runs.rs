@@ -47,6 +47,9 @@ pub enum Insert {
     /// Not stored: `ifBusy: reject` and the session key is busy on another replica (see
     /// [`Applied::SessionBusy`]).
     SessionBusy,
+    /// Not stored: its session key and branch key are in use on two replicas (see
+    /// [`Applied::KeysOnTwoReplicas`]).
+    KeysOnTwoReplicas,
     /// Not stored: the account's live-run or per-minute limit or its token budget, counted by the
     /// store over every replica (see [`Applied::Limited`]).
     Limited {
@@ -269,6 +272,7 @@ impl RunStore {
             },
             Applied::Limited { budget, message, retry_after_sec } => Ok(Insert::Limited { budget, message, retry_after_sec }),
             Applied::SessionBusy => Ok(Insert::SessionBusy),
+            Applied::KeysOnTwoReplicas => Ok(Insert::KeysOnTwoReplicas),
             Applied::Conflict => Ok(Insert::Conflict),
             Applied::IdempotencyMismatch => Ok(Insert::IdempotencyMismatch),
             Applied::TraceInUse { run_id } => Ok(Insert::TraceInUse(run_id)),
