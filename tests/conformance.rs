@@ -235,6 +235,16 @@ fn live_conformance_official_client_real_vs_replay() {
     let replay = Replay::start(&gw.token, protocol, &cassette);
     let dir = std::env::temp_dir().join(format!("clawmux-conformance-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).expect("temp dir");
+    // Kept when the test fails (the frames say why), removed when it passes: ~60 MB a run.
+    struct RemoveOnPass(std::path::PathBuf);
+    impl Drop for RemoveOnPass {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+    let _kept_on_failure = RemoveOnPass(dir.clone());
     let (real_frames, replay_frames) = (dir.join("real-frames.jsonl"), dir.join("replay-frames.jsonl"));
 
     // Both at once: they share nothing, and the suite's slowest row (the pre-connect timeout)
@@ -246,7 +256,7 @@ fn live_conformance_official_client_real_vs_replay() {
     });
     let rows_json: Vec<String> = real.iter().map(|(r, o)| format!("{{\"row\":{r:?},\"observed\":{o}}}")).collect();
     std::fs::write(dir.join("real-rows.jsonl"), rows_json.join("\n")).expect("write rows");
-    eprintln!("conformance ({}): {} rows; frames and rows in {}", gw.flavor, real.len(), dir.display());
+    eprintln!("conformance ({}): {} rows; frames and rows in {} (kept if the test fails)", gw.flavor, real.len(), dir.display());
     assert!(real.len() >= if protocol == 4 { 47 } else { 35 }, "rows: {}", real.len());
     let differences = compare(&real, &replayed);
     assert!(differences.is_empty(), "the replay gateway differs from the real one ({}):\n{}", differences.len(), differences.join("\n"));
