@@ -550,7 +550,7 @@ impl RunLog {
                 return;
             }
         }
-        let (write, event) = {
+        let (write, event, seq) = {
             let mut st = self.lock();
             // A lost run's end is its new owner's: ending it here would write over its events.
             if st.finished_at.is_some() || st.lost {
@@ -574,12 +574,12 @@ impl RunLog {
             let usage = self.live_usage();
             let doc = || serde_json::to_string(&RunDoc::from_row(&st.latest, usage)).unwrap_or_default();
             let webhook = st.latest.webhook_url.clone().map(|url| NewDelivery { url, key_id: st.latest.key_id.clone(), body: doc() });
-            (Write::Fail { run_id: self.run_id.clone(), event: event.clone(), patch, webhook }, Arc::new(event))
+            (Write::Fail { run_id: self.run_id.clone(), event: event.clone(), patch, webhook }, Arc::new(event), st.latest.seq)
         };
         tracing::error!(run_id = %self.run_id, error = %e, "the run store failed a run; cancelling it");
         // Noted before any client can see the end: a restart ends the run the same way.
         if let Some(notes) = &self.notes {
-            if let Err(n) = notes.note(&self.run_id, event.id) {
+            if let Err(n) = notes.note(&self.run_id, event.id, seq) {
                 tracing::error!(run_id = %self.run_id, error = %n, "cannot note the end of a run the store failed; a restart before the store takes it would continue the run");
             }
         }

@@ -9,7 +9,9 @@
 //!
 //! A full disk must not stop the note either: the file is filled with zeros when it is opened, and
 //! a note overwrites zeros in place (no new block is needed, on any file system that overwrites in
-//! place). Notes are lines `<runId> <eventId>\n`; the rest of the file is zeros. No fsync: the
+//! place). Notes are lines `<runId> <eventId> <seq>\n` (`seq`: the run's admission number, so a
+//! note is never applied to a later run that reuses the id after the noted one was swept; notes
+//! of earlier versions have no `seq`); the rest of the file is zeros. No fsync: the
 //! note has to survive clawmux (a crash, `kill -9`), not the machine (the store's own last commits
 //! before a power loss are not durable either, `synchronous = NORMAL`).
 
@@ -31,25 +33,42 @@ pub struct EndNotes {
     file: Mutex<(File, u64)>,
 }
 
+/// One note: the run, the id of the end its clients saw, and the run's admission number (`None`
+/// in a note of an earlier version).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    /// The run.
+    pub run_id: String,
+    /// Its end's event id.
+    pub event_id: u64,
+    /// Its admission number: the note is this run's, not a later one's under the same id.
+    pub seq: Option<i64>,
+}
+
 /// The notes in `bytes` and the offset after the last one. A line that is not a note (the file is
 /// input too) is skipped.
-pub fn parse(bytes: &[u8]) -> (Vec<(String, u64)>, u64) {
+pub fn parse(bytes: &[u8]) -> (Vec<Note>, u64) {
     let used = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
     let notes = bytes[..used]
         .split(|b| *b == b'\n')
         .filter_map(|line| {
-            let line = std::str::from_utf8(line).ok()?;
-            let (run_id, id) = line.split_once(' ')?;
-            let id = id.parse::<u64>().ok()?;
-            crate::request::is_valid_id(run_id).then(|| (run_id.to_owned(), id))
+            let mut fields = std::str::from_utf8(line).ok()?.split(' ');
+            let run_id = fields.next()?;
+            let event_id = fields.next()?.parse::<u64>().ok()?;
+            let seq = match fields.next() {
+                Some(s) => Some(s.parse::<i64>().ok()?),
+                None => None,
+            };
+            let whole = fields.next().is_none() && crate::request::is_valid_id(run_id);
+            whole.then(|| Note { run_id: run_id.to_owned(), event_id, seq })
         })
         .collect();
     (notes, used as u64)
 }
 
 /// The line of one note, if the run id can be written as one (it is validated at admission).
-pub fn line(run_id: &str, event_id: u64) -> Option<String> {
-    crate::request::is_valid_id(run_id).then(|| format!("{run_id} {event_id}\n"))
+pub fn line(run_id: &str, event_id: u64, seq: i64) -> Option<String> {
+    crate::request::is_valid_id(run_id).then(|| format!("{run_id} {event_id} {seq}\n"))
 }
 
 impl EndNotes {
@@ -77,9 +96,10 @@ impl EndNotes {
         self.file.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Notes that `run_id` ended with event `event_id` and the store does not have it.
-    pub fn note(&self, run_id: &str, event_id: u64) -> Result<(), String> {
-        let line = line(run_id, event_id).ok_or_else(|| format!("run id {run_id:?} cannot be noted"))?;
+    /// Notes that `run_id` (admitted as `seq`) ended with event `event_id` and the store does not
+    /// have it.
+    pub fn note(&self, run_id: &str, event_id: u64, seq: i64) -> Result<(), String> {
+        let line = line(run_id, event_id, seq).ok_or_else(|| format!("run id {run_id:?} cannot be noted"))?;
         let mut g = self.lock();
         let (file, cursor) = &mut *g;
         let end = *cursor + line.len() as u64;
@@ -92,7 +112,7 @@ impl EndNotes {
     }
 
     /// Every note, in order.
-    pub fn read(&self) -> Result<Vec<(String, u64)>, String> {
+    pub fn read(&self) -> Result<Vec<Note>, String> {
         let g = self.lock();
         let mut bytes = vec![0u8; usize::try_from(g.1).unwrap_or(0)];
         g.0.read_exact_at(&mut bytes, 0).map_err(|e| format!("the run store's end notes {}: {e}", self.path.display()))?;
@@ -116,15 +136,16 @@ mod tests {
 
     #[test]
     fn parses_notes_and_skips_what_is_not_one() {
-        let mut bytes = b"run-1 7\nbad line\nrun 2 3\n\xff\xfe 4\nrun-3 x\nrun-4 12\n".to_vec();
+        let mut bytes = b"run-1 7\nbad line\nrun 2 3 4\n\xff\xfe 4\nrun-3 x\nrun-4 12 5\nrun-5 1 x\nrun-6 1 2 3\n".to_vec();
         let used = bytes.len() as u64;
         bytes.extend_from_slice(&[0; 64]);
         let (notes, cursor) = parse(&bytes);
-        assert_eq!(notes, [("run-1".to_owned(), 7), ("run-4".to_owned(), 12)]);
+        let note = |run: &str, event_id, seq| Note { run_id: run.to_owned(), event_id, seq };
+        assert_eq!(notes, [note("run-1", 7, None), note("run-4", 12, Some(5))]);
         assert_eq!(cursor, used);
         assert_eq!(parse(&[0; 16]), (Vec::new(), 0));
-        assert_eq!(line("a b", 1), None);
-        assert_eq!(line("a\nb", 1), None);
+        assert_eq!(line("a b", 1, 1), None);
+        assert_eq!(line("a\nb", 1, 1), None);
     }
 
     #[test]
@@ -134,12 +155,13 @@ mod tests {
         let notes = EndNotes::open(&store).expect("open");
         let file = dir.path().join("runs.db-ends");
         assert_eq!(std::fs::metadata(&file).expect("file").len(), SIZE);
-        notes.note("run-a", 5).expect("note");
-        notes.note("run-b", 9).expect("note");
+        notes.note("run-a", 5, 1).expect("note");
+        notes.note("run-b", 9, 2).expect("note");
         drop(notes);
         let notes = EndNotes::open(&store).expect("reopen");
-        notes.note("run-c", 1).expect("note after reopen");
-        assert_eq!(notes.read().expect("read"), [("run-a".to_owned(), 5), ("run-b".to_owned(), 9), ("run-c".to_owned(), 1)]);
+        notes.note("run-c", 1, 3).expect("note after reopen");
+        let ids: Vec<(String, u64, Option<i64>)> = notes.read().expect("read").into_iter().map(|n| (n.run_id, n.event_id, n.seq)).collect();
+        assert_eq!(ids, [("run-a".to_owned(), 5, Some(1)), ("run-b".to_owned(), 9, Some(2)), ("run-c".to_owned(), 1, Some(3))]);
         notes.clear().expect("clear");
         assert_eq!(notes.read().expect("read"), []);
         assert_eq!(EndNotes::open(&store).expect("reopen").read().expect("read"), []);
@@ -151,11 +173,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let notes = EndNotes::open(&dir.path().join("runs.db")).expect("open");
         let id = "r".repeat(120);
-        let per = line(&id, 1).expect("line").len() as u64;
+        let per = line(&id, 1, 1).expect("line").len() as u64;
         for _ in 0..SIZE / per {
-            notes.note(&id, 1).expect("room");
+            notes.note(&id, 1, 1).expect("room");
         }
-        assert!(notes.note(&id, 1).is_err_and(|e| e.contains("full")));
+        assert!(notes.note(&id, 1, 1).is_err_and(|e| e.contains("full")));
         assert_eq!(notes.read().expect("read").len() as u64, SIZE / per);
     }
 }

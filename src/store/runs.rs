@@ -711,9 +711,14 @@ impl RunStore {
         let noted = notes.read().map_err(StoreError)?;
         let mut all_stored = true;
         let mut ended = std::collections::HashSet::new();
-        for (run_id, event_id) in noted {
-            ended.insert(run_id.clone());
+        for super::notes::Note { run_id, event_id, seq } in noted {
             let Some(row) = self.backend.run(&run_id).await? else { continue };
+            // A note of an earlier run under this id (its end was stored, it was swept, the id
+            // was taken again): not this run's end.
+            if seq.is_some_and(|seq| seq != row.seq) {
+                continue;
+            }
+            ended.insert(run_id.clone());
             if row.finished_at_ms.is_some() {
                 continue;
             }
@@ -773,6 +778,42 @@ impl RunStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An end noted for a run the store failed applies to that run only: once its end is stored
+    /// and it is swept, a new run under the same id (ids are the callers') is continued by a
+    /// restart with every event it has. Before, the old note ended it `internal` and cut its events
+    /// from the noted id on.
+    #[actix_rt::test]
+    async fn an_old_end_note_does_not_end_a_later_run_under_the_same_id() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("runs.db");
+        let url = StoreUrl::Sqlite(path.clone());
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let open = || async {
+            let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+            RunStore::open(&url, retention, metrics, None).await.expect("opens")
+        };
+        let first = open().await;
+        let Ok(Insert::New(log)) = first.insert(super::super::backend_tests::row("x", "acct", 1)).await else { panic!("x not stored") };
+        log.emit(RunEvent::Accepted { gateway_run_id: "gw-x".to_owned() });
+        for i in 0..6 {
+            log.emit(RunEvent::TextDelta(format!("part {i} ")));
+        }
+        first.flush().await;
+        let seq = first.backend.run("x").await.expect("read").expect("row").seq;
+        drop(first);
+        // The earlier run "x" (admitted before this one) had its end noted at event 3.
+        super::super::notes::EndNotes::open(&path).expect("notes").note("x", 3, seq - 1).expect("note");
+
+        let second = open().await;
+        let lease = Lease { replica: "test".into(), ms: 60_000 };
+        let continued: Vec<String> = second.resume(&lease).await.expect("resumed").into_iter().map(|(_, r)| r.run_id).collect();
+        assert_eq!(continued, ["x"]);
+        second.flush().await;
+        let row = second.backend.run("x").await.expect("read").expect("row");
+        assert!(row.finished_at_ms.is_none() && row.error.is_none(), "{row:?}");
+        assert_eq!(second.backend.raw_events("x", 0).await.expect("events").len(), 7, "its events were cut");
+    }
 
     /// An answer holding U+0000 ends its run `ok` on every backend (PostgreSQL's `text` refused it:
     /// the final write failed and the run ended `internal` there, `ok` on SQLite), its content and
