@@ -173,8 +173,22 @@ async fn pg_stopped_mid_load_admission_answers_503_with_retry_after_then_recover
     for i in 0..N {
         ids.push(post_run(&http, &app.base, &body(i, "pgdown"), &format!("pgdown-{i}")).await);
     }
-    let seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
-    let readers = attach_all(&http, &app.base, &seen, Duration::from_secs(90)).await;
+    let mut seen: HashMap<String, Arc<Mutex<Seen>>> = ids.iter().map(|id| (id.clone(), Arc::default())).collect();
+    let mut readers = attach_all(&http, &app.base, &seen, Duration::from_secs(90)).await;
+    // Runs whose callers stream their POST and asked for `onDisconnect: abort`: a stream the
+    // outage ends is not their caller going away; they go on like the others.
+    for i in 0..4 {
+        let id = format!("pgdown-abort-{i}");
+        let mut b = body(N + i, "pgdown");
+        b["onDisconnect"] = json!("abort");
+        b["runId"] = json!(id);
+        let resp = http.post(format!("{}/v1/runs", app.base)).header("accept", "text/event-stream").json(&b).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let s: Arc<Mutex<Seen>> = Arc::default();
+        readers.push(tokio::spawn(read_stream(resp, s.clone(), Duration::from_secs(90))));
+        seen.insert(id.clone(), s);
+        ids.push(id);
+    }
     until_streaming(&seen, N / 2).await;
     // An API key, to be checked while the database is down.
     let key = http.post(format!("{}/v1/admin/keys", app.base)).json(&json!({"name": "k", "accounts": ["acct-0"], "actions": ["run"]})).send().await.unwrap();

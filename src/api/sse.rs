@@ -36,7 +36,8 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// A run live here is cancelled through the registry; a run this replica does not own (it was
 /// stored for the replica that runs its session or branch key, or its owner died and it awaits
 /// takeover) gets an abort recorded in the store, which its owner carries out at its next renewal,
-/// like `POST …/abort` on a non-owner.
+/// like `POST …/abort` on a non-owner; so does a run whose log is here but whose session actor is
+/// not (a takeover still handing its runs to the registry, a handoff draining this process).
 pub(crate) struct DisconnectGuard {
     pub(crate) run_id: String,
     pub(crate) view: RunView,
@@ -73,10 +74,7 @@ impl Drop for DisconnectGuard {
                 let (registry, log) = (self.registry.clone(), log.clone());
                 actix_web::rt::spawn(async move {
                     let found = registry.send(Cancel { run_id: run_id.clone(), reason: CancelReason::ClientGone }).await.unwrap_or(false);
-                    // Its log is here but its actor is not (a handoff draining this process, a
-                    // takeover handing its runs to the registry): on a shared store whoever
-                    // continues it cancels it (as `POST …/abort` does).
-                    if !found && !log.is_finished() && store.shared() {
+                    if abort_for_whoever_continues(found, log.is_finished(), log.is_lost(), store.shared()) {
                         record(store, run_id).await;
                     }
                 });
@@ -86,6 +84,16 @@ impl Drop for DisconnectGuard {
             }
         }
     }
+}
+
+/// Whether a disconnected `onDisconnect: abort` caller's run, live here, is to be aborted through
+/// the store: its log is here but its actor is not (`!found`: a handoff draining this process, a
+/// takeover handing its runs to the registry), so on a shared store whoever continues it must
+/// cancel it, as `POST …/abort` has it. Not a finished run, and not one this replica stopped
+/// running because another took it over or the store went away (lost, suspended): that ended the
+/// caller's stream, the caller did not go away.
+fn abort_for_whoever_continues(found: bool, finished: bool, stopped_here: bool, shared: bool) -> bool {
+    !found && !finished && !stopped_here && shared
 }
 
 struct SseState {
@@ -211,7 +219,12 @@ pub(crate) async fn sse_response(
                         st.guard.disarm();
                         return None;
                     }
-                    Err(FeedError::Closed) => return None,
+                    Err(FeedError::Closed) => {
+                        // After the terminal event (already disarmed), or the run stopped here
+                        // (lost to another replica, suspended): not the caller's disconnect.
+                        st.guard.disarm();
+                        return None;
+                    }
                 }
             },
         };
@@ -225,4 +238,20 @@ pub(crate) async fn sse_response(
     let mut resp = sse::Sse::from_infallible_stream(stream).with_keep_alive(KEEP_ALIVE).respond_to(req);
     resp.headers_mut().insert(header::HeaderName::from_static("x-accel-buffering"), HeaderValue::from_static("no"));
     Ok(resp.map_into_boxed_body())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::abort_for_whoever_continues as abort;
+
+    /// Before, a run suspended by a store outage or taken over by another replica had its abort
+    /// recorded when its streaming caller's stream ended: the run was aborted where it went on.
+    #[test]
+    fn only_a_run_without_an_actor_that_goes_on_here_is_aborted_through_the_store() {
+        assert!(abort(false, false, false, true), "no actor (handoff, takeover): recorded for whoever continues it");
+        assert!(!abort(false, false, true, true), "lost or suspended here: the stream ended, not the caller");
+        assert!(!abort(true, false, false, true), "its actor got the cancel");
+        assert!(!abort(false, true, false, true), "finished");
+        assert!(!abort(false, false, false, false), "one process: nobody else continues it");
+    }
 }
