@@ -233,6 +233,7 @@ impl Admission {
         }
         let run_id = spec.run_id.clone();
         let account = spec.billing_account_id.clone();
+        let repeat = row.clone();
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
@@ -241,7 +242,13 @@ impl Admission {
             Insert::Assigned(view) => return Ok(Submitted::Elsewhere(view)),
             // `ifBusy: reject` and the session key is busy on another replica (the store decided).
             Insert::SessionBusy => return Err(Refused::Registry(AdmitError::SessionBusy)),
-            Insert::KeysOnTwoReplicas => return Err(Refused::KeysOnTwoReplicas),
+            // Decided before the store looked for a stored run of the request: a repeat gets its run.
+            Insert::KeysOnTwoReplicas => {
+                return match self.replayed(&repeat).await.map_err(Refused::Store)? {
+                    Some(answer) => answer,
+                    None => Err(Refused::KeysOnTwoReplicas),
+                }
+            }
             Insert::Limited { budget: false, message, retry_after_sec } => return Err(Refused::Limit(Refusal::RateLimited { message, retry_after_sec })),
             Insert::Limited { budget: true, message, retry_after_sec } => return Err(Refused::Limit(Refusal::BudgetExceeded { message, retry_after_sec })),
             Insert::Conflict => return Err(Refused::RunIdConflict(run_id)),

@@ -127,7 +127,7 @@ fn admit_error(e: AdmitError, run_id: &str) -> ApiError {
         (status = 422, description = "Idempotency mismatch, unknown base ref, branch conflict", body = ErrorBody),
         (status = 429, description = "The account's rate limits", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
-        (status = 503, description = "Gateway down, at capacity, shutting down, store or budgets unavailable", body = ErrorBody),
+        (status = 503, description = "Gateway down, at capacity, shutting down, store or budgets unavailable, or (replicas) the run's session and branch keys busy on two replicas (`keys_busy_apart`)", body = ErrorBody),
     ))]
 pub(super) async fn create_run(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let principal = authorize(&req, &state, Action::Run).await?;
