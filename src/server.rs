@@ -412,9 +412,12 @@ fn tune_connection(send_timeout: Duration) -> impl Fn(&dyn std::any::Any, &mut a
         // (an SSE stream and the run's event log it holds) and never times the write out. The
         // kernel cuts such a connection once written data has waited this long (Linux >= 5.11
         // counts a window that stays shut, RFC 5482), so the response is dropped.
+        #[cfg(any(target_os = "linux", target_os = "android"))]
         if let Err(e) = rustix::net::sockopt::set_tcp_user_timeout(tcp, ms) {
             tracing::warn!(error = %e, "cannot set TCP_USER_TIMEOUT on a client connection");
         }
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let _ = ms;
     }
 }
 
