@@ -133,6 +133,10 @@ pub struct RunStore {
     /// Runs suspended here while the shared store was out of reach (see [`RunStore::suspend_all`]),
     /// with their logs (their LLM calls stay attributed until they go on).
     suspended: DashMap<String, Arc<RunLog>>,
+    /// Runs whose admission failed after they were stored and whose deletion failed too (see
+    /// [`RunStore::forget`]): held (no takeover here runs a run its caller was refused) and
+    /// deleted again at each takeover.
+    forgotten: dashmap::DashSet<String>,
     /// This store, for the hooks its logs are given.
     weak_self: std::sync::Weak<RunStore>,
     /// This process's replica id (set with its lease).
@@ -211,6 +215,7 @@ impl RunStore {
             notes,
             follow,
             suspended: DashMap::new(),
+            forgotten: dashmap::DashSet::new(),
             weak_self: me.clone(),
             me: OnceLock::new(),
             left_out: std::sync::Mutex::new(crate::expiring::ExpiringKeys::new(Duration::from_secs(60), 1_000)),
@@ -368,9 +373,18 @@ impl RunStore {
 
     /// Forgets a run whose admission failed after it was stored, so the caller can retry its id.
     pub async fn forget(&self, run_id: &str) {
+        // Held until deleted: a takeover here must not claim it (its caller was refused).
+        self.forgotten.insert(run_id.to_owned());
         self.live.remove(run_id);
-        if let Err(e) = self.writer.apply(Write::Delete { run_id: run_id.to_owned() }).await {
-            tracing::warn!(run_id, error = %e, "cannot forget a run whose admission failed");
+        self.delete_forgotten(run_id).await;
+    }
+
+    async fn delete_forgotten(&self, run_id: &str) {
+        match self.writer.apply(Write::Delete { run_id: run_id.to_owned() }).await {
+            Ok(_) => {
+                self.forgotten.remove(run_id);
+            }
+            Err(e) => tracing::warn!(run_id, error = %e, "cannot forget a run whose admission failed; trying again at the next takeover"),
         }
     }
 
@@ -487,6 +501,7 @@ impl RunStore {
         let mut held: Vec<String> =
             self.live.iter().filter(|l| !l.is_lost() && (!l.is_finished() || !l.end_stored())).map(|l| l.run_id.clone()).collect();
         held.extend(self.suspended.iter().map(|e| e.key().clone()));
+        held.extend(self.forgotten.iter().map(|id| id.key().clone()));
         held
     }
 
@@ -550,6 +565,10 @@ impl RunStore {
     pub async fn take_over(&self, lease: &Lease) -> Result<Vec<(Arc<RunLog>, RunRow)>, StoreError> {
         // This process's own usage shares are stored before they are read for the runs it takes.
         self.writer.flush().await;
+        let forgotten: Vec<String> = self.forgotten.iter().map(|id| id.key().clone()).collect();
+        for run_id in forgotten {
+            self.delete_forgotten(&run_id).await;
+        }
         let rows = self.backend.claim(lease, false, &self.held()).await?;
         self.logs_of(rows).await
     }
@@ -860,6 +879,27 @@ mod tests {
         store.lose_all(&["r1".to_owned()]).await;
         assert_eq!(store.suspended(), 0);
         assert!(!store.writer().is_held("r1"), "still held after it was lost");
+    }
+
+    /// A run whose admission failed after it was stored, and whose deletion failed too, stays
+    /// held here (a takeover here would otherwise claim it once its lease expired and run it,
+    /// though its caller was refused) and is deleted at the next takeover once the store takes it.
+    #[actix_rt::test]
+    async fn a_forgotten_run_the_store_could_not_delete_is_held_and_deleted_later() {
+        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        let store = RunStore::with_backend(probe.clone(), Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        assert!(matches!(store.insert(super::super::backend_tests::row("r1", "acct", 1)).await, Ok(Insert::New(_))));
+        probe.writes_fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        store.forget("r1").await;
+        assert!(store.live("r1").is_none());
+        assert_eq!(store.held(), ["r1"], "a run the store still has unfinished, not held here");
+        probe.writes_fail.store(false, std::sync::atomic::Ordering::SeqCst);
+        let lease = Lease { replica: "a".into(), ms: 60_000 };
+        store.take_over(&lease).await.expect("take over");
+        assert!(store.held().is_empty());
+        assert!(store.backend.run("r1").await.expect("read").is_none(), "deleted once the store took it");
     }
 
     /// A suspended run's document counts the calls this process forwarded whose records the store

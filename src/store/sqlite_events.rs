@@ -265,7 +265,16 @@ fn read_listed(c: &Connection, run_id: &str, listed: &[i64], after: u64) -> rusq
             Some((ev, Some(run))) if run == run_id => ev?,
             _ => return Ok(None),
         };
-        if u64::try_from(ev.id).unwrap_or(0) <= after {
+        let id = u64::try_from(ev.id).unwrap_or(0);
+        if id == 0 {
+            // An id that does not read (a damaged row) says nothing of where the events after
+            // `after` start: a whole read has the event (unreadable: said so), others pass it.
+            if after == 0 {
+                out.push(ev);
+            }
+            continue;
+        }
+        if id <= after {
             break;
         }
         out.push(ev);

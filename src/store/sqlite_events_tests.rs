@@ -353,3 +353,23 @@ async fn a_run_ended_at_start_for_an_unreadable_row_gets_its_list() {
     assert!(list.iter().all(|(_, run)| run == "bad"), "{list:?}");
     assert_eq!(ids(&s, "bad").await, [1, 2]);
 }
+
+/// A finished run (its events found by its list) with an event whose id does not read (a damaged
+/// row): a re-attach after a later event still gets the events after it, and a whole read says
+/// the run holds an event it cannot read (it failed the read before; with the tolerant reader the
+/// events before it were dropped without a word).
+#[tokio::test]
+async fn a_finished_runs_event_with_an_id_that_does_not_read_is_passed_by_a_re_attach_and_named_by_a_whole_read() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("r.db");
+    let s = SqliteStore::open(&path).await.expect("open");
+    insert(&s, &["r1"]).await;
+    s.apply(&[put("r1", 1), put("r1", 2), put("r1", 3)]).await.expect("events");
+    s.apply(&[end("r1", 4)]).await.expect("r1 ends");
+    drop(s);
+    open_raw(&path).execute("UPDATE events SET id = 'x' WHERE run_id = 'r1' AND id = 2", []).expect("damage");
+    let s = SqliteStore::open(&path).await.expect("reopen");
+    assert_eq!(s.events("r1", 2).await.expect("after 2").into_iter().map(|e| e.id).collect::<Vec<_>>(), [3, 4]);
+    assert_eq!(s.events("r1", 1).await.expect("after 1").into_iter().map(|e| e.id).collect::<Vec<_>>(), [3, 4], "passed by, the ones before kept");
+    assert!(s.events("r1", 0).await.is_err_and(|e| e.to_string().contains("unknown kind")), "a whole read names the damage");
+}

@@ -217,6 +217,11 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
                 }
             }
         }
+        // A run held meanwhile (suspended, lost) is let go of: once released, its writes are a new
+        // log's (it was readopted), whose end is not the failed one's.
+        if !failed.is_empty() {
+            failed.retain(|run| !held.contains(run.as_str()));
+        }
         let mut writes: Vec<Write> = kept.drain(..).collect();
         let mut dones: Vec<Option<Done>> = std::iter::repeat_with(|| None).take(writes.len()).collect();
         let mut flushes = Vec::new();
@@ -518,6 +523,15 @@ mod tests {
         assert!(writer.apply(fail).await.is_ok());
         assert!(writer.apply(write("r")).await.is_ok());
         assert_eq!(applied_alone(&probe), 2);
+        // A run whose end was never sent (it was suspended meanwhile: its log stopped here) is let
+        // go of once held; released (readopted), its new log's writes are applied.
+        alone.store(0, Ordering::SeqCst);
+        assert!(writer.apply(write("r")).await.is_err(), "r's write fails on its own again");
+        assert!(writer.apply(write("r")).await.is_err(), "and the next is not applied");
+        writer.hold("r");
+        assert!(writer.apply(write("a")).await.is_ok());
+        writer.release("r");
+        assert!(writer.apply(write("r")).await.is_ok(), "a readopted run's writes are applied");
     }
 
     #[actix_rt::test]
