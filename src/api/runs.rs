@@ -456,7 +456,8 @@ pub(super) async fn abort_run(req: HttpRequest, path: web::Path<String>, state: 
         .timeout(ADMIT_TIMEOUT)
         .await
         .map_err(|_| ApiError::unavailable("clawmux is overloaded; retry the abort shortly"))?;
-    if found || view.is_finished() {
+    // Not found because it ended (its end on its way to the store, its actor gone): finished.
+    if found || view.is_ending() {
         return Ok(HttpResponse::Accepted().json(AbortAnswer { run_id, aborted: found }));
     }
     // Unfinished, and no session actor here: live on another replica, or its log is here but

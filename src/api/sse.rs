@@ -74,7 +74,7 @@ impl Drop for DisconnectGuard {
                 let (registry, log) = (self.registry.clone(), log.clone());
                 actix_web::rt::spawn(async move {
                     let found = registry.send(Cancel { run_id: run_id.clone(), reason: CancelReason::ClientGone }).await.unwrap_or(false);
-                    if abort_for_whoever_continues(found, log.is_finished(), log.is_lost(), store.shared()) {
+                    if abort_for_whoever_continues(found, log.is_ending(), log.is_lost(), store.shared()) {
                         record(store, run_id).await;
                     }
                 });

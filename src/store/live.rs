@@ -424,6 +424,13 @@ impl RunLog {
         self.lock().finished_at.is_some()
     }
 
+    /// True once the run's end is decided: its terminal event handed to the store (visible or
+    /// not yet), or the run ended by a store failure. Its session actor may be gone already.
+    pub fn is_ending(&self) -> bool {
+        let st = self.lock();
+        st.closed || st.finished_at.is_some()
+    }
+
     /// How long ago the run finished (the store's cache forgets finished runs after a while).
     pub fn finished_for(&self) -> Option<std::time::Duration> {
         self.lock().finished_at.map(|t| t.elapsed())
@@ -844,6 +851,26 @@ mod tests {
         let (backlog, feed) = log.attach(1);
         assert_eq!(backlog.iter().map(|e| e.id).collect::<Vec<_>>(), [2, 3]);
         assert!(feed.is_none());
+    }
+
+    /// A run's end is decided the moment its actor hands the terminal event over, before the store
+    /// has it: an abort then must say the run had finished (its actor is gone), not wait, not
+    /// `503` (schemathesis' stateful run found a `503` there).
+    #[actix_rt::test]
+    async fn a_run_is_ending_from_the_moment_its_end_is_handed_over() {
+        let (_store, log) = live_run("r-ending").await;
+        log.text_delta("a".into(), Instant::now());
+        assert!(!log.is_ending());
+        log.emit(RunEvent::Finished(RunOutcome::ok("a".into(), None)));
+        assert!(log.is_ending(), "ending before the store has the end");
+        tokio::time::timeout(WAIT, async {
+            while !log.is_finished() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("finished");
+        assert!(log.is_ending());
     }
 
     #[actix_rt::test]

@@ -113,6 +113,15 @@ impl RunView {
             RunView::Stored(row) => row.finished_at_ms.is_some(),
         }
     }
+
+    /// [`Self::is_finished`], or its end decided and on its way to the store (a live run whose
+    /// session actor has ended it: see [`RunLog::is_ending`]).
+    pub fn is_ending(&self) -> bool {
+        match self {
+            RunView::Live(log) => log.is_ending(),
+            RunView::Stored(_) => self.is_finished(),
+        }
+    }
 }
 
 /// The run store.
