@@ -87,6 +87,9 @@ struct LiveRun {
     start: Hold,
     /// A new, branch-less gateway run: it takes a start slot before it goes.
     gated: bool,
+    /// Told to suspend (a handoff, a takeover elsewhere): its actor leaves without acting on a
+    /// cancel, so a cancel is not its to take (the caller records it for whoever continues it).
+    suspending: bool,
 }
 
 /// The registry actor. Start it once, in `main`, after the supervisor.
@@ -341,6 +344,7 @@ impl Handler<Submit> for Registry {
                 branch: Hold::None,
                 start: Hold::None,
                 gated,
+                suspending: false,
             },
         );
         if publishing {
@@ -381,11 +385,11 @@ impl Handler<Cancel> for Registry {
     type Result = bool;
     fn handle(&mut self, msg: Cancel, _ctx: &mut Context<Self>) -> bool {
         match self.live.get(&msg.run_id) {
-            Some(run) => {
+            Some(run) if !run.suspending => {
                 run.actor.cancel(msg.reason);
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 }
@@ -429,9 +433,12 @@ impl Handler<Drain> for Registry {
     type Result = usize;
     fn handle(&mut self, msg: Drain, _ctx: &mut Context<Self>) -> usize {
         self.draining = Some(msg.0);
-        for run in self.live.values() {
+        for run in self.live.values_mut() {
             match (&run.actor, msg.0) {
-                (RunActor::Session(addr), ShutdownMode::Handoff) => addr.do_send(Suspend),
+                (RunActor::Session(addr), ShutdownMode::Handoff) => {
+                    addr.do_send(Suspend);
+                    run.suspending = true;
+                }
                 // A container cannot be handed to the next process: its run ends now in either mode.
                 (actor, _) => actor.cancel(crate::run::CancelReason::Shutdown),
             }
@@ -443,11 +450,14 @@ impl Handler<Drain> for Registry {
 impl Handler<HandOff> for Registry {
     type Result = bool;
     fn handle(&mut self, msg: HandOff, _ctx: &mut Context<Self>) -> bool {
-        match self.live.get(&msg.run_id) {
+        match self.live.get_mut(&msg.run_id) {
             Some(run) => {
                 match &run.actor {
                     // As at a handoff shutdown: the session leaves its locks and reports `RunEnded`.
-                    RunActor::Session(addr) => addr.do_send(Suspend),
+                    RunActor::Session(addr) => {
+                        addr.do_send(Suspend);
+                        run.suspending = true;
+                    }
                     // A container cannot be taken over (nor continued elsewhere): it is removed.
                     external => external.cancel(crate::run::CancelReason::Shutdown),
                 }
