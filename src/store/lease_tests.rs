@@ -19,6 +19,14 @@ fn delta(run_id: &str, id: u64) -> Write {
     Write::Append { run_id: run_id.to_owned(), event: Some(event), patch: RunPatch::default(), webhook: None }
 }
 
+/// The admission of run `id` of account "acct" on session `session`, on branch key `branch`.
+fn keyed(id: &str, session: &str, branch: Option<&str>) -> Write {
+    let mut r = row(id, "acct", 1);
+    r.session_key = format!("agent:main:clawmux:acct.s.{session}");
+    r.spec.branch = branch.map(|key| clawmux_actors::branch::BranchPlan { key: key.into(), base_ref: "main".into(), pr_title: None, pr_body: None });
+    Write::Insert(Box::new(r))
+}
+
 async fn one(s: &PgStore, w: Write) -> Applied {
     s.apply(&[w]).await.expect("insert").pop().expect("one result")
 }
@@ -133,27 +141,22 @@ async fn pg_a_run_whose_session_key_another_replica_runs_is_assigned_to_that_rep
     let (a, la) = open(&url, "a", 60_000).await;
     let (b, _) = open(&url, "b", 60_000).await;
     let (dead, _) = open(&url, "dead", -1000).await;
-    let keyed = |id: &str, key: &str| {
-        let mut r = row(id, "acct", 1);
-        r.session_key = format!("agent:main:clawmux:acct.s.{key}");
-        Write::Insert(Box::new(r))
-    };
-    assert!(matches!(one(&a, keyed("k1", "x")).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&a, keyed("k1", "x", None)).await, Applied::Inserted { .. }));
     // b admits a run of a's key: it is a's, to start after k1; b's other runs stay b's.
-    assert!(matches!(one(&b, keyed("k2", "x")).await, Applied::Assigned { .. }));
-    assert!(matches!(one(&b, keyed("other", "y")).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&b, keyed("k2", "x", None)).await, Applied::Assigned { .. }));
+    assert!(matches!(one(&b, keyed("other", "y", None)).await, Applied::Inserted { .. }));
     // a admits one more of the key while k2 waits to be taken up: it queues behind k2.
-    assert!(matches!(one(&a, keyed("k3", "x")).await, Applied::Assigned { .. }));
+    assert!(matches!(one(&a, keyed("k3", "x", None)).await, Applied::Assigned { .. }));
     let owners = claims_of(&url).await;
     assert_eq!((owners["k2"].0.as_str(), owners["k3"].0.as_str(), owners["other"].0.as_str()), ("a", "a", "b"));
     let took: Vec<String> = a.claim(&la, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(took, ["k2", "k3"], "taken up in admission order");
     assert_eq!(claims_of(&url).await["k2"].1, 0, "assigned to a from the start: no change of hands");
-    assert!(matches!(one(&a, keyed("k4", "x")).await, Applied::Inserted { .. }), "nothing waits any more: a's own");
+    assert!(matches!(one(&a, keyed("k4", "x", None)).await, Applied::Inserted { .. }), "nothing waits any more: a's own");
     // A key whose runs belong to a dead replica: a new run of it expires with them, and one
     // claimer takes them all.
-    assert!(matches!(one(&dead, keyed("d1", "z")).await, Applied::Inserted { .. }));
-    assert!(matches!(one(&b, keyed("d2", "z")).await, Applied::Assigned { .. }));
+    assert!(matches!(one(&dead, keyed("d1", "z", None)).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&b, keyed("d2", "z", None)).await, Applied::Assigned { .. }));
     let took: Vec<String> = a.claim(&la, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
     assert_eq!(took, ["d1", "d2"]);
 }
@@ -355,18 +358,12 @@ async fn pg_a_run_whose_two_keys_are_on_two_replicas_is_refused_and_stored_nowhe
     let (x, _) = open(&url, "x", 60_000).await;
     let (z, _) = open(&url, "z", 60_000).await;
     let (y, _) = open(&url, "y", 60_000).await;
-    let run = |id: &str, session: &str, branch: Option<&str>| {
-        let mut r = row(id, "acct", 1);
-        r.session_key = format!("agent:main:clawmux:acct.s.{session}");
-        r.spec.branch = branch.map(|key| clawmux_actors::branch::BranchPlan { key: key.into(), base_ref: "main".into(), pr_title: None, pr_body: None });
-        Write::Insert(Box::new(r))
-    };
-    assert!(matches!(one(&x, run("a", "s1", Some("feat"))).await, Applied::Inserted { .. }));
-    assert!(matches!(one(&z, run("c", "s2", None)).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&x, keyed("a", "s1", Some("feat"))).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&z, keyed("c", "s2", None)).await, Applied::Inserted { .. }));
     // Session s2 is z's, branch feat is x's.
-    assert_eq!(one(&y, run("d", "s2", Some("feat"))).await, Applied::KeysOnTwoReplicas);
+    assert_eq!(one(&y, keyed("d", "s2", Some("feat"))).await, Applied::KeysOnTwoReplicas);
     assert!(!claims_of(&url).await.contains_key("d"), "a refused run was stored");
     // Both keys on x: assigned to x, as before.
-    assert!(matches!(one(&y, run("e", "s1", Some("feat"))).await, Applied::Assigned { .. }));
+    assert!(matches!(one(&y, keyed("e", "s1", Some("feat"))).await, Applied::Assigned { .. }));
     assert_eq!(claims_of(&url).await["e"].0, "x");
 }

@@ -807,6 +807,20 @@ impl RunStore {
 mod tests {
     use super::*;
 
+    /// A store at `url` that keeps every run.
+    async fn open_store(url: &StoreUrl) -> Arc<RunStore> {
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        RunStore::open(url, retention, metrics, None).await.expect("opens")
+    }
+
+    /// A store over `probe` (a shared store's behaviour, in memory) that keeps every run.
+    fn over_probe(probe: Arc<crate::remote_runs::tests::Probe>) -> Arc<RunStore> {
+        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
+        RunStore::with_backend(probe, Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None)
+    }
+
     /// An end noted for a run the store failed applies to that run only: once its end is stored
     /// and it is swept, a new run under the same id (ids are the callers') is continued by a
     /// restart with every event it has. Before, the old note ended it `internal` and cut its events
@@ -816,11 +830,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("runs.db");
         let url = StoreUrl::Sqlite(path.clone());
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let open = || async {
-            let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-            RunStore::open(&url, retention, metrics, None).await.expect("opens")
-        };
+        let open = || open_store(&url);
         let first = open().await;
         let Ok(Insert::New(log)) = first.insert(super::super::backend_tests::row("x", "acct", 1)).await else { panic!("x not stored") };
         log.emit(RunEvent::Accepted { gateway_run_id: "gw-x".to_owned() });
@@ -854,9 +864,7 @@ mod tests {
             urls.push(StoreUrl::parse(&url).expect("pg url"));
         }
         for url in urls {
-            let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-            let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-            let store = RunStore::open(&url, retention, metrics, None).await.expect("opens");
+            let store = open_store(&url).await;
             for (id, outcome) in [
                 ("nul-ok", RunOutcome::ok("a\0b".to_owned(), None)),
                 ("nul-error", RunOutcome::failed(ErrorCode::AgentError, "bad\0news", "c\0".to_owned())),
@@ -878,9 +886,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_suspended_run_lost_to_another_replica_is_no_longer_held() {
         let probe = Arc::new(crate::remote_runs::tests::Probe::default());
-        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let store = RunStore::with_backend(probe, Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let store = over_probe(probe);
         assert!(matches!(store.insert(super::super::backend_tests::row("r1", "acct", 1)).await, Ok(Insert::New(_))));
         store.suspend_all();
         assert_eq!(store.suspended(), 1);
@@ -896,9 +902,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_forgotten_run_the_store_could_not_delete_is_held_and_deleted_later() {
         let probe = Arc::new(crate::remote_runs::tests::Probe::default());
-        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let store = RunStore::with_backend(probe.clone(), Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let store = over_probe(probe.clone());
         assert!(matches!(store.insert(super::super::backend_tests::row("r1", "acct", 1)).await, Ok(Insert::New(_))));
         probe.writes_fail.store(true, std::sync::atomic::Ordering::SeqCst);
         store.forget("r1").await;
@@ -917,9 +921,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_suspended_runs_document_counts_the_calls_whose_records_the_store_lacks() {
         let probe = Arc::new(crate::remote_runs::tests::Probe::default());
-        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let store = RunStore::with_backend(probe.clone(), Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let store = over_probe(probe.clone());
         let mut row = super::super::backend_tests::row("r1", "acct", 1);
         row.usage = Some(Usage::default());
         let Ok(Insert::New(log)) = store.insert(row).await else { panic!("r1 not stored") };
@@ -950,9 +952,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_share_heard_before_a_runs_billing_is_set_counts_once_it_is() {
         let probe = Arc::new(crate::remote_runs::tests::Probe::default());
-        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let store = RunStore::with_backend(probe, Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let store = over_probe(probe);
         let Ok(Insert::New(log)) = store.insert(super::super::backend_tests::row("r1", "acct", 1)).await else { panic!("r1 not stored") };
         log.note_share("b", Usage { input_tokens: 5, output_tokens: 2, llm_calls: 2 });
         log.note_share("b", Usage { input_tokens: 4, output_tokens: 2, llm_calls: 1 });
@@ -968,9 +968,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_lost_run_that_goes_on_elsewhere_keeps_its_billing_entry_as_a_remote_one() {
         let probe = Arc::new(crate::remote_runs::tests::Probe::default());
-        let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let store = RunStore::with_backend(probe.clone(), Arc::new(MemoryStore::new()), retention, metrics, "probe:".into(), None);
+        let store = over_probe(probe.clone());
         let registry = Arc::new(crate::attribution::Attributions::new());
         let start = |id: &'static str| {
             let (store, registry) = (&store, registry.clone());
@@ -1035,11 +1033,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("runs.db");
         let url = StoreUrl::Sqlite(path.clone());
-        let retention = Retention { max_age_ms: i64::MAX, max_count: usize::MAX };
-        let open = || async {
-            let metrics = StoreMetrics::new(&prometheus::Registry::new()).expect("metrics");
-            RunStore::open(&url, retention, metrics, None).await.expect("opens")
-        };
+        let open = || open_store(&url);
         let first = open().await;
         for id in ["r1", "r2", "r3"] {
             let Ok(Insert::New(log)) = first.insert(super::super::backend_tests::row(id, "acct", 1)).await else { panic!("{id} not stored") };
