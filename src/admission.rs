@@ -217,7 +217,7 @@ impl Admission {
         }
         .or_else(|| self.budgets.unmetered(&spec.billing_account_id).map(Refused::Limit));
         if let Some(refused) = refused_early {
-            return match self.replayed(&row).await.map_err(Refused::Store)? {
+            return match self.replayed(&RequestKey::of(&row)).await.map_err(Refused::Store)? {
                 Some(repeat) => repeat,
                 None => Err(refused),
             };
@@ -233,7 +233,8 @@ impl Admission {
         }
         let run_id = spec.run_id.clone();
         let account = spec.billing_account_id.clone();
-        let repeat = row.clone();
+        // What finds a stored run of this request (not the row: its spec holds the whole message).
+        let repeat = RequestKey::of(&row);
         let log = match self.store.insert(row).await.map_err(Refused::Store)? {
             Insert::New(log) => log,
             Insert::Existing(view) => return Ok(Submitted::Existing(view)),
@@ -279,7 +280,7 @@ impl Admission {
     /// The answer to a request that repeats a stored one (its run id or its `Idempotency-Key`),
     /// as the store's insert would give it: the stored run for the same body, a conflict for
     /// another; `None` for a new request.
-    async fn replayed(&self, row: &RunRow) -> Result<Option<Result<Submitted, Refused>>, StoreError> {
+    async fn replayed(&self, row: &RequestKey) -> Result<Option<Result<Submitted, Refused>>, StoreError> {
         let stored = match &row.idempotency_key {
             Some(key) => self.store.by_idempotency_key(&row.billing_account_id, key).await?,
             None => None,
@@ -521,4 +522,24 @@ fn resume_of(row: &RunRow, log: &RunLog) -> Resume {
         }
     };
     Resume { stage, emitted: log.emitted_text(), accepted: log.was_accepted() }
+}
+
+/// What names a request among the stored runs: its run id, and its account's `Idempotency-Key`
+/// with the body's fingerprint (see `Admission::replayed`).
+struct RequestKey {
+    run_id: String,
+    billing_account_id: String,
+    idempotency_key: Option<String>,
+    fingerprint: String,
+}
+
+impl RequestKey {
+    fn of(row: &RunRow) -> Self {
+        Self {
+            run_id: row.run_id.clone(),
+            billing_account_id: row.billing_account_id.clone(),
+            idempotency_key: row.idempotency_key.clone(),
+            fingerprint: row.fingerprint.clone(),
+        }
+    }
 }
