@@ -133,6 +133,32 @@ impl EndNotes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The file is input: any bytes parse without a panic, and a note written among any other
+        /// lines (of either format, or garbage) reads back exactly, where it was.
+        #[test]
+        fn any_file_parses_and_a_written_note_reads_back(
+            before in proptest::collection::vec(any::<u8>(), 0..200),
+            after in proptest::collection::vec(any::<u8>(), 0..200),
+            run_id in "[A-Za-z0-9._:-]{1,128}",
+            event_id in any::<u64>(),
+            seq in any::<i64>(),
+        ) {
+            let _ = parse(&before);
+            // Lines around it: no zero (the file's end) and whole lines.
+            let clean = |b: &[u8]| { let mut v: Vec<u8> = b.iter().copied().filter(|c| *c != 0).collect(); v.push(b'\n'); v };
+            let mut bytes = clean(&before);
+            let ours = line(&run_id, event_id, seq).expect("a valid id");
+            bytes.extend_from_slice(ours.as_bytes());
+            bytes.extend_from_slice(&clean(&after));
+            let (notes, cursor) = parse(&bytes);
+            prop_assert_eq!(cursor, bytes.len() as u64);
+            let note = Note { run_id: run_id.clone(), event_id, seq: Some(seq) };
+            prop_assert!(notes.contains(&note), "{:?} not among {:?}", note, notes);
+        }
+    }
 
     #[test]
     fn parses_notes_and_skips_what_is_not_one() {
