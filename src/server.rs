@@ -37,10 +37,33 @@ pub struct Running {
     stopping: tokio::sync::watch::Sender<bool>,
     /// Runs continued from the store at start.
     pub resumed: usize,
+    /// The threads of the session actors and of the gateway connection.
+    threads: Threads,
+}
+
+/// The threads clawmux starts for its actors. They outlive the runtime that started them, so
+/// whoever drops a [`Running`] without [`shutdown`] (a test, a failed start's caller) stops them
+/// here: a supervisor left behind would go on reconnecting to its gateway's address for the rest of
+/// the process, and a later gateway on that port would count its handshakes as another client's.
+struct Threads {
     /// The session actors' threads, stopped at the end of [`shutdown`].
     shards: Vec<actix::Arbiter>,
     /// The gateway connection's and its supervisor's thread, stopped with the shards.
-    gateway_thread: actix::Arbiter,
+    gateway: actix::Arbiter,
+    /// Set by [`shutdown`] once the gateway thread's own stop is scheduled (after the close frame's
+    /// grace), which a drop must not cut short.
+    gateway_stopping: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        for shard in &self.shards {
+            shard.stop();
+        }
+        if !self.gateway_stopping.load(std::sync::atomic::Ordering::Acquire) {
+            self.gateway.stop();
+        }
+    }
 }
 
 /// Loads (or creates) the device identity as `CLAWMUX_DEVICE_IDENTITY` says.
@@ -193,15 +216,18 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     // when the runtime is dropped on the way out of a failed start.
     // The gateway connection and its supervisor on a thread of their own: frames are decoded and
     // routed there, never queued behind admissions (the registry's thread).
-    let gateway_thread = actix::Arbiter::new();
+    let threads = Threads {
+        gateway: actix::Arbiter::new(),
+        shards: (0..cfg.shards).map(|_| actix::Arbiter::new()).collect(),
+        gateway_stopping: std::sync::atomic::AtomicBool::new(false),
+    };
     let supervisor = {
         let (metrics, status) = (metrics.clone(), status.clone());
-        Supervisor::start_in_arbiter(&gateway_thread.handle(), move |_| Supervisor::new(sup, metrics, status))
+        Supervisor::start_in_arbiter(&threads.gateway.handle(), move |_| Supervisor::new(sup, metrics, status))
     };
-    let shards: Vec<actix::Arbiter> = (0..cfg.shards).map(|_| actix::Arbiter::new()).collect();
     let run_start = metrics.run_start.clone();
     let run_registry = Registry::new(registry_cfg, metrics, status.clone(), Supervisor::port(&supervisor), workspace.clone())
-        .with_shards(shards.iter().map(actix::Arbiter::handle).collect())
+        .with_shards(threads.shards.iter().map(actix::Arbiter::handle).collect())
         .start();
     supervisor.do_send(ListenLink(run_registry.clone().recipient()));
     {
@@ -293,7 +319,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     let server = server.run();
     let handle = server.handle();
     let done = actix::spawn(server);
-    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, shards, gateway_thread })
+    Ok(Running { addr, server: handle, state, done, proxy, supervisor, stopping: stopping_tx, resumed, threads })
 }
 
 /// Continues every unfinished run of the store this process may continue (on a shared store: its
@@ -467,14 +493,15 @@ pub async fn shutdown(running: &Running) {
     // Last: while the proxy drains (up to 30 s), callers get `503` + `Retry-After` and documents,
     // not refused connections.
     running.server.stop(true).await;
-    for shard in &running.shards {
+    for shard in &running.threads.shards {
         shard.stop();
     }
-    // After the supervisor's grace for the gateway's close frame (it sent `Disconnect` above).
-    let gateway = running.gateway_thread.handle();
-    actix::spawn(async move {
+    // After the supervisor's grace for the gateway's close frame (it sent `Disconnect` above). The
+    // thread stops itself, so the stop happens even if the caller's runtime ends first.
+    running.threads.gateway_stopping.store(true, std::sync::atomic::Ordering::Release);
+    running.threads.gateway.spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        gateway.stop();
+        actix::Arbiter::current().stop();
     });
 }
 
