@@ -692,6 +692,14 @@ fn store_end(log: Weak<RunLog>, writer: Writer, write: Write, delay: std::time::
     writer.submit(
         write,
         Some(Box::new(move |result: Result<Applied, StoreError>| match result {
+            // Another replica took the run over (this one's lease had expired): its end is that
+            // replica's to store, and this one holds it no longer (not renewed, swept in time).
+            Ok(Applied::Fenced) => {
+                if let Some(log) = log.upgrade() {
+                    log.lock().end_stored = true;
+                    tracing::warn!(run_id = %log.run_id, "a run this replica had failed was taken over by another replica before its end was stored; that replica ends it");
+                }
+            }
             Ok(_) => {
                 if let Some(log) = log.upgrade() {
                     log.lock().end_stored = true;
