@@ -48,10 +48,13 @@ pub struct EphemeralSpec {
     pub pids: i64,
     /// Largest stdout (the JSON envelope) read; more fails the run instead of filling memory.
     pub output_bytes: usize,
+    /// Size of the workspace (a tmpfs: what the agent writes counts against `memory_bytes` too).
+    pub workspace_bytes: u64,
 }
 
 impl EphemeralSpec {
-    /// The spec's limits for an image: 600 s, 1024 MB, 256 processes, 4 MiB of output.
+    /// The spec's limits for an image: 600 s, 1024 MB, 256 processes, 4 MiB of output, a 512 MB
+    /// workspace.
     pub fn defaults(image: &str) -> Self {
         Self {
             image: image.to_owned(),
@@ -59,6 +62,7 @@ impl EphemeralSpec {
             memory_bytes: 1024 * 1024 * 1024,
             pids: 256,
             output_bytes: 4 * 1024 * 1024,
+            workspace_bytes: 512 * 1024 * 1024,
         }
     }
 }
@@ -121,6 +125,7 @@ struct AgentEntry {
     memory_mb: Option<u64>,
     pids: Option<u64>,
     output_bytes: Option<u64>,
+    workspace_mb: Option<u64>,
 }
 
 fn main() -> String {
@@ -188,9 +193,10 @@ impl AgentRegistry {
             };
             let (timeout, memory, pids, output) =
                 (positive("timeout_sec", e.timeout_sec)?, positive("memory_mb", e.memory_mb)?, positive("pids", e.pids)?, positive("output_bytes", e.output_bytes)?);
+            let workspace = positive("workspace_mb", e.workspace_mb)?;
             let ephemeral = match e.mode {
                 Mode::Gateway => {
-                    if e.image.is_some() || timeout.is_some() || memory.is_some() || pids.is_some() || output.is_some() {
+                    if e.image.is_some() || timeout.is_some() || memory.is_some() || pids.is_some() || output.is_some() || workspace.is_some() {
                         return Err(format!("{at}: image and limits apply to ephemeral variants only (the gateway has its own)"));
                     }
                     None
@@ -226,6 +232,12 @@ impl AgentRegistry {
                             return Err(format!("{at}: `output_bytes` must be at most 67108864"));
                         }
                         s.output_bytes = o as usize;
+                    }
+                    if let Some(w) = workspace {
+                        if !(16..=1024 * 1024).contains(&w) {
+                            return Err(format!("{at}: `workspace_mb` must be 16 to 1048576"));
+                        }
+                        s.workspace_bytes = w * 1024 * 1024;
                     }
                     Some(s)
                 }
@@ -345,6 +357,7 @@ timeout_sec = 30
 memory_mb = 256
 pids = 64
 output_bytes = 1000
+workspace_mb = 64
 "#,
             None,
         )
@@ -352,7 +365,7 @@ output_bytes = 1000
         assert_eq!(r.default_graph_id, "eph");
         assert_eq!(r.default_agent_id, "coder");
         let s = r.variant("eph").and_then(|a| a.ephemeral.clone()).expect("spec");
-        assert_eq!(s, EphemeralSpec { image: "img:1".into(), timeout: Duration::from_secs(30), memory_bytes: 256 << 20, pids: 64, output_bytes: 1000 });
+        assert_eq!(s, EphemeralSpec { image: "img:1".into(), timeout: Duration::from_secs(30), memory_bytes: 256 << 20, pids: 64, output_bytes: 1000, workspace_bytes: 64 << 20 });
         assert!(r.variant("gw").is_some_and(|a| a.ephemeral.is_none()));
     }
 
@@ -366,6 +379,8 @@ output_bytes = 1000
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\nimage = \"x\"", "ephemeral variants only"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\ntimeout_sec = 0", "at least 1"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nmemory_mb = 1", "64 to"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 8", "16 to"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\nworkspace_mb = 64", "ephemeral variants only"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x y\"", "not an image"),
             ("[[agent]]\ngraph_id = \"a b\"\nmode = \"gateway\"", "must match"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\n[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"", "twice"),

@@ -31,6 +31,15 @@ fn docker(args: &[&str]) -> (bool, String) {
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
+/// Bytes of the regular files below `dir` (links not followed).
+fn walk_sizes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| match e.file_type() {
+        Ok(t) if t.is_dir() => walk_sizes(&e.path()),
+        Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+        _ => 0,
+    }).sum()
+}
+
 /// Containers of this clawmux (by its owner label).
 fn containers(owner: &str) -> Vec<String> {
     let (_, out) = docker(&["ps", "-aq", "--filter", &format!("label=io.clawmux.ephemeral={owner}")]);
@@ -54,7 +63,7 @@ impl std::ops::Deref for Env {
 async fn env(root: PathBuf) -> Env {
     let text = format!(
         "default = \"sandbox:openclaw\"\n[[agent]]\ngraph_id = \"sandbox:openclaw\"\nmode = \"gateway\"\n\
-         [[agent]]\ngraph_id = \"sandbox:openclaw-ephemeral\"\nmode = \"ephemeral\"\nimage = \"{}\"\n\
+         [[agent]]\ngraph_id = \"sandbox:openclaw-ephemeral\"\nmode = \"ephemeral\"\nimage = \"{}\"\nworkspace_mb = 64\n\
          [[agent]]\ngraph_id = \"eph-small\"\nmode = \"ephemeral\"\nimage = \"{}\"\noutput_bytes = 200\n\
          [[agent]]\ngraph_id = \"eph-missing\"\nmode = \"ephemeral\"\nimage = \"clawmux/no-such-image:0\"\n",
         image(),
@@ -180,7 +189,21 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     println!("connect attempts from inside:\n{net}");
     assert_eq!(net.matches("FAIL").count(), 4, "{net}");
     assert!(!net.contains("OPEN"), "{net}");
-    let (_, inside) = docker(&["exec", &ids[0], "sh", "-c", "env; cat /proc/1/cmdline | tr '\\0' ' '; grep -rl sk- /workspace 2>/dev/null; ls -la /workspace"]);
+    // Nothing the agent writes reaches the host's disk: its workspace is a 64 MiB tmpfs (full at
+    // that size), its inputs and socket are read-only, and the root is read-only.
+    assert_eq!(h["Tmpfs"]["/workspace"], "rw,nosuid,nodev,size=67108864,uid=1000,gid=1000,mode=0700", "{h}");
+    assert!(binds.iter().all(|b| b.as_str().is_some_and(|b| b.ends_with(":ro"))), "{binds:?}");
+    let (ok, fill) = docker(&["exec", &ids[0], "dd", "if=/dev/zero", "of=/workspace/fill", "bs=1M", "count=100"]);
+    assert!(!ok && fill.contains("No space left on device"), "{fill}");
+    let (_, df) = docker(&["exec", &ids[0], "sh", "-c", "rm -f /workspace/fill; du -sk /workspace"]);
+    println!("workspace after the fill was removed: {df}");
+    for path in ["/llm-sock/x", "/clawmux-in/x", "/x", "/opt/x"] {
+        let (ok, out) = docker(&["exec", &ids[0], "touch", path]);
+        assert!(!ok && out.contains("Read-only file system"), "{path}: {out}");
+    }
+    let host_bytes: u64 = walk_sizes(&root);
+    assert!(host_bytes < 64 * 1024, "the run's host directory holds {host_bytes} bytes");
+    let (_, inside) = docker(&["exec", &ids[0], "sh", "-c", "env; cat /proc/1/cmdline | tr '\\0' ' '; grep -rl sk- /workspace /clawmux-in 2>/dev/null; ls -la /workspace /clawmux-in"]);
     assert!(!inside.contains(&env.key), "a secret inside the container: {inside}");
     assert!(!inside.contains("CLAWMUX_"), "clawmux's environment leaked: {inside}");
     // Abort: the container is gone within 2 s and the LLM stream was cut.

@@ -2,7 +2,8 @@
 //!
 //! Hardening, every item on purpose: no network at all (`NetworkMode: none`: the only way out is
 //! the run's LLM socket), every capability dropped, `no-new-privileges`, a read-only root
-//! filesystem with tmpfs `/tmp` and `/run`, the run's own workspace as the one writable bind,
+//! filesystem with tmpfs `/tmp` and `/run`, the run's workspace a tmpfs of the variant's size (the
+//! agent cannot write to the host's disk: its inputs and its LLM socket are read-only binds),
 //! memory (no swap) and process limits, a non-root user, no Docker socket, and an environment of
 //! exactly the four variables OpenClaw needs: no key, no token, nothing of clawmux's own.
 
@@ -15,14 +16,19 @@ use std::collections::HashMap;
 pub const LABEL_OWNER: &str = "io.clawmux.ephemeral";
 /// Label with the run id (for operators and the reaper's log).
 pub const LABEL_RUN: &str = "io.clawmux.run-id";
-/// Where the run's workspace is mounted (also `HOME`).
+/// The run's workspace (also `HOME`): a tmpfs of the variant's `workspace_mb`, so whatever the
+/// agent writes is bounded, counted against its memory limit, and gone with the container. A bind
+/// of a host directory was the host's disk: one run could fill it for every tenant.
 pub const WORKSPACE: &str = "/workspace";
-/// Where the run's LLM socket directory is mounted (the image's bridge connects to `llm.sock`).
+/// Where the run's inputs (prompt and config) are mounted, read-only.
+pub const INPUT_DIR: &str = "/clawmux-in";
+/// Where the run's LLM socket directory is mounted, read-only (a socket on a read-only mount is
+/// still connected to; nothing can be created beside it).
 pub const SOCKET_DIR: &str = "/llm-sock";
-/// The prompt file, inside the workspace (the message never goes through argv or a shell).
-pub const PROMPT_FILE: &str = "/workspace/.clawmux/prompt.txt";
-/// The generated config, inside the workspace.
-pub const CONFIG_FILE: &str = "/workspace/.openclaw/openclaw.json";
+/// The prompt file (the message never goes through argv or a shell).
+pub const PROMPT_FILE: &str = "/clawmux-in/prompt.txt";
+/// The generated config.
+pub const CONFIG_FILE: &str = "/clawmux-in/openclaw.json";
 /// OpenClaw's state (sessions): in the workspace, since the root filesystem is read-only.
 pub const STATE_DIR: &str = "/workspace/.openclaw-state";
 
@@ -35,12 +41,12 @@ pub struct Plan<'a> {
     pub agent_id: &'a str,
     /// The variant's image and limits.
     pub spec: &'a EphemeralSpec,
-    /// The run's workspace on the host.
-    pub workspace_host: &'a str,
+    /// The run's inputs (prompt and config) on the host.
+    pub input_host: &'a str,
     /// The directory of the run's LLM socket on the host.
     pub socket_dir_host: &'a str,
-    /// `uid:gid` the agent runs as (never root).
-    pub user: &'a str,
+    /// `(uid, gid)` the agent runs as (never root); it owns the workspace.
+    pub user: (u32, u32),
     /// The owner label's value ([`owner_of`]).
     pub owner: &'a str,
     /// OpenClaw's own timeout (seconds): below the hard limit so it can exit cleanly.
@@ -98,15 +104,17 @@ pub fn name(run_id: &str, nonce: &str) -> String {
 
 /// The create body.
 pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
+    let (uid, gid) = p.user;
     let tmpfs = HashMap::from([
         ("/tmp".to_owned(), "rw,nosuid,nodev,size=256m".to_owned()),
         ("/run".to_owned(), "rw,nosuid,nodev,noexec,size=16m".to_owned()),
+        (WORKSPACE.to_owned(), format!("rw,nosuid,nodev,size={},uid={uid},gid={gid},mode=0700", p.spec.workspace_bytes)),
     ]);
     ContainerCreateBody {
         image: Some(p.spec.image.clone()),
         cmd: Some(command(p.agent_id, p.run_id, p.agent_timeout_sec)),
         env: Some(env()),
-        user: Some(p.user.to_owned()),
+        user: Some(format!("{uid}:{gid}")),
         working_dir: Some(WORKSPACE.to_owned()),
         labels: Some(labels(p.run_id, p.owner)),
         network_disabled: Some(true),
@@ -122,7 +130,7 @@ pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
             readonly_rootfs: Some(true),
             privileged: Some(false),
             tmpfs: Some(tmpfs),
-            binds: Some(vec![format!("{}:{WORKSPACE}:rw", p.workspace_host), format!("{}:{SOCKET_DIR}:rw", p.socket_dir_host)]),
+            binds: Some(vec![format!("{}:{INPUT_DIR}:ro", p.input_host), format!("{}:{SOCKET_DIR}:ro", p.socket_dir_host)]),
             memory: Some(p.spec.memory_bytes),
             memory_swap: Some(p.spec.memory_bytes),
             pids_limit: Some(p.spec.pids),
@@ -171,7 +179,7 @@ mod tests {
     #[test]
     fn the_container_is_hardened() {
         let spec = spec();
-        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, workspace_host: "/var/eph/r1/ws", socket_dir_host: "/var/eph/r1/sock", user: "1000:1000", owner: "o1", agent_timeout_sec: 540 };
+        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, input_host: "/var/eph/r1/in", socket_dir_host: "/var/eph/r1/sock", user: (1000, 1000), owner: "o1", agent_timeout_sec: 540 };
         let b = body(&p);
         let h = b.host_config.clone().expect("host config");
         assert_eq!(h.network_mode.as_deref(), Some("none"));
@@ -183,7 +191,10 @@ mod tests {
         assert_eq!(h.privileged, Some(false));
         let tmpfs = h.tmpfs.expect("tmpfs");
         assert!(tmpfs.contains_key("/tmp") && tmpfs.contains_key("/run"));
-        assert_eq!(h.binds, Some(vec!["/var/eph/r1/ws:/workspace:rw".to_owned(), "/var/eph/r1/sock:/llm-sock:rw".to_owned()]));
+        // Nothing the agent writes reaches the host's disk: the workspace is a tmpfs of the
+        // variant's size (512 MiB by default), owned by the agent's user; the binds are read-only.
+        assert_eq!(tmpfs.get("/workspace").map(String::as_str), Some("rw,nosuid,nodev,size=536870912,uid=1000,gid=1000,mode=0700"));
+        assert_eq!(h.binds, Some(vec!["/var/eph/r1/in:/clawmux-in:ro".to_owned(), "/var/eph/r1/sock:/llm-sock:ro".to_owned()]));
         assert!(!format!("{b:?}").contains("docker.sock"));
         assert_eq!(h.memory, Some(1024 * 1024 * 1024));
         assert_eq!(h.memory_swap, h.memory, "no swap beyond the limit");
@@ -210,7 +221,7 @@ mod tests {
         let c = command("main", "-rf", 540);
         assert_eq!(
             c,
-            ["openclaw", "agent", "--local", "--agent=main", "--session-id=-rf", "--message-file=/workspace/.clawmux/prompt.txt", "--json", "--timeout=540"]
+            ["openclaw", "agent", "--local", "--agent=main", "--session-id=-rf", "--message-file=/clawmux-in/prompt.txt", "--json", "--timeout=540"]
         );
     }
 

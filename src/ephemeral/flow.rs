@@ -194,18 +194,17 @@ impl Ephemeral {
             },
             _ => None,
         };
-        let ws = layout.workspace.to_string_lossy().into_owned();
+        let input = layout.input.to_string_lossy().into_owned();
         let sock = layout.socket_dir.to_string_lossy().into_owned();
-        let user = format!("{}:{}", layout.user.0, layout.user.1);
         let owner = container::owner_of(&self.cfg.root);
         let hard = deadline.saturating_duration_since(Instant::now()).as_secs().max(1);
         let plan = Plan {
             run_id: &job.spec.run_id,
             agent_id: &job.agent_id,
             spec: &job.variant,
-            workspace_host: &ws,
+            input_host: &input,
             socket_dir_host: &sock,
-            user: &user,
+            user: layout.user,
             owner: &owner,
             agent_timeout_sec: container::agent_timeout_sec(hard),
         };
@@ -260,37 +259,39 @@ fn deadline_of(spec: &RunSpec, timeout: Duration) -> std::time::Instant {
 
 /// A prepared run directory.
 struct Layout {
-    workspace: PathBuf,
+    input: PathBuf,
     socket_dir: PathBuf,
     user: (u32, u32),
 }
 
-/// Creates `dir/ws` (config + prompt) and `dir/sock`, owned so the container's user can use them.
+/// Creates `dir/in` (config + prompt, readable by the container's user, mounted read-only) and
+/// `dir/sock` (the run's LLM socket). The workspace is not here: it is the container's tmpfs.
 fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let ws = dir.join("ws");
+    let input = dir.join("in");
     let sock = dir.join("sock");
     secure_root(dir.parent().unwrap_or(dir))?;
     std::fs::create_dir(dir)?;
-    // The container reaches its workspace and socket through its bind mounts, never through this
+    // The container reaches its inputs and socket through its bind mounts, never through this
     // path: nobody else on the host needs to.
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     let meta = std::fs::metadata(dir)?;
     let user = container::user_for(meta.uid(), meta.gid());
-    for d in [ws.join(".openclaw"), ws.join(".clawmux"), ws.join(".openclaw-state"), sock.clone()] {
-        std::fs::create_dir_all(d)?;
+    for d in [&input, &sock] {
+        std::fs::create_dir(d)?;
     }
     let model = openclaw_config::model_id(job.spec.model.as_deref(), default_model);
     let hard = job.spec.timeout.min(job.variant.timeout).as_secs();
     let config = openclaw_config::generate(&job.agent_id, &model, container::agent_timeout_sec(hard));
-    std::fs::write(ws.join(".openclaw/openclaw.json"), serde_json::to_vec_pretty(&config).map_err(std::io::Error::other)?)?;
-    std::fs::write(ws.join(".clawmux/prompt.txt"), job.spec.message.as_bytes())?;
+    std::fs::write(input.join("openclaw.json"), serde_json::to_vec_pretty(&config).map_err(std::io::Error::other)?)?;
+    std::fs::write(input.join("prompt.txt"), job.spec.message.as_bytes())?;
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o755))?;
     if (meta.uid(), meta.gid()) != user {
-        chown_tree(&ws, user)?;
+        chown_tree(&input, user)?;
     }
-    std::fs::set_permissions(&ws, std::fs::Permissions::from_mode(0o700))?;
-    Ok(Layout { workspace: ws, socket_dir: sock, user })
+    // Writable by its owner on the host only (so it can be removed); the mount is read-only.
+    std::fs::set_permissions(&input, std::fs::Permissions::from_mode(0o700))?;
+    Ok(Layout { input, socket_dir: sock, user })
 }
 
 /// Creates the runs directory if needed and makes sure it is clawmux's own and private (`0700`):

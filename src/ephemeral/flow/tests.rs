@@ -77,12 +77,12 @@ impl Runner for FakeRunner {
             return Err(RunnerError::MissingImage(body.image.clone().unwrap_or_default()));
         }
         let binds = body.host_config.as_ref().and_then(|h| h.binds.clone()).unwrap_or_default();
-        let ws = binds[0].split(':').next().unwrap_or_default().to_owned();
-        let prompt = std::fs::read_to_string(format!("{ws}/.clawmux/prompt.txt")).unwrap_or_default();
-        let config: serde_json::Value = std::fs::read(format!("{ws}/.openclaw/openclaw.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let input = binds[0].split(':').next().unwrap_or_default().to_owned();
+        let prompt = std::fs::read_to_string(format!("{input}/prompt.txt")).unwrap_or_default();
+        let config: serde_json::Value = std::fs::read(format!("{input}/openclaw.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
         let mode = {
             use std::os::unix::fs::MetadataExt;
-            std::path::Path::new(&ws).parent().and_then(|d| std::fs::metadata(d).ok()).map_or(0, |m| m.mode() & 0o777)
+            std::path::Path::new(&input).parent().and_then(|d| std::fs::metadata(d).ok()).map_or(0, |m| m.mode() & 0o777)
         };
         let n = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_running.fetch_max(n, Ordering::SeqCst);
@@ -460,7 +460,7 @@ async fn a_run_waiting_for_its_turn_times_out_or_is_cancelled_without_a_containe
 #[actix_rt::test]
 async fn start_up_reaps_orphans_and_leftover_workspaces() {
     let e = env(1);
-    std::fs::create_dir_all(e.root.path().join("runs/0123456789abcdef/ws")).expect("dir");
+    std::fs::create_dir_all(e.root.path().join("runs/0123456789abcdef/in")).expect("dir");
     e.eph.reap().await;
     assert_eq!(e.leftover_dirs(), 0);
     assert_eq!(e.runner.seen(|s| s.reaped_owner.clone()), Some(crate::ephemeral::container::owner_of(&e.root.path().join("runs"))));
