@@ -48,7 +48,8 @@ pub struct EphemeralSpec {
     pub pids: i64,
     /// Largest stdout (the JSON envelope) read; more fails the run instead of filling memory.
     pub output_bytes: usize,
-    /// Size of the workspace (a tmpfs: what the agent writes counts against `memory_bytes` too).
+    /// Size of the workspace (a tmpfs: what the agent writes counts against `memory_bytes` too, so
+    /// at most half of it).
     pub workspace_bytes: u64,
 }
 
@@ -233,11 +234,17 @@ impl AgentRegistry {
                         }
                         s.output_bytes = o as usize;
                     }
-                    if let Some(w) = workspace {
-                        if !(16..=1024 * 1024).contains(&w) {
-                            return Err(format!("{at}: `workspace_mb` must be 16 to 1048576"));
+                    // The workspace is a tmpfs: what the agent writes there is memory of its
+                    // container, so at most half of `memory_mb` (the rest is the agent's and
+                    // `/tmp`'s); a workspace larger than what memory has left would end a run
+                    // that fills it killed for memory instead of with a full disk.
+                    let half = s.memory_bytes as u64 / 2;
+                    match workspace {
+                        Some(w) if w < 16 || w * 1024 * 1024 > half => {
+                            return Err(format!("{at}: `workspace_mb` must be 16 to half of `memory_mb` ({})", half / (1024 * 1024)));
                         }
-                        s.workspace_bytes = w * 1024 * 1024;
+                        Some(w) => s.workspace_bytes = w * 1024 * 1024,
+                        None => s.workspace_bytes = s.workspace_bytes.min(half),
                     }
                     Some(s)
                 }
@@ -370,6 +377,18 @@ workspace_mb = 64
     }
 
     #[test]
+    fn the_default_workspace_is_at_most_half_the_memory() {
+        let spec = |extra: &str| {
+            let text = format!("[[agent]]\ngraph_id = \"e\"\nmode = \"ephemeral\"\nimage = \"img:1\"\n{extra}");
+            AgentRegistry::parse(&text, None).expect("valid").variant("e").and_then(|a| a.ephemeral.clone()).expect("spec")
+        };
+        assert_eq!(spec("").workspace_bytes, 512 << 20);
+        assert_eq!(spec("memory_mb = 256").workspace_bytes, 128 << 20);
+        assert_eq!(spec("memory_mb = 4096").workspace_bytes, 512 << 20);
+        assert_eq!(spec("memory_mb = 4096\nworkspace_mb = 2048").workspace_bytes, 2048 << 20);
+    }
+
+    #[test]
     fn bad_files_are_refused_with_the_reason() {
         let cases = [
             ("", "at least one variant"),
@@ -380,6 +399,8 @@ workspace_mb = 64
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\ntimeout_sec = 0", "at least 1"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nmemory_mb = 1", "64 to"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 8", "16 to"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nmemory_mb = 256\nworkspace_mb = 129", "half of `memory_mb` (128)"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 513", "half of `memory_mb` (512)"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\nworkspace_mb = 64", "ephemeral variants only"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x y\"", "not an image"),
             ("[[agent]]\ngraph_id = \"a b\"\nmode = \"gateway\"", "must match"),

@@ -191,7 +191,10 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     assert!(!net.contains("OPEN"), "{net}");
     // Nothing the agent writes reaches the host's disk: its workspace is a 64 MiB tmpfs (full at
     // that size), its inputs and socket are read-only, and the root is read-only.
-    assert_eq!(h["Tmpfs"]["/workspace"], "rw,nosuid,nodev,size=67108864,uid=1000,gid=1000,mode=0700", "{h}");
+    assert_eq!(h["Tmpfs"]["/workspace"], "rw,exec,nosuid,nodev,size=67108864,uid=1000,gid=1000,mode=0700", "{h}");
+    // The agent runs what it writes there (Docker's tmpfs default is noexec).
+    let (ok, ran) = docker(&["exec", &ids[0], "sh", "-c", "printf '#!/bin/sh\\necho ran-from-workspace\\n' > /workspace/s.sh && chmod +x /workspace/s.sh && /workspace/s.sh"]);
+    assert!(ok && ran.contains("ran-from-workspace"), "{ran}");
     assert!(binds.iter().all(|b| b.as_str().is_some_and(|b| b.ends_with(":ro"))), "{binds:?}");
     let (ok, fill) = docker(&["exec", &ids[0], "dd", "if=/dev/zero", "of=/workspace/fill", "bs=1M", "count=100"]);
     assert!(!ok && fill.contains("No space left on device"), "{fill}");

@@ -1,5 +1,5 @@
 //! Ephemeral runs through the API, without Docker: a fake runner plays the container. It does what
-//! the real one's agent does: reads its prompt from the workspace, calls the LLM through the run's
+//! the real one's agent does: reads its prompt from its input directory, calls the LLM through the run's
 //! unix socket (the real attribution proxy in front of the project's fake LLM), prints an envelope.
 //! The real engine is in `tests/docker_ephemeral.rs`.
 
@@ -27,7 +27,7 @@ const WAIT: Duration = Duration::from_secs(30);
 /// A container that is a task: its "agent" makes one streamed LLM call over the socket.
 #[derive(Default)]
 struct SocketAgent {
-    /// Container name → its workspace and socket directory on the host.
+    /// Container name → its input directory (prompt, config) and socket directory on the host.
     mounts: Mutex<HashMap<String, (PathBuf, PathBuf)>>,
     /// Names removed.
     removed: Mutex<Vec<String>>,
@@ -81,8 +81,8 @@ impl Runner for SocketAgent {
     }
 
     async fn wait(&self, id: &str, _limit: usize) -> Result<Exit, RunnerError> {
-        let (ws, sock) = self.mounts.lock().unwrap().get(id).cloned().expect("started");
-        let prompt = std::fs::read_to_string(ws.join(".clawmux/prompt.txt")).expect("prompt in the workspace");
+        let (input, sock) = self.mounts.lock().unwrap().get(id).cloned().expect("started");
+        let prompt = std::fs::read_to_string(input.join("prompt.txt")).expect("prompt in the input directory");
         let id2 = id.to_owned();
         let count = || *self.chunks.lock().unwrap().entry(id2.clone()).or_default() += 1;
         let mut text = call_over_socket(&sock.join("llm.sock"), &prompt, count).await;
@@ -112,7 +112,7 @@ impl Runner for SocketAgent {
 struct Env {
     stack: Stack,
     agent: Arc<SocketAgent>,
-    /// The runs' workspaces and sockets.
+    /// The runs' input directories and sockets.
     root: PathBuf,
 }
 
@@ -228,7 +228,7 @@ async fn aborting_an_ephemeral_run_cuts_its_llm_stream_and_its_socket() {
     assert!(env.agent.removed.lock().unwrap().iter().any(|n| n.contains("run-eph-slow")));
     // Once the run ended, its socket is gone: nothing more can be billed to it.
     let leftover = std::fs::read_dir(&env.root).map(|d| d.count()).unwrap_or(0);
-    assert_eq!(leftover, 0, "the run's workspace and socket are removed");
+    assert_eq!(leftover, 0, "the run's input directory and socket are removed");
 
     // A caller that goes away (onDisconnect: abort, the default) ends its run the same way.
     let body = json!({"message": "SLOW again", "billingAccountId": "acct-eph", "runId": "run-eph-gone", "graphId": "sandbox:openclaw-ephemeral"});

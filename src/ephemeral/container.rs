@@ -108,7 +108,10 @@ pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
     let tmpfs = HashMap::from([
         ("/tmp".to_owned(), "rw,nosuid,nodev,size=256m".to_owned()),
         ("/run".to_owned(), "rw,nosuid,nodev,noexec,size=16m".to_owned()),
-        (WORKSPACE.to_owned(), format!("rw,nosuid,nodev,size={},uid={uid},gid={gid},mode=0700", p.spec.workspace_bytes)),
+        // `exec`: Docker mounts a tmpfs `noexec` unless told otherwise, and an agent runs what it
+        // writes in its workspace (scripts, `node_modules/.bin`, git hooks), as it could on the
+        // bind this replaced. `nosuid`, `no-new-privileges` and the dropped capabilities still hold.
+        (WORKSPACE.to_owned(), format!("rw,exec,nosuid,nodev,size={},uid={uid},gid={gid},mode=0700", p.spec.workspace_bytes)),
     ]);
     ContainerCreateBody {
         image: Some(p.spec.image.clone()),
@@ -193,7 +196,7 @@ mod tests {
         assert!(tmpfs.contains_key("/tmp") && tmpfs.contains_key("/run"));
         // Nothing the agent writes reaches the host's disk: the workspace is a tmpfs of the
         // variant's size (512 MiB by default), owned by the agent's user; the binds are read-only.
-        assert_eq!(tmpfs.get("/workspace").map(String::as_str), Some("rw,nosuid,nodev,size=536870912,uid=1000,gid=1000,mode=0700"));
+        assert_eq!(tmpfs.get("/workspace").map(String::as_str), Some("rw,exec,nosuid,nodev,size=536870912,uid=1000,gid=1000,mode=0700"));
         assert_eq!(h.binds, Some(vec!["/var/eph/r1/in:/clawmux-in:ro".to_owned(), "/var/eph/r1/sock:/llm-sock:ro".to_owned()]));
         assert!(!format!("{b:?}").contains("docker.sock"));
         assert_eq!(h.memory, Some(1024 * 1024 * 1024));

@@ -2,14 +2,14 @@
 //! registry gives it its turn.
 //!
 //! ```text
-//! admitted ─(FIFO slot: CLAWMUX_EPHEMERAL_MAX)─▶ workspace + LLM socket ─▶ container ─▶ exit
-//!          ─▶ envelope ─▶ text_delta + final | error ─▶ container, socket, workspace removed
+//! admitted ─(FIFO slot: CLAWMUX_EPHEMERAL_MAX)─▶ inputs + LLM socket ─▶ container ─▶ exit
+//!          ─▶ envelope ─▶ text_delta + final | error ─▶ container, socket, inputs removed
 //! ```
 //! The deadline is admission + the run's timeout (capped by the variant's): the waits for its
 //! session key and for a slot count. Abort, timeout, client disconnect and shutdown remove the container at once (with it
 //! the agent and its LLM stream; the run's end also cuts its calls in the proxy). Nothing of a run
 //! outlives it: its container is removed whatever happened, and a restart reaps the containers
-//! (by label) and workspaces a crash left behind.
+//! (by label) and run directories a crash left behind.
 
 use super::container::{self, Plan};
 use super::runner::Runner;
@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 /// What the configuration decides.
 #[derive(Debug, Clone)]
 pub struct EphemeralConfig {
-    /// Where the runs' workspaces and sockets live (bind-mounted into their containers, so on the
+    /// Where the runs' inputs and sockets live (bind-mounted read-only into their containers, so on the
     /// engine's host). Owned by clawmux: leftovers of a crash are removed at start.
     pub root: PathBuf,
     /// Containers at once (`CLAWMUX_EPHEMERAL_MAX`); more wait in FIFO order.
@@ -123,7 +123,7 @@ impl Ephemeral {
         Arc::new(Self { runner, proxy, cfg, slots })
     }
 
-    /// Removes what a previous process left: labelled containers and workspaces.
+    /// Removes what a previous process left: labelled containers and run directories.
     pub async fn reap(&self) {
         match self.runner.reap(&container::owner_of(&self.cfg.root)).await {
             Ok(names) if !names.is_empty() => tracing::warn!(containers = ?names, "removed ephemeral containers a previous clawmux left behind"),
@@ -143,7 +143,7 @@ impl Ephemeral {
     }
 
     /// Runs `job` (it waits for a slot if all are taken) until it ends or `switch` cancels it;
-    /// its container, socket and workspace are gone when this returns. The run's text (if any)
+    /// its container, socket and inputs are gone when this returns. The run's text (if any)
     /// and its outcome, for its actor to emit.
     pub async fn run(&self, job: &Job, live: &Switch) -> (RunOutcome, Option<String>) {
         let deadline = Instant::from_std(job.deadline());
@@ -174,7 +174,7 @@ impl Ephemeral {
         };
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(run_id = %job.spec.run_id, error = %e, dir = %dir.display(), "cannot remove an ephemeral run's workspace; the next start does");
+                tracing::warn!(run_id = %job.spec.run_id, error = %e, dir = %dir.display(), "cannot remove an ephemeral run's directory; the next start does");
             }
         }
         drop(permit);
@@ -185,7 +185,7 @@ impl Ephemeral {
     async fn contained(&self, job: &Job, live: &Switch, name: &str, dir: &Path, deadline: Instant) -> Contained {
         let layout = match prepare(dir, job, &self.cfg.default_model) {
             Ok(l) => l,
-            Err(e) => return Contained::Failed(format!("cannot prepare the run's workspace in {}: {e}", dir.display())),
+            Err(e) => return Contained::Failed(format!("cannot prepare the run's directory in {}: {e}", dir.display())),
         };
         let socket = match (&self.proxy, &job.billing) {
             (Some(proxy), Some(billing)) => match RunSocket::start(&layout.socket_dir.join("llm.sock"), proxy.clone(), billing.clone()) {
@@ -296,7 +296,7 @@ fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout
 
 /// Creates the runs directory if needed and makes sure it is clawmux's own and private (`0700`):
 /// every run's LLM socket (billed to that run, forwarded with the upstream key), prompt and
-/// workspace are below it, and the Docker engine mounts paths below it as root. A directory of
+/// config are below it, and the Docker engine mounts paths below it as root. A directory of
 /// another user (say, created in a shared `/tmp` before clawmux first ran) or a symlink is
 /// refused: whoever owns it could swap a run's directory for a link between its preparation and
 /// the mount.

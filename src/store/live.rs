@@ -693,10 +693,17 @@ fn store_end(log: Weak<RunLog>, writer: Writer, write: Write, delay: std::time::
         write,
         Some(Box::new(move |result: Result<Applied, StoreError>| match result {
             // Another replica took the run over (this one's lease had expired): its end is that
-            // replica's to store, and this one holds it no longer (not renewed, swept in time).
+            // replica's to store. This log is lost like any taken-over run's: not renewed, not
+            // read (the run's reads go to the store, not to the `internal` end this replica made),
+            // and dropped at the next sweep.
             Ok(Applied::Fenced) => {
                 if let Some(log) = log.upgrade() {
-                    log.lock().end_stored = true;
+                    {
+                        let mut st = log.lock();
+                        st.end_stored = true;
+                        st.lost = true;
+                        st.closed = true;
+                    }
                     tracing::warn!(run_id = %log.run_id, "a run this replica had failed was taken over by another replica before its end was stored; that replica ends it");
                 }
             }

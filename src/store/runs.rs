@@ -767,6 +767,7 @@ impl RunStore {
             });
             let event = StoredEvent { id: event_id, name: EventName::Error, data };
             match self.writer.apply(Write::Fail { run_id: run_id.clone(), event, patch, webhook }).await {
+                Ok(Applied::Fenced) => tracing::warn!(run_id, "a run the store failed before the restart was taken over by another replica; that replica ends it"),
                 Ok(_) => tracing::warn!(run_id, "a run the store failed before the restart ends `internal`, as its clients saw"),
                 Err(e) => {
                     all_stored = false;
