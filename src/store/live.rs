@@ -888,6 +888,28 @@ mod tests {
         assert!(log.is_ending());
     }
 
+    /// The end of a run this replica failed, fenced by the writer because another replica took the
+    /// run over, leaves the log lost: not held (renewed) here, and not read (the run's reads go to
+    /// the store, not to the `internal` end this replica made).
+    #[actix_rt::test]
+    async fn a_failed_runs_end_fenced_by_a_takeover_leaves_its_log_lost() {
+        let (store, log) = live_run("r-fenced").await;
+        assert!(store.live("r-fenced").is_some());
+        log.writer.hold("r-fenced");
+        let end = StoredEvent { id: 1, name: EventName::Error, data: "{}".to_owned() };
+        let fail = Write::Fail { run_id: "r-fenced".to_owned(), event: end, patch: RunPatch::default(), webhook: None };
+        store_end(log.me.clone(), log.writer.clone(), fail, END_RETRY.0);
+        tokio::time::timeout(WAIT, async {
+            while !log.is_lost() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the log is lost");
+        assert!(log.end_stored(), "not held by this replica any more");
+        assert!(store.live("r-fenced").is_none(), "its reads go to the store");
+    }
+
     #[actix_rt::test]
     async fn a_feed_starts_after_the_backlog_it_came_with() {
         let (_store, log) = live_run("r-backlog").await;
