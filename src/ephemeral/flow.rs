@@ -305,6 +305,14 @@ fn secure_root(root: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(root)?;
     let meta = std::fs::symlink_metadata(root)?;
     let me = rustix::process::geteuid().as_raw();
+    // Its parents too, as written (a link among them) and as resolved: whoever may replace one of
+    // them can put another directory in the runs directory's place.
+    let real = std::fs::canonicalize(root)?;
+    for dir in [root, real.as_path()] {
+        for parent in dir.ancestors().skip(1) {
+            check_parent(parent, &std::fs::symlink_metadata(parent)?, me)?;
+        }
+    }
     if !meta.is_dir() {
         return Err(std::io::Error::other(format!("the ephemeral runs directory {} is not a directory (a symlink?)", root.display())));
     }
@@ -317,6 +325,29 @@ fn secure_root(root: &Path) -> std::io::Result<()> {
     }
     if meta.mode() & 0o077 != 0 {
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// A parent of the runs directory must be root's or clawmux's, and writable by nobody else unless
+/// it is sticky (like `/tmp`: there only an entry's owner may rename or remove it, and the next
+/// path element is checked in its turn).
+fn check_parent(parent: &Path, meta: &std::fs::Metadata, me: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if meta.uid() != 0 && meta.uid() != me {
+        return Err(std::io::Error::other(format!(
+            "{} (a parent of the ephemeral runs directory) belongs to uid {}, neither root nor clawmux (uid {me}): its owner could swap the runs directory; set CLAWMUX_EPHEMERAL_DIR below directories of root's or clawmux's own",
+            parent.display(),
+            meta.uid()
+        )));
+    }
+    let sticky = meta.mode() & 0o1000 != 0;
+    if meta.is_dir() && meta.mode() & 0o022 != 0 && !sticky {
+        return Err(std::io::Error::other(format!(
+            "{} (a parent of the ephemeral runs directory) is writable by other users (mode {:o}) and not sticky: they could swap the runs directory; set CLAWMUX_EPHEMERAL_DIR below directories only root or clawmux can write",
+            parent.display(),
+            meta.mode() & 0o7777
+        )));
     }
     Ok(())
 }

@@ -317,6 +317,39 @@ async fn the_runs_directory_is_private_and_another_users_is_refused() {
     assert_eq!(e.runner.seen(|s| s.started.len()), 1, "no container for the refused run");
 }
 
+/// The runs directory's parents count too: one that other users may write without the sticky bit,
+/// or one of another user, could have the runs directory swapped for theirs, so runs are refused
+/// (ending `internal`, naming it, no container); a sticky one like `/tmp` is fine.
+#[actix_rt::test]
+async fn a_runs_directory_below_a_parent_others_may_replace_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let e = env(4);
+    let parent = e.root.path();
+    async fn refused(e: &Env, run_id: &str) -> String {
+        e.runner.script(run_id, Script::Exit(ok_exit("never")));
+        let o = e.run(run_id, LONG).outcome().await;
+        assert_eq!(o.status, RunStatus::Error, "{run_id}");
+        o.error.map(|e| e.message).unwrap_or_default()
+    }
+    std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let message = refused(&e, "r-open").await;
+    assert!(message.contains("writable by other users (mode 777)") && message.contains(&parent.display().to_string()), "{message}");
+    std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    e.runner.script("r-sticky", Script::Exit(ok_exit("fine")));
+    assert_eq!(e.run("r-sticky", LONG).outcome().await.status, RunStatus::Ok, "a sticky parent (like /tmp) is fine");
+    std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    assert_eq!(e.runner.seen(|s| s.started.len()), 1, "no container for the refused run");
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: a parent of another user is not tried");
+        return;
+    }
+    std::os::unix::fs::chown(parent, Some(4242), Some(4242)).expect("chown");
+    let message = refused(&e, "r-foreign-parent").await;
+    assert!(message.contains("belongs to uid 4242, neither root nor clawmux"), "{message}");
+    std::os::unix::fs::chown(parent, Some(0), Some(0)).expect("chown back");
+    assert_eq!(e.runner.seen(|s| s.started.len()), 1, "no container for the refused run");
+}
+
 #[actix_rt::test]
 async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     let e = env(4);
