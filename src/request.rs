@@ -186,6 +186,11 @@ pub const MAX_URL_BYTES: usize = 2048;
 pub const MAX_PR_TITLE_BYTES: usize = 1024;
 /// The longest `branch.prBody` (GitHub's limit is 65,536 characters).
 pub const MAX_PR_BODY_BYTES: usize = 32 * 1024;
+/// The longest every field but `message` may be together, decoded: five ids of 128 bytes
+/// (`billingAccountId`, `runId`, `stateKey`, `agentId`, `graphId`), `model` (256), the branch's
+/// keys (`branchName`, `workItemId`: 100 each; `baseRef`: 200), `prTitle`, `prBody` and
+/// `webhook.url`. What the body limit allows besides the message.
+pub const MAX_OTHER_FIELDS_BYTES: usize = 5 * 128 + 256 + 100 + 100 + 200 + MAX_PR_TITLE_BYTES + MAX_PR_BODY_BYTES + MAX_URL_BYTES;
 
 /// Validates a decoded request against the contract's rules.
 pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -> String) -> Result<ValidRun, RequestError> {

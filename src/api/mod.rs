@@ -310,15 +310,15 @@ pub(crate) fn new_trace() -> TraceParent {
         }
     }
 }
-/// JSON overhead allowed around a maximal `message`.
-const BODY_OVERHEAD: usize = 64 * 1024;
+/// The body's names, punctuation, enumerations, numbers and booleans, with room to spare.
+const BODY_STRUCTURE: usize = 16 * 1024;
 
-/// The largest `POST /v1/runs` body read for a message limit of `max_message` bytes: the limit
-/// is on the decoded message, and JSON may escape each of its bytes as six (`\u0001`; any
-/// encoder's `\uXXXX` for non-ASCII text is up to three per byte). The decoded message is then
-/// held to `max_message` itself.
+/// The largest `POST /v1/runs` body read for a message limit of `max_message` bytes: the limits
+/// are on the decoded fields, and JSON may escape each of their bytes as six (`\u0061` is `a`;
+/// any encoder's `\uXXXX` for non-ASCII text is up to three per byte). Each decoded field is then
+/// held to its own limit.
 pub(crate) fn run_body_limit(max_message: usize) -> usize {
-    max_message.saturating_mul(6).saturating_add(BODY_OVERHEAD)
+    max_message.saturating_add(crate::request::MAX_OTHER_FIELDS_BYTES).saturating_mul(6).saturating_add(BODY_STRUCTURE)
 }
 
 /// `503 store_unavailable`. The store's own error (its address, user, driver message) goes to the
@@ -406,6 +406,25 @@ mod body_limit_tests {
         let max = 1 << 20;
         let escaped = format!(r#"{{"message":"{}","billingAccountId":"acct","runId":"r-1","stateKey":"s"}}"#, "\\u0001".repeat(max));
         assert!(escaped.len() <= super::run_body_limit(max), "{} > {}", escaped.len(), super::run_body_limit(max));
+    }
+
+    /// Every field at its limit, every byte escaped (`\u0061`): read whole, and valid. The limit
+    /// once allowed only 64 KiB besides the message, and this body is ~220 KiB more.
+    #[test]
+    fn a_request_with_every_field_at_its_limit_in_its_most_escaped_form_fits() {
+        use crate::request::{MAX_PR_BODY_BYTES, MAX_PR_TITLE_BYTES, MAX_URL_BYTES};
+        let max = 1000;
+        let esc = |n: usize| "\\u0061".repeat(n);
+        let url = format!("https://h/{}", esc(MAX_URL_BYTES - "https://h/".len()));
+        let body = format!(
+            r#"{{"message":"{}","billingAccountId":"{}","runId":"{}","stateKey":"{}","agentId":"{}","model":"{}","graphId":"{}","timeoutSec":600,"onDisconnect":"continue","ifBusy":"enqueue","webhook":{{"url":"{url}"}},"branch":{{"branchName":"{}","workItemId":"{}","useStateKey":false,"baseRef":"{}","prTitle":"{}","prBody":"{}"}}}}"#,
+            esc(max), esc(128), esc(128), esc(128), esc(128), esc(256), esc(128), esc(100), esc(100), esc(200), esc(MAX_PR_TITLE_BYTES), esc(MAX_PR_BODY_BYTES)
+        );
+        assert!(body.len() <= super::run_body_limit(max), "{} > {}", body.len(), super::run_body_limit(max));
+        let request: crate::request::RunRequest = serde_json::from_str(&body).expect("decodes");
+        let limits = crate::request::Limits { max_message_bytes: max, default_timeout_sec: 600, max_timeout_sec: 3600 };
+        let valid = crate::request::validate(request, limits, || "new".into());
+        assert!(valid.is_ok(), "{:?}", valid.err());
     }
 }
 
