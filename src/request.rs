@@ -264,15 +264,15 @@ pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -
             if b.use_state_key && b.branch_name.is_none() && b.work_item_id.is_none() && request.state_key.is_none() {
                 return invalid("field `branch.useStateKey`: is true but the request has no `stateKey`".to_owned());
             }
-            if let Some(k) = &key {
-                let field = if b.branch_name.is_some() {
-                    "branch.branchName"
-                } else if b.work_item_id.is_some() {
-                    "branch.workItemId"
-                } else {
-                    "stateKey"
-                };
-                validate_branch_key(k, base_ref).map_err(|m| RequestError::Invalid(format!("field `{field}`: branch key: {m}")))?;
+            // Both keys are checked when both are given: the one not used is stored with the run
+            // too, so it is held to the same rules (and length).
+            for (field, k) in [("branch.branchName", &b.branch_name), ("branch.workItemId", &b.work_item_id)] {
+                if let Some(k) = k {
+                    validate_branch_key(k, base_ref).map_err(|m| RequestError::Invalid(format!("field `{field}`: branch key: {m}")))?;
+                }
+            }
+            if let (Some(k), None, None) = (&key, &b.branch_name, &b.work_item_id) {
+                validate_branch_key(k, base_ref).map_err(|m| RequestError::Invalid(format!("field `stateKey`: branch key: {m}")))?;
             }
             key
         }
@@ -361,12 +361,17 @@ mod tests {
             (format!(r#"{{"message":"hi","billingAccountId":"a","webhook":{{"url":"https://h/{}"}}}}"#, long(MAX_URL_BYTES)), "webhook.url"),
             (format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","prTitle":"{}"}}}}"#, long(MAX_PR_TITLE_BYTES + 1)), "branch.prTitle"),
             (format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","prBody":"{}"}}}}"#, long(MAX_PR_BODY_BYTES + 1)), "branch.prBody"),
+            // The key not used is stored too: held to the same rules.
+            (format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","workItemId":"{}"}}}}"#, long(101)), "branch.workItemId"),
+            (r#"{"message":"hi","billingAccountId":"a","branch":{"branchName":"x","workItemId":"a b"}}"#.to_owned(), "branch.workItemId"),
         ];
         for (body, field) in cases {
             assert!(matches!(err(&body), RequestError::Invalid(m) if m.contains(field)), "{field}");
         }
         let fine = format!(r#"{{"message":"hi","billingAccountId":"a","branch":{{"branchName":"x","prTitle":"{}","prBody":"{}"}}}}"#, long(MAX_PR_TITLE_BYTES), long(MAX_PR_BODY_BYTES));
         assert_eq!(ok(&fine).branch_key.as_deref(), Some("x"));
+        let both = r#"{"message":"hi","billingAccountId":"a","branch":{"branchName":"x","workItemId":"task.1"}}"#;
+        assert_eq!(ok(both).branch_key.as_deref(), Some("x"), "the branch name is the key");
     }
 
     proptest::proptest! {

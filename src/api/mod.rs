@@ -273,7 +273,7 @@ pub(crate) async fn read_body(mut payload: web::Payload, limit: usize) -> Result
             return Err(ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "payload_too_large",
-                format!("the request body exceeds {limit} bytes (the JSON of a message of CLAWMUX_MAX_MESSAGE_BYTES, escaped, plus overhead)"),
+                format!("the request body exceeds {limit} bytes (six times every field's limit together, CLAWMUX_MAX_MESSAGE_BYTES for the message, plus 16 KiB)"),
             ));
         }
         body.extend_from_slice(&chunk);
