@@ -130,10 +130,16 @@ impl Ephemeral {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "cannot look for orphaned ephemeral containers"),
         }
-        if let Ok(entries) = std::fs::read_dir(&self.cfg.root) {
-            for e in entries.flatten() {
-                let _ = std::fs::remove_dir_all(e.path());
+        // Checked first: a runs directory swapped for another's would have that one emptied.
+        match secure_root(&self.cfg.root) {
+            Ok(root) => {
+                if let Ok(entries) = std::fs::read_dir(&root) {
+                    for e in entries.flatten() {
+                        let _ = std::fs::remove_dir_all(e.path());
+                    }
+                }
             }
+            Err(e) => tracing::error!(error = %e, "the ephemeral runs directory is not safe to use; leftovers not removed, and every ephemeral run will fail until it is fixed"),
         }
     }
 
@@ -268,9 +274,11 @@ struct Layout {
 /// `dir/sock` (the run's LLM socket). The workspace is not here: it is the container's tmpfs.
 fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    // Below the runs directory as resolved: the paths handed to the engine hold no link anyone
+    // could re-point between this check and the mount.
+    let dir = &secure_root(dir.parent().unwrap_or(dir))?.join(dir.file_name().unwrap_or_default());
     let input = dir.join("in");
     let sock = dir.join("sock");
-    secure_root(dir.parent().unwrap_or(dir))?;
     std::fs::create_dir(dir)?;
     // The container reaches its inputs and socket through its bind mounts, never through this
     // path: nobody else on the host needs to.
@@ -300,9 +308,14 @@ fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout
 /// another user (say, created in a shared `/tmp` before clawmux first ran) or a symlink is
 /// refused: whoever owns it could swap a run's directory for a link between its preparation and
 /// the mount.
-fn secure_root(root: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    std::fs::create_dir_all(root)?;
+/// Returns its resolved path (no link in it).
+pub(crate) fn secure_root(root: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    if !root.is_absolute() {
+        return Err(std::io::Error::other(format!("the ephemeral runs directory {} is not an absolute path", root.display())));
+    }
+    // Missing parents are made clawmux's own and private (the umask could leave them group-writable).
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(root)?;
     let meta = std::fs::symlink_metadata(root)?;
     let me = rustix::process::geteuid().as_raw();
     // Its parents too, as written (a link among them) and as resolved: whoever may replace one of
@@ -326,7 +339,7 @@ fn secure_root(root: &Path) -> std::io::Result<()> {
     if meta.mode() & 0o077 != 0 {
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))?;
     }
-    Ok(())
+    Ok(real)
 }
 
 /// A parent of the runs directory must be root's or clawmux's, and writable by nobody else unless

@@ -333,8 +333,14 @@ async fn a_runs_directory_below_a_parent_others_may_replace_is_refused() {
     }
     std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o777)).expect("chmod");
     let message = refused(&e, "r-open").await;
-    assert!(message.contains("writable by other users (mode 777)") && message.contains(&parent.display().to_string()), "{message}");
+    assert!(message.contains(&format!("{} (a parent of the ephemeral runs directory) is writable by other users (mode 777)", parent.display())), "{message}");
+    // A start-up does not empty a runs directory it cannot trust (it might be another's).
+    std::fs::create_dir_all(parent.join("runs/0123456789abcdef")).expect("a leftover");
+    e.eph.reap().await;
+    assert_eq!(e.leftover_dirs(), 1, "leftovers removed below an unsafe parent");
     std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    e.eph.reap().await;
+    assert_eq!(e.leftover_dirs(), 0);
     e.runner.script("r-sticky", Script::Exit(ok_exit("fine")));
     assert_eq!(e.run("r-sticky", LONG).outcome().await.status, RunStatus::Ok, "a sticky parent (like /tmp) is fine");
     std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700)).expect("chmod");
@@ -348,6 +354,27 @@ async fn a_runs_directory_below_a_parent_others_may_replace_is_refused() {
     assert!(message.contains("belongs to uid 4242, neither root nor clawmux"), "{message}");
     std::os::unix::fs::chown(parent, Some(0), Some(0)).expect("chown back");
     assert_eq!(e.runner.seen(|s| s.started.len()), 1, "no container for the refused run");
+}
+
+/// A link among the parents is followed once, when the run is prepared: the paths handed to the
+/// engine are the resolved ones (nothing in them to re-point before the mount). Missing parents
+/// are made `0700`, whatever the umask.
+#[actix_rt::test]
+async fn the_engine_is_given_resolved_paths_and_missing_parents_are_private() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().expect("tmp");
+    std::fs::create_dir(tmp.path().join("real")).expect("mkdir");
+    std::os::unix::fs::symlink(tmp.path().join("real"), tmp.path().join("link")).expect("symlink");
+    let runner = FakeRunner::new();
+    let cfg = EphemeralConfig { root: tmp.path().join("link/new/runs"), max_concurrent: 1, default_model: "m".into() };
+    let e = Env { eph: Ephemeral::new(runner.clone(), None, cfg), runner, root: tmp, ends: Ends::default().start() };
+    e.runner.script("r-link", Script::Exit(ok_exit("fine")));
+    assert_eq!(e.run("r-link", LONG).outcome().await.status, RunStatus::Ok);
+    let resolved = std::fs::canonicalize(e.root.path().join("real/new/runs")).expect("resolved");
+    let binds = e.runner.seen(|s| s.bodies[0].host_config.as_ref().and_then(|h| h.binds.clone()).unwrap_or_default());
+    assert!(binds.iter().all(|b| b.starts_with(&resolved.display().to_string())), "{binds:?} not below {}", resolved.display());
+    let mode = std::fs::metadata(e.root.path().join("real/new")).expect("stat").mode() & 0o777;
+    assert_eq!(mode, 0o700, "a parent clawmux made");
 }
 
 #[actix_rt::test]
