@@ -307,8 +307,7 @@ fn prepare(dir: &Path, job: &Job, default_model: &str) -> std::io::Result<Layout
 /// config are below it, and the Docker engine mounts paths below it as root. A directory of
 /// another user (say, created in a shared `/tmp` before clawmux first ran) or a symlink is
 /// refused: whoever owns it could swap a run's directory for a link between its preparation and
-/// the mount.
-/// Returns its resolved path (no link in it).
+/// the mount. Returns its resolved path (no link in it).
 pub(crate) fn secure_root(root: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     if !root.is_absolute() {
@@ -321,7 +320,8 @@ pub(crate) fn secure_root(root: &Path) -> std::io::Result<PathBuf> {
     // Its parents too, as written (a link among them) and as resolved: whoever may replace one of
     // them can put another directory in the runs directory's place.
     let real = std::fs::canonicalize(root)?;
-    for dir in [root, real.as_path()] {
+    let resolved = (real != root).then_some(real.as_path());
+    for dir in std::iter::once(root).chain(resolved) {
         for parent in dir.ancestors().skip(1) {
             check_parent(parent, &std::fs::symlink_metadata(parent)?, me)?;
         }
