@@ -240,7 +240,8 @@ impl AgentRegistry {
                     // that fills it killed for memory instead of with a full disk.
                     let half = s.memory_bytes as u64 / 2;
                     match workspace {
-                        Some(w) if w < 16 || w * 1024 * 1024 > half => {
+                        // Compared in MB: the file's number is not multiplied before it is bounded.
+                        Some(w) if w < 16 || w > half / (1024 * 1024) => {
                             return Err(format!("{at}: `workspace_mb` must be 16 to half of `memory_mb` ({})", half / (1024 * 1024)));
                         }
                         Some(w) => s.workspace_bytes = w * 1024 * 1024,
@@ -401,6 +402,8 @@ workspace_mb = 64
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 8", "16 to"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nmemory_mb = 256\nworkspace_mb = 129", "half of `memory_mb` (128)"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 513", "half of `memory_mb` (512)"),
+            // Large enough to wrap when multiplied into bytes.
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 17592186044417", "half of `memory_mb` (512)"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\nworkspace_mb = 64", "ephemeral variants only"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x y\"", "not an image"),
             ("[[agent]]\ngraph_id = \"a b\"\nmode = \"gateway\"", "must match"),
