@@ -339,6 +339,15 @@ pub(crate) fn secure_root(root: &Path) -> std::io::Result<PathBuf> {
     if meta.mode() & 0o077 != 0 {
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))?;
     }
+    // The sockets are bound below the resolved path (the engine is given it too): the configured
+    // one's length was checked at start, but a link in it may lead somewhere longer.
+    if real.as_os_str().len() > MAX_ROOT_LEN {
+        return Err(std::io::Error::other(format!(
+            "the ephemeral runs directory {} resolves to {}, longer than {MAX_ROOT_LEN} bytes: the runs' sockets in it could not be bound; set CLAWMUX_EPHEMERAL_DIR to a shorter path",
+            root.display(),
+            real.display()
+        )));
+    }
     Ok(real)
 }
 

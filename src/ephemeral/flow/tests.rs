@@ -377,6 +377,28 @@ async fn the_engine_is_given_resolved_paths_and_missing_parents_are_private() {
     assert_eq!(mode, 0o700, "a parent clawmux made");
 }
 
+/// The socket-length bound holds for the resolved path: a short configured path whose link leads
+/// to a long one is refused by name (the run ends `internal`, no container), not left to fail
+/// when its socket is bound.
+#[actix_rt::test]
+async fn a_runs_directory_that_resolves_to_a_path_too_long_for_a_socket_is_refused() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let long = tmp.path().join("d".repeat(MAX_ROOT_LEN));
+    std::fs::create_dir(&long).expect("mkdir");
+    std::os::unix::fs::symlink(&long, tmp.path().join("l")).expect("symlink");
+    let root = tmp.path().join("l/runs");
+    assert!(root.as_os_str().len() <= MAX_ROOT_LEN, "the configured path itself fits");
+    let runner = FakeRunner::new();
+    let cfg = EphemeralConfig { root, max_concurrent: 1, default_model: "m".into() };
+    let e = Env { eph: Ephemeral::new(runner.clone(), None, cfg), runner, root: tmp, ends: Ends::default().start() };
+    e.runner.script("r-long", Script::Exit(ok_exit("never")));
+    let o = e.run("r-long", LONG).outcome().await;
+    assert_eq!(o.status, RunStatus::Error);
+    let message = o.error.map(|e| e.message).unwrap_or_default();
+    assert!(message.contains(&format!("longer than {} bytes", MAX_ROOT_LEN)), "{message}");
+    assert_eq!(e.runner.seen(|s| s.started.len()), 0, "no container for the refused run");
+}
+
 #[actix_rt::test]
 async fn a_run_streams_the_envelope_text_and_leaves_nothing_behind() {
     let e = env(4);
