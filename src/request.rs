@@ -24,7 +24,8 @@ pub struct RunRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     pub agent_id: Option<String>,
-    /// Model override.
+    /// Model override: at most 256 bytes of UTF-8 (the pattern's count is of characters, so a
+    /// value of multi-byte characters may match it and still be refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,256}$")]
     pub model: Option<String>,
@@ -66,7 +67,8 @@ pub enum IfBusy {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookRequest {
-    /// Where the final run document is `POST`ed.
+    /// Where the final run document is `POST`ed: at most 2,048 bytes (`maxLength` counts
+    /// characters; a URL of multi-byte characters may fit it and still be refused).
     #[schema(max_length = 2048)]
     pub url: String,
 }
@@ -100,11 +102,13 @@ pub struct BranchRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(pattern = "^[A-Za-z0-9._/-]{1,200}$")]
     pub base_ref: Option<String>,
-    /// PR title.
+    /// PR title: 1 to 1,024 bytes of UTF-8 (`maxLength` counts characters; a title of
+    /// multi-byte characters may fit it and still be refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(min_length = 1, max_length = 1024)]
     pub pr_title: Option<String>,
-    /// PR body.
+    /// PR body: at most 32 KiB of UTF-8 (`maxLength` counts characters; a body of multi-byte
+    /// characters may fit it and still be refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(max_length = 32768)]
     pub pr_body: Option<String>,
