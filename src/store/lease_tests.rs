@@ -347,6 +347,26 @@ async fn pg_a_replica_claims_again_its_own_expired_runs_it_holds_no_log_of() {
     assert_eq!(claims_of(&url).await["orphan"], ("a".to_owned(), 0), "no change of hands");
 }
 
+/// A run this replica holds a live log of is never claimed by its takeover, whoever owns the row:
+/// here it was taken over by b while a's renewals failed, and b's lease lapsed in turn. Claimed
+/// again, a second actor would continue it beside the first. a's next renewal reports it lost
+/// (the first actor hands it off), and only then does a takeover claim it.
+#[tokio::test]
+async fn pg_a_takeover_never_claims_a_run_live_here_that_another_replica_owned() {
+    let Some(url) = pg_url("pg_live_not_claimed").await else { return };
+    let (a, la) = open(&url, "a", 60_000).await;
+    assert!(matches!(one(&a, Write::Insert(Box::new(row("x", "acct", 1)))).await, Applied::Inserted { .. }));
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    sqlx::query("UPDATE runs SET owner = 'b', lease_until = 0, claims = claims + 1 WHERE run_id = 'x'").execute(&pool).await.expect("b took it, then lapsed");
+    pool.close().await;
+    let held = ["x".to_owned()];
+    assert!(a.claim(&la, false, &held).await.expect("claim").is_empty(), "a run live here was claimed again");
+    assert_eq!(a.renew(&la, &held).await.expect("renew").lost, held, "the renewal reports it lost");
+    let took: Vec<String> = a.claim(&la, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["x"], "once handed off, a takeover continues it");
+    assert_eq!(claims_of(&url).await["x"].0, "a");
+}
+
 /// A branch run whose session key has unfinished runs on one replica and whose branch key has
 /// unfinished runs on another is refused (nothing stored): given to either, it would run one of
 /// its keys on two replicas at once (two runs of a session side by side, or two runs on one

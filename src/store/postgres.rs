@@ -810,11 +810,17 @@ impl Store for PgStore {
         // evaluation: only expired runs' keys are locked.)
         // Later, its own expired runs it holds no log of: a claim whose continuation failed after
         // it committed (a read of their events, say) left them owned here and renewed by nobody.
-        let mine = if at_start { "owner = $1 OR ".to_owned() } else { format!("(owner = $1 AND lease_until < {DB_NOW_MS} AND NOT (run_id = ANY($3))) OR ") };
+        let mine = if at_start { "owner = $1 OR ".to_owned() } else { format!("(owner = $1 AND lease_until < {DB_NOW_MS}) OR ") };
+        // Never a run this replica holds a live log of (`held`), whoever owns its row now: a run
+        // taken over while this replica's renewals failed, whose new owner's lease lapsed in turn,
+        // would be continued a second time here beside its first actor (the new log ended at once
+        // by the duplicate, and the old actor going on unseen, billed and uncounted). The next
+        // renewal reports it lost instead, and a later takeover continues it from the store.
+        let not_held = if at_start { "" } else { "NOT (run_id = ANY($3)) AND " };
         // Runs other replicas admitted for this one (assigned) are taken up here too.
         let sql = format!(
-            "WITH c AS (SELECT run_id, assigned_at IS NOT NULL AS was_assigned FROM runs WHERE finished_at IS NULL AND CASE WHEN {mine}(owner = $1 AND assigned_at IS NOT NULL) \
-               OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS})) \
+            "WITH c AS (SELECT run_id, assigned_at IS NOT NULL AS was_assigned FROM runs WHERE finished_at IS NULL AND CASE WHEN {not_held}({mine}(owner = $1 AND assigned_at IS NOT NULL) \
+               OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS}))) \
                THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) AND (branch_key IS NULL OR \
                  pg_try_advisory_xact_lock(hashtextextended('branch:' || branch_key, 14))) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
              UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, assigned_at = NULL, \
