@@ -312,3 +312,72 @@ async fn ephemeral_runs_of_one_state_key_take_turns_and_a_shutdown_ends_them() {
     assert_eq!(doc["status"], "aborted", "{doc}");
     assert!(doc["error"]["message"].as_str().is_some_and(|m| m.contains("shut")), "{doc}");
 }
+
+/// A runner whose start-up reap waits to be let go: start-up is held there (as by a slow Docker
+/// engine, a slow git relay or a long restart recovery).
+struct HeldReap {
+    entered: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl Runner for HeldReap {
+    async fn start(&self, _name: &str, _body: bollard::models::ContainerCreateBody) -> Result<String, RunnerError> {
+        Err(RunnerError::Engine("no containers in this test".into()))
+    }
+    async fn wait(&self, _id: &str, _limit: usize) -> Result<Exit, RunnerError> {
+        Err(RunnerError::Engine("no containers in this test".into()))
+    }
+    async fn remove(&self, _id: &str) {}
+    async fn reap(&self, _owner: &str) -> Result<Vec<String>, RunnerError> {
+        self.entered.notify_one();
+        self.release.notified().await;
+        Ok(vec![])
+    }
+    async fn check_image(&self, _image: &str) -> Result<(), RunnerError> {
+        Ok(())
+    }
+}
+
+/// The API port refuses connections until clawmux serves: while start-up is held (here in the
+/// ephemeral runner's reap), a client is refused at once (and retries elsewhere), where before
+/// the kernel accepted its connection and its request hung until start-up was over. Once
+/// started, the same port serves.
+#[actix_rt::test]
+async fn the_api_port_refuses_connections_until_clawmux_serves() {
+    use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway};
+    let dir = temp_dir("held-start");
+    let gw = ReplayGateway::start(std::net::SocketAddr::from(([127, 0, 0, 1], 0)), ReplayConfig::new(Cassette::bundled().expect("cassette")).speed(0.0)).expect("replay gateway");
+    let runner = Arc::new(HeldReap { entered: tokio::sync::Notify::new(), release: tokio::sync::Notify::new() });
+    let agents = AgentRegistry::default_with(Some("clawmux-ephemeral:test")).expect("agents");
+    let eph = EphemeralConfig { root: dir.join("runs"), max_concurrent: 1, default_model: "fake-model".into() };
+    let options = clawmux::server::StartOptions { agents: Some(agents), ephemeral_runner: Some(runner.clone()), ephemeral_config: Some(eph), ..Default::default() };
+    let port = free_port();
+    let gw_url = gw.url();
+    let starting = actix_rt::spawn(async move {
+        start_clawmux_opts(
+            &gw_url,
+            None,
+            |cfg| {
+                cfg.listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                // Never called: no run is posted.
+                cfg.llm_upstream_url = Some("http://127.0.0.1:9".into());
+                cfg.proxy_listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+                cfg.audit_dir = dir.join("audit");
+            },
+            |_| {},
+            options,
+        )
+        .await
+    });
+    tokio::time::timeout(WAIT, runner.entered.notified()).await.expect("start-up reached the reap");
+    let early = std::net::TcpStream::connect_timeout(&std::net::SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_secs(2));
+    assert_eq!(early.as_ref().map_err(std::io::Error::kind).err(), Some(std::io::ErrorKind::ConnectionRefused), "a connection before clawmux serves: {early:?}");
+    runner.release.notify_one();
+    let running = tokio::time::timeout(WAIT, starting).await.expect("start-up ends").expect("start-up task");
+    assert_eq!(running.addr.port(), port);
+    let health = reqwest::get(format!("http://127.0.0.1:{port}/healthz")).await.expect("served");
+    assert_eq!(health.status(), 200);
+    clawmux::server::shutdown(&running).await;
+    gw.stop().await;
+}
