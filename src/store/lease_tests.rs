@@ -349,21 +349,32 @@ async fn pg_a_replica_claims_again_its_own_expired_runs_it_holds_no_log_of() {
 
 /// A run this replica holds a live log of is never claimed by its takeover, whoever owns the row:
 /// here it was taken over by b while a's renewals failed, and b's lease lapsed in turn. Claimed
-/// again, a second actor would continue it beside the first. a's next renewal reports it lost
-/// (the first actor hands it off), and only then does a takeover claim it.
+/// again, a second actor would continue it beside the first. Nor is a run of its session key (y)
+/// or of its branch key (z): claimed here while x goes to another replica, the key would run on
+/// two replicas at once. a's next renewal reports x lost (the first actor hands it off), and only
+/// then does a takeover claim the three, in admission order; a run of other keys (w) is claimed
+/// at once.
 #[tokio::test]
 async fn pg_a_takeover_never_claims_a_run_live_here_that_another_replica_owned() {
     let Some(url) = pg_url("pg_live_not_claimed").await else { return };
     let (a, la) = open(&url, "a", 60_000).await;
-    assert!(matches!(one(&a, Write::Insert(Box::new(row("x", "acct", 1)))).await, Applied::Inserted { .. }));
+    assert!(matches!(one(&a, keyed("x", "s1", Some("feat"))).await, Applied::Inserted { .. }));
+    let (b, _) = open(&url, "b", 60_000).await;
+    for (id, session, branch) in [("y", "s1", None), ("z", "s2", Some("feat")), ("w", "s3", Some("other"))] {
+        // (Those of x's keys are assigned to a, x's owner then.)
+        assert!(matches!(one(&b, keyed(id, session, branch)).await, Applied::Inserted { .. } | Applied::Assigned { .. }), "{id}");
+    }
+    // b took x (and so its keys' runs) over, then its lease lapsed.
     let pool = sqlx::PgPool::connect(&url).await.expect("connect");
-    sqlx::query("UPDATE runs SET owner = 'b', lease_until = 0, claims = claims + 1 WHERE run_id = 'x'").execute(&pool).await.expect("b took it, then lapsed");
+    sqlx::query("UPDATE runs SET owner = 'b', lease_until = 0, assigned_at = NULL, claims = claims + 1 WHERE run_id IN ('x', 'y', 'z')").execute(&pool).await.expect("b took x");
+    sqlx::query("UPDATE runs SET lease_until = 0 WHERE owner = 'b'").execute(&pool).await.expect("b lapsed");
     pool.close().await;
     let held = ["x".to_owned()];
-    assert!(a.claim(&la, false, &held).await.expect("claim").is_empty(), "a run live here was claimed again");
+    let took: Vec<String> = a.claim(&la, false, &held).await.expect("claim").into_iter().map(|r| r.run_id).collect();
+    assert_eq!(took, ["w"], "a run live here, or one of its keys, was claimed");
     assert_eq!(a.renew(&la, &held).await.expect("renew").lost, held, "the renewal reports it lost");
     let took: Vec<String> = a.claim(&la, false, &[]).await.expect("claim").into_iter().map(|r| r.run_id).collect();
-    assert_eq!(took, ["x"], "once handed off, a takeover continues it");
+    assert_eq!(took, ["x", "y", "z"], "once handed off, a takeover continues them");
     assert_eq!(claims_of(&url).await["x"].0, "a");
 }
 

@@ -596,8 +596,11 @@ pub trait Store: Send + Sync + 'static {
     fn set_lease(&self, _lease: &Lease) {}
     /// Takes the runs this process may continue, in admission order: at start (`at_start`) the
     /// ones of its own id (a restart under the same id) and those whose lease expired; later only
-    /// the expired ones of other processes, and its own expired ones it does not hold (`held`: a
-    /// claim of them whose continuation failed halfway left them with no log to renew them).
+    /// the expired ones of other processes, and its own expired ones, none it holds (`held`: its
+    /// live logs; a claim of its own whose continuation failed halfway left them with no log to
+    /// renew them) nor any of a held run's session or branch key (whoever owns its row: a run
+    /// taken over while this process's renewals failed is reported lost by the next renewal,
+    /// then continued by a takeover with the rest of its keys' runs).
     /// Each claimed run is this process's from then on (no other process gets it). Stores without
     /// leases: every unfinished run at start, none later.
     async fn claim(&self, _lease: &Lease, at_start: bool, _held: &[String]) -> Result<Vec<RunRow>, StoreError> {
