@@ -150,11 +150,16 @@ impl RemoteRuns {
     pub async fn find(&self, key: &CallKey) -> Result<cache::Resolved<Arc<RunBilling>>, StoreError> {
         self.cache
             .resolve(key, || async {
-                // This process's own writes of the run's share (it may have owned the run before)
-                // are stored before the share is read: its counters continue from there.
-                self.store.flush().await;
                 let asked = Instant::now();
-                let found = self.store.live_run(key).await?;
+                let mut found = self.store.live_run(key).await?;
+                if found.is_some() {
+                    // This process's own writes of the run's share (it may have owned the run
+                    // before) are stored before the share is read again: its counters continue
+                    // from there. Only for a hit: a miss (most lookups of a flood of unknown
+                    // keys) must not wait for a commit, nor for a store slow to take one.
+                    self.store.flush().await;
+                    found = self.store.live_run(key).await?;
+                }
                 // Ends told meanwhile were handled as they came: what the store knows is known.
                 self.heard_at(asked);
                 Ok(found.and_then(|run| self.remote(run)))

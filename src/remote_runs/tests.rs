@@ -35,6 +35,8 @@ pub(crate) struct Probe {
     pub(crate) writes_fail: std::sync::atomic::AtomicBool,
     /// Runs another replica took over: not taken back here.
     pub(crate) taken_over: Mutex<Vec<String>>,
+    /// Writes wait for this to be let go while set (a commit that takes long).
+    pub(crate) writes_stall: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
 }
 
 
@@ -65,6 +67,10 @@ impl Store for Probe {
         "probe"
     }
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
+        let stall = lock(&self.writes_stall).clone();
+        if let Some(stall) = stall {
+            let _ = stall.acquire().await;
+        }
         if self.writes_fail.load(Ordering::SeqCst) {
             return Err(StoreError("the run store is out of reach (probe)".into()));
         }
@@ -161,6 +167,32 @@ async fn a_run_whose_end_is_heard_while_it_is_looked_up_is_not_kept() {
     assert!(attributions.lookup(TRACE).is_none() && attributions.remote_runs().is_empty(), "kept until the next poll");
     // And its calls are not counted as a hit later: the lookup's answer was a miss.
     assert!(matches!(remote.find(&CallKey::Trace(TRACE.into())).await, Ok(cache::Resolved::MissingCached)));
+}
+
+/// A miss does not wait for the store's writer: a flood of calls with unknown keys would each
+/// wait for a commit (or for a store slow to take one). A hit still reads the run's share after
+/// this process's own writes are stored.
+#[actix_rt::test]
+async fn a_miss_does_not_wait_for_a_commit_and_a_hit_does() {
+    let probe = Arc::new(Probe::default());
+    let (remote, _) = remote_runs(probe.clone()).await;
+    let stall = Arc::new(tokio::sync::Semaphore::new(0));
+    *lock(&probe.writes_stall) = Some(stall.clone());
+    remote.store.writer().submit(Write::Delete { run_id: "gone".into() }, None);
+    let miss = tokio::time::timeout(Duration::from_secs(2), remote.find(&CallKey::Trace(TRACE.into()))).await;
+    assert!(matches!(miss, Ok(Ok(cache::Resolved::Missing))), "a miss waited for the stalled commit: {miss:?}");
+    probe.put("r1", "acct", "1af7651916cd43dd8448eb211c80319c");
+    let hit = tokio::spawn({
+        let remote = remote.clone();
+        async move { remote.find(&CallKey::Trace("1af7651916cd43dd8448eb211c80319c".into())).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!hit.is_finished(), "a hit read the share before this process's writes were stored");
+    stall.add_permits(1_000);
+    let hit = tokio::time::timeout(Duration::from_secs(5), hit).await.expect("the hit ends").expect("task");
+    assert!(matches!(&hit, Ok(cache::Resolved::Found(b)) if b.run_id == "r1"), "{hit:?}");
+    // The miss once; the hit twice: its share is read again once this process's writes are in.
+    assert_eq!(probe.lookups.load(Ordering::SeqCst), 3);
 }
 
 #[actix_rt::test]
