@@ -224,7 +224,7 @@ pub fn validate(request: RunRequest, limits: Limits, new_run_id: impl FnOnce() -
     }
     if let Some(m) = &request.model {
         if m.is_empty() || m.len() > 256 || m.chars().any(char::is_control) {
-            return invalid("field `model`: must be 1 to 256 printable characters".to_owned());
+            return invalid("field `model`: must be 1 to 256 bytes of printable characters".to_owned());
         }
     }
     if let Some(g) = &request.graph_id {
