@@ -139,11 +139,10 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         .await
         .map_err(|e| std::io::Error::other(e.0))?;
     tracing::info!(store = %store.url(), replica = %cfg.replica_id, "run store open");
-    // Before anything else starts: a port in use stops startup with one line naming it. The API
-    // port is only bound here; it listens once clawmux serves (below), so that until then a
-    // client is refused at once (and retries elsewhere) rather than accepted by the kernel and
-    // left hanging through the steps before (the engine, the relay, restart recovery).
-    let api_socket = bind_on(cfg.listen, "CLAWMUX_LISTEN")?;
+    // Before anything else starts: a port in use stops startup with one line naming it. Until
+    // the API serves (below), its port answers every request `503` with `Retry-After` rather than
+    // leaving it hanging through the steps before (the engine, the relay, restart recovery).
+    let api_starting = crate::api::starting::Starting::answer(listen_on(cfg.listen, "CLAWMUX_LISTEN")?)?;
     let proxy_listener = match cfg.llm_upstream_url {
         Some(_) => Some(listen_on(cfg.proxy_listen, "CLAWMUX_PROXY_LISTEN")?),
         None => None,
@@ -308,7 +307,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
             }
         }
     });
-    let api_listener = listen(api_socket, state.cfg.listen, "CLAWMUX_LISTEN")?;
+    let api_listener = api_starting.listener().await?;
     let app_state = state.clone();
     let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
         .on_connect(tune_connection(Duration::from_secs(state.cfg.send_timeout_sec)))
@@ -366,22 +365,10 @@ pub(crate) async fn continue_runs(state: &web::Data<AppState>, stored: Vec<(Arc<
 /// A listening socket on `addr` (as actix binds one: address reuse, a backlog for bursts of
 /// thousands of connections); its error names the address and `setting`.
 fn listen_on(addr: SocketAddr, setting: &str) -> std::io::Result<std::net::TcpListener> {
-    listen(bind_on(addr, setting)?, addr, setting)
-}
-
-/// A socket bound to `addr` with address reuse, not listening yet: a connection to it is refused.
-/// A port another process listens on fails here already (Linux refuses the bind then, reuse or not).
-fn bind_on(addr: SocketAddr, setting: &str) -> std::io::Result<tokio::net::TcpSocket> {
     let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({setting}): {e}"));
     let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }.map_err(named)?;
     socket.set_reuseaddr(true).map_err(named)?;
     socket.bind(addr).map_err(named)?;
-    Ok(socket)
-}
-
-/// `socket` (bound to `addr` by [`bind_on`]) listening.
-fn listen(socket: tokio::net::TcpSocket, addr: SocketAddr, setting: &str) -> std::io::Result<std::net::TcpListener> {
-    let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({setting}): {e}"));
     socket.listen(LISTEN_BACKLOG).and_then(tokio::net::TcpListener::into_std).map_err(named)
 }
 

@@ -339,12 +339,13 @@ impl Runner for HeldReap {
     }
 }
 
-/// The API port refuses connections until clawmux serves: while start-up is held (here in the
-/// ephemeral runner's reap), a client is refused at once (and retries elsewhere), where before
-/// the kernel accepted its connection and its request hung until start-up was over. Once
-/// started, the same port serves.
+/// The API port answers `503` with `Retry-After` until clawmux serves: while start-up is held
+/// (here in the ephemeral runner's reap), a request is answered at once (the caller retries, or
+/// goes elsewhere), where before the kernel accepted its connection and the request hung until
+/// start-up was over. The port listens from the start all the same: a second clawmux cannot bind
+/// it meanwhile. Once started, the same port serves.
 #[actix_rt::test]
-async fn the_api_port_refuses_connections_until_clawmux_serves() {
+async fn the_api_port_answers_503_until_clawmux_serves() {
     use clawmux::replay::{Cassette, ReplayConfig, ReplayGateway};
     let dir = temp_dir("held-start");
     let gw = ReplayGateway::start(std::net::SocketAddr::from(([127, 0, 0, 1], 0)), ReplayConfig::new(Cassette::bundled().expect("cassette")).speed(0.0)).expect("replay gateway");
@@ -371,12 +372,20 @@ async fn the_api_port_refuses_connections_until_clawmux_serves() {
         .await
     });
     tokio::time::timeout(WAIT, runner.entered.notified()).await.expect("start-up reached the reap");
-    let early = std::net::TcpStream::connect_timeout(&std::net::SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_secs(2));
-    assert_eq!(early.as_ref().map_err(std::io::Error::kind).err(), Some(std::io::ErrorKind::ConnectionRefused), "a connection before clawmux serves: {early:?}");
+    let http = reqwest::Client::new();
+    for early in [http.get(format!("http://127.0.0.1:{port}/healthz")), http.post(format!("http://127.0.0.1:{port}/v1/runs")).json(&json!({"message": "hi", "billingAccountId": "a"}))] {
+        let r = tokio::time::timeout(Duration::from_secs(5), early.send()).await.expect("answered at once, not held").expect("answered");
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        let body: Value = r.json().await.expect("the error shape");
+        assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("starting")), "{body}");
+    }
+    let again = std::net::TcpListener::bind(("127.0.0.1", port));
+    assert!(again.is_err(), "the port could be bound by another process while clawmux starts");
     runner.release.notify_one();
     let running = tokio::time::timeout(WAIT, starting).await.expect("start-up ends").expect("start-up task");
     assert_eq!(running.addr.port(), port);
-    let health = reqwest::get(format!("http://127.0.0.1:{port}/healthz")).await.expect("served");
+    let health = http.get(format!("http://127.0.0.1:{port}/healthz")).send().await.expect("served");
     assert_eq!(health.status(), 200);
     clawmux::server::shutdown(&running).await;
     gw.stop().await;

@@ -10,6 +10,7 @@
 //! - [`admin`]: `/v1/admin/*`: API keys and account limits.
 //! - [`openapi`]: the OpenAPI 3.1 document of all of the above, generated from the handlers'
 //!   annotations and the request and response types (`GET /openapi.json`).
+//! - [`starting`]: the API port's `503` while clawmux starts, before any of the above serves.
 //!
 //! Every answer is a typed value whose schema is derived from the type itself, so the document
 //! cannot drift from what the handlers send.
@@ -18,6 +19,7 @@ mod admin;
 pub mod openapi;
 mod runs;
 mod sse;
+pub mod starting;
 
 use crate::agents::AgentRegistry;
 use serde::Serialize;

@@ -1,0 +1,117 @@
+//! The API port while clawmux starts: it listens from the first step (so a port in use stops
+//! start-up at once, and a second clawmux with the same settings cannot bind it meanwhile), and
+//! until the API serves, every request on it is answered `503` with `Retry-After`, in the API's
+//! error shape. Before, the kernel accepted those connections and their requests hung through
+//! start-up (the engine, the relay, restart recovery): a caller or a load balancer could not tell
+//! a starting instance from a stuck one.
+
+use super::{ErrorBody, ErrorDetail};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Most of a request read before it is answered (its head; a body is not waited for).
+const MAX_READ: usize = 16 * 1024;
+
+/// How long one connection is given, all in all: a client that sends nothing is closed then.
+const PER_CONNECTION: Duration = Duration::from_secs(2);
+
+/// The answering task; [`Self::serve_with`] hands the listener on.
+pub struct Starting {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<std::net::TcpListener>>,
+}
+
+impl Starting {
+    /// Answers every connection on `listener` `503` until [`Self::listener`].
+    pub fn answer(listener: std::net::TcpListener) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut stopped => break,
+                    accepted = listener.accept() => {
+                        if let Ok((conn, _)) = accepted {
+                            tokio::spawn(answer_one(conn));
+                        }
+                    }
+                }
+            }
+            // Connections that arrive from here on wait in the backlog for the API itself.
+            listener.into_std()
+        });
+        Ok(Self { stop, task })
+    }
+
+    /// Stops answering and gives the listener back, for the API to serve on.
+    pub async fn listener(self) -> std::io::Result<std::net::TcpListener> {
+        let _ = self.stop.send(());
+        self.task.await.map_err(std::io::Error::other)?
+    }
+}
+
+/// The answer every request gets meanwhile.
+fn response() -> Vec<u8> {
+    let body = serde_json::to_vec(&ErrorBody {
+        error: ErrorDetail { code: "gateway_unavailable", message: "clawmux is starting; retry in a moment".to_owned() },
+    })
+    .unwrap_or_default();
+    let mut out = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Reads the request's head (bounded), answers, and closes; the rest of what the client sends
+/// meanwhile is read and dropped, so that closing does not reset the connection before the client
+/// has read the answer.
+async fn answer_one(mut conn: tokio::net::TcpStream) {
+    let _ = tokio::time::timeout(PER_CONNECTION, async {
+        let mut buf = vec![0u8; 4096];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") && seen.len() < MAX_READ {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+        }
+        if conn.write_all(&response()).await.is_err() || conn.shutdown().await.is_err() {
+            return;
+        }
+        while let Ok(n) = conn.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Answered `503` in the error shape while it runs; the listener handed on still listens.
+    #[actix_rt::test]
+    async fn requests_are_answered_503_until_the_listener_is_handed_on() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let starting = Starting::answer(listener).expect("answer");
+        let client = reqwest::Client::new();
+        let r = client.post(format!("http://{addr}/v1/runs")).body(vec![b'x'; 100_000]).send().await.expect("answered");
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        let body: serde_json::Value = r.json().await.expect("json");
+        assert_eq!(body["error"]["code"], "gateway_unavailable");
+        let listener = starting.listener().await.expect("handed on");
+        assert_eq!(listener.local_addr().expect("addr"), addr);
+        // The socket still listens: a connection now waits for whoever serves it next.
+        let conn = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await;
+        assert!(matches!(conn, Ok(Ok(_))), "{conn:?}");
+    }
+}
