@@ -816,20 +816,24 @@ impl Store for PgStore {
         // would be continued a second time here beside its first actor (the new log ended at once
         // by the duplicate, and the old actor going on unseen, billed and uncounted). The next
         // renewal reports it lost instead, and a later takeover continues it from the store.
-        // Nor any run of a held run's session or branch key: claimed here while the held one goes
-        // to another replica, the key's runs would run on two replicas at once. (`NOT IN` over
-        // the held runs' keys, read once: a hashed lookup per row, whatever the number held.)
-        let not_held = if at_start {
-            ""
+        // Nor another replica's run of a held run's session or branch key: claimed here while the
+        // held one goes elsewhere, the key's runs would run on two replicas at once. (Runs
+        // assigned here are of held keys by design: they wait here behind them.) `NOT IN` over
+        // the held runs' keys, read once: a hashed lookup per row, whatever the number held.
+        let (not_held, others_not_of_held_keys, held_keys) = if at_start {
+            ("", "", "")
         } else {
-            "NOT (run_id = ANY($3)) AND session_key NOT IN (SELECT session_key FROM held_keys) AND \
-             (branch_key IS NULL OR branch_key NOT IN (SELECT branch_key FROM held_keys WHERE branch_key IS NOT NULL)) AND "
+            (
+                "NOT (run_id = ANY($3)) AND ",
+                " AND session_key NOT IN (SELECT session_key FROM held_keys) AND \
+                 (branch_key IS NULL OR branch_key NOT IN (SELECT branch_key FROM held_keys WHERE branch_key IS NOT NULL))",
+                "held_keys AS (SELECT session_key, branch_key FROM runs WHERE run_id = ANY($3)), ",
+            )
         };
-        let held_keys = if at_start { "" } else { "held_keys AS (SELECT session_key, branch_key FROM runs WHERE run_id = ANY($3)), " };
         // Runs other replicas admitted for this one (assigned) are taken up here too.
         let sql = format!(
             "WITH {held_keys}c AS (SELECT run_id, assigned_at IS NOT NULL AS was_assigned FROM runs WHERE finished_at IS NULL AND CASE WHEN {not_held}({mine}(owner = $1 AND assigned_at IS NOT NULL) \
-               OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS}))) \
+               OR ((owner IS DISTINCT FROM $1) AND (lease_until IS NULL OR lease_until < {DB_NOW_MS}){others_not_of_held_keys})) \
                THEN pg_try_advisory_xact_lock(hashtextextended(session_key, 14)) AND (branch_key IS NULL OR \
                  pg_try_advisory_xact_lock(hashtextextended('branch:' || branch_key, 14))) ELSE false END ORDER BY seq FOR UPDATE SKIP LOCKED) \
              UPDATE runs r SET owner = $1, lease_until = {DB_NOW_MS} + $2::bigint, assigned_at = NULL, \
