@@ -15,6 +15,10 @@ const MAX_READ: usize = 16 * 1024;
 /// How long one connection is given, all in all: a client that sends nothing is closed then.
 const PER_CONNECTION: Duration = Duration::from_secs(2);
 
+/// Connections answered at once at most; one beyond is closed without an answer (a flood while
+/// clawmux starts costs at most this many small buffers).
+const MAX_ANSWERING: usize = 1024;
+
 /// The answering task; [`Self::serve_with`] hands the listener on.
 pub struct Starting {
     stop: tokio::sync::oneshot::Sender<()>,
@@ -28,13 +32,17 @@ impl Starting {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
+            let answering = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_ANSWERING));
             loop {
                 tokio::select! {
                     biased;
                     _ = &mut stopped => break,
                     accepted = listener.accept() => {
-                        if let Ok((conn, _)) = accepted {
-                            tokio::spawn(answer_one(conn));
+                        if let (Ok((conn, _)), Ok(permit)) = (accepted, answering.clone().try_acquire_owned()) {
+                            tokio::spawn(async move {
+                                answer_one(conn).await;
+                                drop(permit);
+                            });
                         }
                     }
                 }
@@ -110,7 +118,15 @@ mod tests {
         assert_eq!(body["error"]["code"], "gateway_unavailable");
         let listener = starting.listener().await.expect("handed on");
         assert_eq!(listener.local_addr().expect("addr"), addr);
-        // The socket still listens: a connection now waits for whoever serves it next.
+        // A client that sends nothing is closed, not held.
+        let mut silent = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let starting = Starting::answer(listener).expect("answer again");
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut byte)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "a silent client was held: {read:?}");
+        // Kept (not dropped) to the end: the socket still listens, a connection now waits for
+        // whoever serves it next.
+        let _listener = starting.listener().await.expect("handed on");
         let conn = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await;
         assert!(matches!(conn, Ok(Ok(_))), "{conn:?}");
     }
