@@ -1412,8 +1412,8 @@ async fn docker_api_caller_mistakes_are_422_before_the_run() {
     let cases = [
         (json!({"workItemId": "fine", "baseRef": "nope"}), 422, "unknown_base_ref", "field `branch.baseRef`: base ref \"nope\" not found"),
         (json!({"workItemId": "taken/x"}), 422, "branch_conflict", "field `branch.workItemId`: sandbox/taken/x cannot be created: sandbox/taken exists in the container's repository"),
-        (json!({"branchName": "deep"}), 422, "branch_conflict", "field `branch.branchName`: sandbox/deep cannot be created: sandbox/deep/x exists in the container's repository"),
-        (json!({"branchName": "far"}), 422, "branch_conflict", "field `branch.branchName`: sandbox/far cannot be created: sandbox/far/x exists on the remote"),
+        (json!({"branchName": "deep"}), 422, "branch_conflict", "field `branch.branchName`: sandbox/deep cannot be created: sandbox/deep/… exists in the container's repository"),
+        (json!({"branchName": "far"}), 422, "branch_conflict", "field `branch.branchName`: sandbox/far cannot be created: sandbox/far/… exists on the remote"),
         (json!({"workItemId": "far/x/y"}), 422, "branch_conflict", "field `branch.workItemId`: sandbox/far/x/y cannot be created: sandbox/far/x exists on the remote"),
         (json!({"workItemId": "taken"}), 503, "gateway_unavailable", ""),
         (json!({"workItemId": "fine", "baseRef": "main"}), 503, "gateway_unavailable", ""),

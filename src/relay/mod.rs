@@ -98,12 +98,22 @@ pub enum Rejection {
     KeyConflict,
 }
 
+/// The caller sees the branches in the way that are above `branch` (their names are prefixes of
+/// its own key), never one below it: that is another key, perhaps another account's, whose name
+/// it must not learn by asking for a prefix of it. The log has them all.
 fn key_conflict(branch: &str, with: &[String], place: &str) -> RelayError {
+    tracing::info!(%branch, conflicts = ?with, place, "branch key conflict");
+    let mut shown: Vec<String> = with
+        .iter()
+        .map(|w| if branch.starts_with(&format!("{w}/")) { w.clone() } else { format!("{branch}/…") })
+        .collect();
+    shown.sort();
+    shown.dedup();
     RelayError::Rejected {
         kind: Rejection::KeyConflict,
         message: format!(
             "{branch} cannot be created: {} exists {place}, and git cannot hold a branch and another branch under it (like `a` and `a/b`); use another branch key",
-            with.join(", ")
+            shown.join(", ")
         ),
     }
 }
@@ -871,6 +881,18 @@ mod tests {
 
     fn relay(f: Arc<ScriptedExec>) -> GitRelay {
         GitRelay::new(RelayConfig::new("gw", "/srv/origin.git"), f).expect("relay")
+    }
+
+    /// A conflict names the branches above the key (prefixes of the caller's own key), never one
+    /// below it: that would tell a caller another key's name (perhaps another account's) for a
+    /// prefix of it.
+    #[test]
+    fn a_key_conflict_never_names_a_branch_below_the_key() {
+        let below = key_conflict("sandbox/deep", &["sandbox/deep/secret-merger".into(), "sandbox/deep/zeta".into()], "on the remote").to_string();
+        assert!(!below.contains("secret") && !below.contains("zeta"), "{below}");
+        assert!(below.contains("sandbox/deep cannot be created: sandbox/deep/… exists on the remote"), "{below}");
+        let above = key_conflict("sandbox/taken/x", &["sandbox/taken".into()], "in the container's repository").to_string();
+        assert!(above.contains("cannot be created: sandbox/taken exists in the container's repository"), "{above}");
     }
 
     #[test]
