@@ -170,6 +170,16 @@ impl Admission {
     /// leaves nothing behind (no stored row, no live-run count, no attribution, no claim of its
     /// branch key).
     pub async fn submit(&self, new: NewRun) -> Result<Submitted, Refused> {
+        // Nor may a run start from another account's sandbox branch: its worktree would hold that
+        // branch's work, and its pull request would ask to merge into it.
+        let base_ref = new.run.request.branch.as_ref().and_then(|b| b.base_ref.as_deref());
+        if let Some((base_ref, key)) = base_ref.and_then(|r| Some((r, crate::refname::sandbox_key_of_base_ref(r)?))) {
+            let account = &new.run.request.billing_account_id;
+            if self.store.tenants().branch_owner(key).await.map_err(Refused::Store)?.is_some_and(|owner| &owner != account) {
+                let message = format!("base ref {base_ref:?} is the sandbox branch of another billing account's branch key; start from a branch of your own or a shared one");
+                return Err(Refused::BranchConflict { field: "branch.baseRef", message });
+            }
+        }
         // A branch key is its account's (see `claim_branch`): another account's is refused before
         // anything else looks at it, and a key claimed for a run that is then refused is let go
         // (unless a run of the same account claimed it meanwhile: that one may be working on it).

@@ -155,6 +155,17 @@ pub fn validate_base_ref(r: &str) -> Result<(), KeyRule> {
     }
 }
 
+/// The branch key whose sandbox branch a base ref names, in any spelling git resolves to it in
+/// the relay's repositories (`sandbox/K`, `heads/sandbox/K`, `refs/heads/sandbox/K`,
+/// `origin/sandbox/K`, `remotes/origin/sandbox/K`, `refs/remotes/origin/sandbox/K`); `None` for
+/// any other ref. A base ref cannot carry revision syntax (`~`, `^`, `@{…}`: the character set
+/// refuses them), so this is every way to name the branch by name; a commit id is not resolved.
+pub fn sandbox_key_of_base_ref(base_ref: &str) -> Option<&str> {
+    let r = base_ref.strip_prefix("refs/").unwrap_or(base_ref);
+    let r = r.strip_prefix("heads/").or_else(|| r.strip_prefix("remotes/origin/")).or_else(|| r.strip_prefix("origin/")).unwrap_or(r);
+    r.strip_prefix("sandbox/").filter(|k| !k.is_empty())
+}
+
 /// The branches that make `sandbox/<key>` impossible to create in a repository holding `refs`
 /// (full names, `refs/heads/…` or `refs/remotes/origin/…`, any order): git stores `a` and `a/b`
 /// as a file and a directory of the same name, so one blocks the other. The key's own branch is
@@ -179,6 +190,16 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::process::Command;
+
+    #[test]
+    fn a_base_ref_naming_a_sandbox_branch_gives_its_key_in_every_spelling() {
+        for r in ["sandbox/a/b", "heads/sandbox/a/b", "refs/heads/sandbox/a/b", "origin/sandbox/a/b", "remotes/origin/sandbox/a/b", "refs/remotes/origin/sandbox/a/b"] {
+            assert_eq!(sandbox_key_of_base_ref(r), Some("a/b"), "{r}");
+        }
+        for r in ["main", "release/sandbox/x", "sandbox", "sandbox/", "origin/main", "refs/tags/sandbox/x", "sandboxes/x", "0123456789abcdef0123456789abcdef01234567"] {
+            assert_eq!(sandbox_key_of_base_ref(r), None, "{r}");
+        }
+    }
 
     /// `git check-ref-format --branch <name>`, outside any repository (no `@{-N}` expansion).
     fn git_accepts_branch(name: &str) -> bool {

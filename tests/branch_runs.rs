@@ -458,10 +458,25 @@ async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     };
     refused(base.clone(), http.clone(), json!({"workItemId": "shared"}), "branch.workItemId").await;
     refused(base.clone(), http.clone(), json!({"branchName": "shared"}), "branch.branchName").await;
+    // Nor may another account's run start from the key's branch, in any spelling of it: its
+    // worktree would hold that branch's work, its pull request would ask to merge into it.
+    for base_ref in ["sandbox/shared", "origin/sandbox/shared", "refs/heads/sandbox/shared", "refs/remotes/origin/sandbox/shared"] {
+        let r = http.post(format!("{base}/v1/runs")).json(&run_of("other-1", "acct-b", json!({"workItemId": "b-copy", "baseRef": base_ref}))).send().await.unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!((status, v["error"]["code"].as_str()), (422, Some("branch_conflict")), "{base_ref}: {v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.starts_with("field `branch.baseRef`: base ref") && !message.contains("acct-a"), "{message}");
+        assert_eq!(http.get(format!("{base}/v1/runs/other-1")).send().await.unwrap().status(), 404, "no run was kept");
+    }
     let mut own = post(&http, &base, &run_of("other-2", "acct-b", json!({"workItemId": "b-own"}))).await;
     assert_relayed(&mut own, "b-own").await;
     let mut again = post(&http, &base, &run_of("own-2", "acct-a", json!({"branchName": "shared"}))).await;
     assert_relayed(&mut again, "shared").await;
+    // The owner may start a branch from its own (stacked work); and acct-b's refused runs above
+    // left the key b-copy free.
+    let mut stacked = post(&http, &base, &run_of("own-stacked", "acct-a", json!({"workItemId": "b-copy", "baseRef": "sandbox/shared"}))).await;
+    assert_relayed(&mut stacked, "b-copy").await;
     // A run refused for another reason (here its base ref) claims nothing: the key stays free.
     let r = http.post(format!("{base}/v1/runs")).json(&run_of("other-3", "acct-b", json!({"workItemId": "free", "baseRef": "nope"}))).send().await.unwrap();
     assert_eq!(r.status(), 422);
@@ -484,7 +499,7 @@ async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     let v: Value = r.json().await.unwrap();
     assert_eq!((status, v["error"]["code"].as_str()), (422, Some("branch_conflict")), "{v}");
     let prepared: Vec<String> = ws.log().into_iter().filter(|(k, _)| *k == Kind::Prepare).map(|(_, key)| key).collect();
-    assert_eq!(prepared, ["shared", "b-own", "shared", "free", "racy"], "the refused runs prepared nothing");
+    assert_eq!(prepared, ["shared", "b-own", "shared", "b-copy", "free", "racy"], "the refused runs prepared nothing");
     server::shutdown(&app).await;
     drop(app);
     let (ws2, _held2) = FakeWorkspace::new();

@@ -570,6 +570,10 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert_eq!(t.claim_branch("fix", "acct-b", 6, "c6").await.expect("claim"), claim("acct-a", false), "{kind}: let go of while a later claim holds it");
     t.release_branch("fix/b", "c4").await.expect("release");
     assert_eq!(t.claim_branch("fix/b", "acct-a", 7, "c7").await.expect("claim"), claim("acct-a", true), "{kind}");
+    // Its owner read without a claim (a base ref naming the key's branch).
+    assert_eq!(t.branch_owner("fix").await.expect("owner").as_deref(), Some("acct-a"), "{kind}");
+    assert_eq!(t.branch_owner("nobody").await.expect("owner"), None, "{kind}");
+    assert_eq!(t.claim_branch("nobody", "acct-b", 8, "c8").await.expect("claim"), claim("acct-b", true), "{kind}: reading claimed nothing");
 
     let limits = Limits { max_tokens: Some(1000), period_sec: Some(60), max_concurrent: Some(2), max_runs_per_minute: None };
     assert_eq!(t.limits("acct-a").await.expect("limits"), None, "{kind}");

@@ -250,6 +250,10 @@ impl TenantStore for MemoryStore {
         Ok(BranchClaim { owner: entry.0.clone(), claimed_now: entry.1 == claim })
     }
 
+    async fn branch_owner(&self, branch_key: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.lock().branch_owners.get(branch_key).map(|(owner, _, _)| owner.clone()))
+    }
+
     async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
         let mut st = self.lock();
         if st.branch_owners.get(branch_key).is_some_and(|(_, _, last)| last == claim) {

@@ -1089,6 +1089,13 @@ impl TenantStore for PgStore {
         Ok(BranchClaim { owner, claimed_now: first.as_deref() == Some(claim) })
     }
 
+    async fn branch_owner(&self, branch_key: &str) -> Result<Option<String>, StoreError> {
+        self.bounded(async {
+            sqlx::query_scalar("SELECT billing_account_id FROM branch_owners WHERE branch_key = $1").bind(branch_key).fetch_optional(&self.pool).await.map_err(|e| self.err(e))
+        })
+        .await
+    }
+
     async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM branch_owners WHERE branch_key = $1 AND last_claim = $2").bind(branch_key).bind(claim).execute(&self.pool).await.map_err(|e| self.err(e))?;
         Ok(())

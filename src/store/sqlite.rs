@@ -677,6 +677,10 @@ impl TenantStore for SqliteStore {
         })
     }
 
+    async fn branch_owner(&self, branch_key: &str) -> Result<Option<String>, StoreError> {
+        self.read(|c| c.query_row("SELECT billing_account_id FROM branch_owners WHERE branch_key = ?", [branch_key], |r| r.get(0)).optional())
+    }
+
     async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
         self.write_one(|c| c.execute("DELETE FROM branch_owners WHERE branch_key = ? AND last_claim = ?", params![branch_key, claim]))?;
         Ok(())

@@ -167,6 +167,8 @@ pub trait TenantStore: Send + Sync + 'static {
     /// account has), for good. `claim` is the claim's own id (unique); a claim by the owning
     /// account becomes the key's last claim.
     async fn claim_branch(&self, branch_key: &str, account: &str, at_ms: i64, claim: &str) -> Result<BranchClaim, StoreError>;
+    /// The billing account a branch key belongs to, if any has claimed it (a read: claims nothing).
+    async fn branch_owner(&self, branch_key: &str) -> Result<Option<String>, StoreError>;
     /// Undoes the claim `claim`, made for a run that was then refused, if it is still the key's
     /// last: a later claim is a run of the same account that may be working on the key by now.
     async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError>;

@@ -361,6 +361,9 @@ pub(crate) mod tests {
         async fn release_branch(&self, branch_key: &str, claim: &str) -> Result<(), StoreError> {
             self.inner.release_branch(branch_key, claim).await
         }
+        async fn branch_owner(&self, branch_key: &str) -> Result<Option<String>, StoreError> {
+            self.inner.branch_owner(branch_key).await
+        }
         async fn limits(&self, account: &str) -> Result<Option<Limits>, StoreError> {
             self.inner.limits(account).await
         }
