@@ -159,6 +159,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         budgets: budgets.clone(),
         allow: crate::tenants::webhook::Allow::parse(&cfg.webhook_allow),
         admin_webhook_secret: cfg.webhook_secret.clone(),
+        keys_seen: Default::default(),
     });
     let status: StatusHandle = StatusHandle::default();
     if let Ok(mut st) = status.write() {

@@ -1107,6 +1107,31 @@ async fn a_message_within_the_limit_is_accepted_however_its_json_escapes_it() {
     assert!(msg.contains("message"), "{msg}");
 }
 
+/// Without an admin token a loopback client without credentials is the admin (a one-tenant
+/// clawmux, as docs/API.md says), but not a request a proxy relayed (a reverse proxy on the same
+/// host makes every caller look local), and not once an API key exists (clawmux then serves
+/// several tenants: any local process, an agent with a shell among them, would be their admin).
+/// A key works as before.
+#[actix_rt::test]
+async fn a_loopback_client_without_credentials_is_the_admin_only_while_no_key_exists() {
+    let env = env(fast()).await;
+    assert_eq!(env.http.get(env.url("/v1/runs")).send().await.unwrap().status(), 200, "loopback, no key: the admin");
+    for (header, value) in [("x-forwarded-for", "203.0.113.7"), ("forwarded", "for=203.0.113.7"), ("x-real-ip", "203.0.113.7")] {
+        let r = env.http.get(env.url("/v1/runs")).header(header, value).send().await.unwrap();
+        expect_error(r, 401, "unauthorized", &format!("a request relayed with {header}")).await;
+    }
+    let r = env.http.post(env.url("/v1/admin/keys")).json(&json!({"name": "t", "accounts": ["acct-k"], "actions": ["read"]})).send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    let key = r.json::<Value>().await.unwrap()["key"].as_str().unwrap().to_owned();
+    for path in ["/v1/runs", "/v1/admin/keys", "/v1/agents"] {
+        let r = env.http.get(env.url(path)).send().await.unwrap();
+        let msg = expect_error(r, 401, "unauthorized", &format!("loopback without credentials once a key exists: {path}")).await;
+        assert!(msg.contains("API keys exist"), "{msg}");
+    }
+    assert_eq!(env.http.get(env.url("/v1/runs")).bearer_auth(&key).send().await.unwrap().status(), 200, "the key works");
+    assert_eq!(env.http.get(env.url("/healthz")).send().await.unwrap().status(), 200, "outside /v1 nothing changes");
+}
+
 #[actix_rt::test]
 async fn a_configured_bearer_token_is_required_on_v1() {
     let env = env_with(fast(), |c| c.api_token = Some(Secret::new("api-s3cret")), |_| {}).await;

@@ -79,9 +79,15 @@ struct Env {
 
 /// clawmux on `gw`; `env` is read as the process environment would be (the names of the
 /// configuration table).
+/// `CLAWMUX_API_TOKEN`.
+const ADMIN: &str = "history-admin-token-3c9a";
+
 async fn env_with(gw: ReplayHandle, env: &[(&str, &str)]) -> Env {
     let env: HashMap<String, String> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
     let app = start_clawmux(&gw.url(), Some(GW_TOKEN), |cfg| {
+        // A test that makes API keys goes on as the admin (a loopback client without credentials
+        // is the admin only while no key exists).
+        cfg.api_token = Some(clawmux::config::Secret::new(ADMIN));
         let from_env = clawmux::config::Config::load(None, &|k| env.get(k).cloned()).expect("config");
         cfg.run_retention_sec = from_env.run_retention_sec;
         cfg.run_retention_max = from_env.run_retention_max;
@@ -91,7 +97,10 @@ async fn env_with(gw: ReplayHandle, env: &[(&str, &str)]) -> Env {
     })
     .await;
     let base = base(&app);
-    let http = reqwest::Client::builder().pool_max_idle_per_host(64).build().unwrap();
+    // Every request as the admin, unless it names a key of its own.
+    let mut admin = reqwest::header::HeaderMap::new();
+    admin.insert(reqwest::header::AUTHORIZATION, format!("Bearer {ADMIN}").parse().unwrap());
+    let http = reqwest::Client::builder().pool_max_idle_per_host(64).default_headers(admin).build().unwrap();
     wait_ready(&http, &base, WAIT).await;
     Env { gw, app, base, http }
 }

@@ -40,8 +40,12 @@ fn gateway_at(speed: f64) -> ReplayHandle {
     ReplayGateway::start("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
 }
 
+/// `CLAWMUX_API_TOKEN`: a test that makes an API key goes on as the admin (a loopback client
+/// without credentials is the admin only while no key exists).
+const ADMIN: &str = "pg-admin-token-5f0e1d";
+
 fn clawmux(gw: &ReplayHandle, store_url: &str) -> Clawmux {
-    Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", store_url)])
+    Clawmux::new(&gw.url(), GW_TOKEN, &[("CLAWMUX_DEVICE_IDENTITY", "off"), ("CLAWMUX_STORE_URL", store_url), ("CLAWMUX_API_TOKEN", ADMIN)])
 }
 
 fn body(i: usize, tag: &str) -> Value {
@@ -59,8 +63,11 @@ async fn post_run(http: &reqwest::Client, base: &str, body: &Value, key: &str) -
     doc["runId"].as_str().unwrap().to_owned()
 }
 
+/// Every request as the admin, unless it names a key of its own.
 fn http() -> reqwest::Client {
-    common::http_client(Some(Duration::from_secs(120)))
+    let mut admin = reqwest::header::HeaderMap::new();
+    admin.insert(reqwest::header::AUTHORIZATION, format!("Bearer {ADMIN}").parse().unwrap());
+    reqwest::Client::builder().pool_max_idle_per_host(256).pool_idle_timeout(Duration::from_secs(2)).timeout(Duration::from_secs(120)).default_headers(admin).build().unwrap()
 }
 
 /// Attaches a reader to every run without a terminal event yet (from its `Last-Event-ID` on).

@@ -146,6 +146,8 @@ pub(super) async fn create_key(req: HttpRequest, payload: web::Payload, state: w
         record.created_by = Some(creator.id.clone());
     }
     state.tenants.store.create_key(&record).await.map_err(store_unavailable)?;
+    // From now on a loopback caller without credentials is no longer the admin.
+    state.tenants.keys_seen.saw();
     tracing::info!(key_id = %record.id, name = %record.name, "API key created");
     // The only time the secrets are shown.
     Ok(HttpResponse::Created().json(CreatedKey {

@@ -218,7 +218,8 @@ async fn method_not_allowed(req: HttpRequest, allow: &'static str) -> HttpRespon
 }
 
 /// Who is calling, and may they do `action`? The admin token (`CLAWMUX_API_TOKEN`) may do
-/// everything; so may a loopback caller without credentials when no admin token is configured. An
+/// everything; so may a loopback caller without credentials when no admin token is configured,
+/// as long as no API key exists and no proxy relayed the request (`crate::tenants::loopback`). An
 /// API key may do its actions on its accounts.
 async fn authorize(req: &HttpRequest, state: &AppState, action: Action) -> Result<Principal, ApiError> {
     let given = req.headers().get(header::AUTHORIZATION).map(|v| v.to_str().ok().and_then(bearer_token));
@@ -231,7 +232,26 @@ async fn authorize(req: &HttpRequest, state: &AppState, action: Action) -> Resul
         })?,
         Some(None) => return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the Authorization header is not `Bearer <token>`")),
         None => match (&state.cfg.api_token, req.peer_addr()) {
-            (None, Some(a)) if a.ip().is_loopback() => Principal::Admin,
+            (None, Some(a)) if a.ip().is_loopback() => {
+                if crate::tenants::loopback::relayed(req.headers()) {
+                    return Err(ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "unauthorized",
+                        "a request relayed by a proxy (it has forwarding headers) is not a loopback client: send an API key, or set CLAWMUX_API_TOKEN",
+                    ));
+                }
+                match state.tenants.keys_seen.any(state.tenants.store.as_ref()).await {
+                    Ok(false) => Principal::Admin,
+                    Ok(true) => {
+                        return Err(ApiError::new(
+                            StatusCode::UNAUTHORIZED,
+                            "unauthorized",
+                            "API keys exist, so a loopback client without credentials is not the admin: send an API key, or set CLAWMUX_API_TOKEN for the admin",
+                        ))
+                    }
+                    Err(e) => return Err(store_unavailable(format!("cannot check the credentials: {}", e.0))),
+                }
+            }
             (None, _) => {
                 return Err(ApiError::new(
                     StatusCode::UNAUTHORIZED,

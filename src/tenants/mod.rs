@@ -7,11 +7,14 @@
 //!   by the LLM proxy before every call.
 //! - [`webhook`]: completion webhooks: the allow-list, signing, and the delivery worker over the
 //!   store's outbox.
+//! - [`loopback`]: when a loopback caller without credentials is the admin (no admin token, no
+//!   API key, not relayed by a proxy).
 //!
 //! [`Tenants`] bundles them for the HTTP layer and the proxy.
 
 pub mod budget;
 pub mod keys;
+pub mod loopback;
 pub mod webhook;
 
 use crate::config::Secret;
@@ -40,6 +43,8 @@ pub struct Tenants {
     pub allow: webhook::Allow,
     /// Signs the admin token's webhooks (`CLAWMUX_WEBHOOK_SECRET`).
     pub admin_webhook_secret: Option<Secret>,
+    /// Whether any API key exists (see [`loopback`]).
+    pub keys_seen: loopback::KeysSeen,
 }
 
 impl Tenants {
