@@ -92,7 +92,8 @@ pub enum KeyRule {
     LeadingDash,
     /// clawmux: `main`, `master`, `HEAD` and the base ref are never branch keys (any case).
     Protected,
-    /// clawmux: a base ref must not be `HEAD` (it names whatever is checked out).
+    /// clawmux: a base ref must not be `HEAD`, another worktree's (`worktrees/…`,
+    /// `main-worktree/…`) or a pseudo-ref (`FETCH_HEAD`, …): they name whatever is checked out.
     Head,
     /// git's ref-name rules on `sandbox/<key>` (or `refs/heads/<base>`).
     Git(GitRule),
@@ -105,7 +106,9 @@ impl std::fmt::Display for KeyRule {
             Self::Charset => f.write_str("may contain only letters, digits, '.', '_', '/' and '-' (clawmux's rule, stricter than git's)"),
             Self::LeadingDash => f.write_str("must not start with '-' (clawmux's rule, stricter than git's)"),
             Self::Protected => f.write_str("is a protected name: main, master, HEAD and the base ref are never branch keys (clawmux's rule)"),
-            Self::Head => f.write_str("must not be HEAD: name a branch, tag or commit (clawmux's rule)"),
+            Self::Head => f.write_str(
+                "must name a branch, tag or commit, not HEAD, another worktree's HEAD or refs (worktrees/…, main-worktree/…) or a pseudo-ref like FETCH_HEAD (clawmux's rule)",
+            ),
             Self::Git(r) => r.fmt(f),
         }
     }
@@ -146,7 +149,11 @@ pub fn validate_branch_key(key: &str, base_ref: &str) -> Result<(), KeyRule> {
 /// characters, no leading `-`, not `HEAD`, and valid for git as `refs/heads/<base>`.
 pub fn validate_base_ref(r: &str) -> Result<(), KeyRule> {
     clawmux_charset(r, MAX_BASE_REF_LEN)?;
-    if r == "HEAD" {
+    // Nor what names whatever a run has checked out: all runs' worktrees share one repository, so
+    // another worktree's HEAD or refs (`worktrees/<id>/…`, `main-worktree/…`) or a pseudo-ref
+    // (`FETCH_HEAD`, `ORIG_HEAD`, …) could be another account's work.
+    let first = r.split('/').next().unwrap_or(r);
+    if r == "HEAD" || first == "worktrees" || first == "main-worktree" || (!r.contains('/') && r.ends_with("_HEAD")) {
         return Err(KeyRule::Head);
     }
     match git_ref_rule(&format!("refs/heads/{r}")) {
@@ -157,12 +164,25 @@ pub fn validate_base_ref(r: &str) -> Result<(), KeyRule> {
 
 /// The branch key whose sandbox branch a base ref names, in any spelling git resolves to it in
 /// the relay's repositories (`sandbox/K`, `heads/sandbox/K`, `refs/heads/sandbox/K`,
-/// `origin/sandbox/K`, `remotes/origin/sandbox/K`, `refs/remotes/origin/sandbox/K`); `None` for
-/// any other ref. A base ref cannot carry revision syntax (`~`, `^`, `@{…}`: the character set
+/// `<remote>/sandbox/K`, `remotes/<remote>/sandbox/K`, `refs/remotes/<remote>/sandbox/K`, for any
+/// remote name; so also a branch `x/sandbox/K`, which is taken for remote `x`'s); `None` for any
+/// other ref. A base ref cannot carry revision syntax (`~`, `^`, `@{…}`: the character set
 /// refuses them), so this is every way to name the branch by name; a commit id is not resolved.
 pub fn sandbox_key_of_base_ref(base_ref: &str) -> Option<&str> {
+    fn after_first(r: &str) -> Option<&str> {
+        r.split_once('/').map(|(_, rest)| rest)
+    }
     let r = base_ref.strip_prefix("refs/").unwrap_or(base_ref);
-    let r = r.strip_prefix("heads/").or_else(|| r.strip_prefix("remotes/origin/")).or_else(|| r.strip_prefix("origin/")).unwrap_or(r);
+    if r.starts_with("tags/") {
+        // A tag, which the relay never makes.
+        return None;
+    }
+    let r = r.strip_prefix("heads/").or_else(|| r.strip_prefix("remotes/").and_then(after_first)).unwrap_or(r);
+    // `<remote>/sandbox/K`, whatever the remote is called (git tries `refs/remotes/<name>`).
+    let r = match after_first(r) {
+        Some(rest) if !r.starts_with("sandbox/") && rest.starts_with("sandbox/") => rest,
+        _ => r,
+    };
     r.strip_prefix("sandbox/").filter(|k| !k.is_empty())
 }
 
@@ -193,10 +213,19 @@ mod tests {
 
     #[test]
     fn a_base_ref_naming_a_sandbox_branch_gives_its_key_in_every_spelling() {
-        for r in ["sandbox/a/b", "heads/sandbox/a/b", "refs/heads/sandbox/a/b", "origin/sandbox/a/b", "remotes/origin/sandbox/a/b", "refs/remotes/origin/sandbox/a/b"] {
+        for r in [
+            "sandbox/a/b",
+            "heads/sandbox/a/b",
+            "refs/heads/sandbox/a/b",
+            "origin/sandbox/a/b",
+            "remotes/origin/sandbox/a/b",
+            "refs/remotes/origin/sandbox/a/b",
+            "upstream/sandbox/a/b",
+            "refs/remotes/upstream/sandbox/a/b",
+        ] {
             assert_eq!(sandbox_key_of_base_ref(r), Some("a/b"), "{r}");
         }
-        for r in ["main", "release/sandbox/x", "sandbox", "sandbox/", "origin/main", "refs/tags/sandbox/x", "sandboxes/x", "0123456789abcdef0123456789abcdef01234567"] {
+        for r in ["main", "sandbox", "sandbox/", "origin/main", "refs/tags/sandbox/x", "sandboxes/x", "a/b/sandbox/x", "0123456789abcdef0123456789abcdef01234567"] {
             assert_eq!(sandbox_key_of_base_ref(r), None, "{r}");
         }
     }
@@ -239,8 +268,12 @@ mod tests {
 
     #[test]
     fn base_refs() {
-        for r in ["main", "release/1.2", "v1.0.0", "0123456789abcdef0123456789abcdef01234567", "a./b"] {
+        for r in ["main", "release/1.2", "v1.0.0", "0123456789abcdef0123456789abcdef01234567", "a./b", "my_HEAD/x", "team/worktrees"] {
             assert_eq!(validate_base_ref(r), Ok(()), "{r}");
+        }
+        // What names whatever a run (another account's, perhaps) has checked out.
+        for r in ["HEAD", "worktrees/shared/HEAD", "worktrees/shared1/refs/bisect/bad", "main-worktree/HEAD", "FETCH_HEAD", "ORIG_HEAD", "MERGE_HEAD"] {
+            assert_eq!(validate_base_ref(r), Err(KeyRule::Head), "{r}");
         }
         for r in ["", "-x", "--upload-pack=evil", "a..b", "a b", "a^", "a~1", "HEAD@{1}", "a.lock", "/a", ".a", "a/", "HEAD", "x.lock/y", "a/.b", "a."] {
             assert!(validate_base_ref(r).is_err(), "{r:?}");
