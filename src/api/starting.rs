@@ -16,10 +16,15 @@ const MAX_READ: usize = 16 * 1024;
 const PER_CONNECTION: Duration = Duration::from_secs(2);
 
 /// Connections answered at once at most; one beyond is closed without an answer (a flood while
-/// clawmux starts costs at most this many small buffers).
-const MAX_ANSWERING: usize = 1024;
+/// clawmux starts costs at most this many small buffers, and sockets well under a default limit
+/// of 1,024 open files, which start-up itself needs some of).
+const MAX_ANSWERING: usize = 256;
 
-/// The answering task; [`Self::serve_with`] hands the listener on.
+/// After a failed accept (out of file descriptors, say) before the next: never a busy loop on
+/// the thread start-up runs on.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The answering task; [`Self::listener`] hands the listener on.
 pub struct Starting {
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<std::io::Result<std::net::TcpListener>>,
@@ -37,14 +42,17 @@ impl Starting {
                 tokio::select! {
                     biased;
                     _ = &mut stopped => break,
-                    accepted = listener.accept() => {
-                        if let (Ok((conn, _)), Ok(permit)) = (accepted, answering.clone().try_acquire_owned()) {
-                            tokio::spawn(async move {
-                                answer_one(conn).await;
-                                drop(permit);
-                            });
+                    accepted = listener.accept() => match accepted {
+                        Ok((conn, _)) => {
+                            if let Ok(permit) = answering.clone().try_acquire_owned() {
+                                tokio::spawn(async move {
+                                    answer_one(conn).await;
+                                    drop(permit);
+                                });
+                            }
                         }
-                    }
+                        Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
+                    },
                 }
             }
             // Connections that arrive from here on wait in the backlog for the API itself.
