@@ -28,7 +28,7 @@ use utoipa::{Modify, OpenApi};
 re-attach to their events, abort them, read their history and LLM calls; API keys and account limits. \
 The contract with clawmux's choices: docs/API.md. Authentication: `Authorization: Bearer <token>`, the \
 admin token (`CLAWMUX_API_TOKEN`) or an API key (`cmx_<id>_<secret>`); without a configured admin token, \
-loopback clients are served without one.",
+loopback clients are served without one as the admin while no API key exists and no proxy relayed the request.",
         license(name = "Apache-2.0"),
     ),
     paths(

@@ -47,7 +47,8 @@ impl Action {
 /// Who is calling.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Principal {
-    /// `CLAWMUX_API_TOKEN` (or a loopback caller when no token is configured): everything.
+    /// `CLAWMUX_API_TOKEN` (or a loopback caller when no token is configured, no API key exists
+    /// and no proxy relayed the request: `crate::tenants::loopback`): everything.
     Admin,
     /// An API key (boxed: a record is far larger than the admin variant).
     Key(Box<KeyRecord>),

@@ -7,9 +7,9 @@
 //! (an API key or the admin token), keeps it in the tab's `sessionStorage` (gone when the tab
 //! closes; never in a URL, a cookie or `localStorage`), and sends it from JavaScript, so `/v1/*`
 //! applies exactly its own rules (an API key sees only its accounts' runs). Without
-//! `CLAWMUX_API_TOKEN`, a loopback browser needs no token (`clawmux demo`), as for `curl`. The
-//! live output is read with `fetch` (not `EventSource`, which cannot send the header), resuming
-//! with `Last-Event-ID` after a dropped connection.
+//! `CLAWMUX_API_TOKEN`, a loopback browser needs no token while no API key exists (`clawmux demo`),
+//! as for `curl`. The live output is read with `fetch` (not `EventSource`, which cannot send the
+//! header), resuming with `Last-Event-ID` after a dropped connection.
 //!
 //! The page never puts data into HTML: every value goes through `textContent` or an attribute
 //! set from code, and links are only made from `http(s)` URLs. The Content-Security-Policy
