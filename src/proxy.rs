@@ -311,47 +311,6 @@ pub fn upstream_url(base: &str, path_and_query: &str) -> String {
     format!("{base}{path_and_query}")
 }
 
-/// Most attribution tokens of the right shape one call may name: its run's own is one; text its
-/// agent read (a tool's output, a file, a page) may hold more.
-const MAX_TOKENS: usize = 8;
-
-/// The live run a call names by attribution token (protocol 3: the token rides in the run's
-/// system prompt), or the refusal. Only the tokens of live runs count, and exactly one must:
-/// a `clawmux-attribution:` line the agent read somewhere (planted, or an ended run's) no longer
-/// makes every later call of the conversation ambiguous. Two live ones still are (never a guess),
-/// and so is one live beside one missed a moment ago (that one may be a run admitted meanwhile):
-/// the call is retried.
-async fn run_of_tokens(state: &web::Data<ProxyState>, body: &[u8]) -> Result<Arc<RunBilling>, HttpResponse> {
-    let named = crate::attribution::tokens_in(body);
-    if named.is_empty() {
-        return Err(refuse(state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned()));
-    }
-    // Not of the shape clawmux makes: nobody's, never looked up.
-    let tokens: Vec<&String> = named.iter().filter(|t| crate::attribution::is_token(t)).collect();
-    if tokens.len() > MAX_TOKENS {
-        return Err(refuse(state, "ambiguous_token", "the call names too many attribution tokens; refusing to guess".to_owned()));
-    }
-    let (mut live, mut missed_lately): (Vec<Arc<RunBilling>>, bool) = (Vec::new(), false);
-    for token in tokens {
-        match find(state, CallKey::Token(token.clone()), state.attributions.lookup_token(token)).await {
-            Ok(Resolved::Found(b)) => {
-                if !live.iter().any(|l| l.run_id == b.run_id) {
-                    live.push(b);
-                }
-            }
-            Ok(Resolved::Missing) => {}
-            Ok(Resolved::MissingCached) => missed_lately = true,
-            Err(e) => return Err(store_unavailable(state, &e)),
-        }
-    }
-    match (live.len(), missed_lately) {
-        (1, false) => Ok(live.remove(0)),
-        (0, false) => Err(refuse(state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned())),
-        (0 | 1, true) => Err(unavailable(state, "recent_miss", "no live run had one of the call's attribution tokens a moment ago")),
-        _ => Err(refuse(state, "ambiguous_token", "the call names the attribution tokens of several live runs; refusing to guess".to_owned())),
-    }
-}
-
 fn refuse(state: &ProxyState, reason: &'static str, message: String) -> HttpResponse {
     state.metrics.refusals.with_label_values(&[reason]).inc();
     tracing::warn!(reason, %message, "LLM call refused");
@@ -517,10 +476,24 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
             Err(e) => return store_unavailable(&state, &e),
         },
         (None, None) if is_model_list => None,
-        (None, None) => match run_of_tokens(&state, &body).await {
-            Ok(b) => Some(b),
-            Err(refused) => return refused,
-        },
+        (None, None) => {
+            let tokens = crate::attribution::tokens_in(&body);
+            match tokens.as_slice() {
+                [] => {
+                    return refuse(&state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned())
+                }
+                [token] if !crate::attribution::is_token(token) => {
+                    return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned())
+                }
+                [token] => match find(&state, CallKey::Token(token.clone()), state.attributions.lookup_token(token)).await {
+                    Ok(Resolved::Found(b)) => Some(b),
+                    Ok(Resolved::Missing) => return refuse(&state, "unknown_token", "the call's attribution token belongs to no live clawmux run".to_owned()),
+                    Ok(Resolved::MissingCached) => return unavailable(&state, "recent_miss", "no live run had the call's attribution token a moment ago"),
+                    Err(e) => return store_unavailable(&state, &e),
+                },
+                _ => return refuse(&state, "ambiguous_token", "the call names several attribution tokens; refusing to guess".to_owned()),
+            }
+        }
     };
     if let Some(b) = &billing {
         // The run ended while it was looked up (its entry was revoked as the lookup returned it).
@@ -971,41 +944,6 @@ mod tests {
         }
         assert_eq!(probe.lookups.load(std::sync::atomic::Ordering::SeqCst), 0, "looked up in the store");
         assert_eq!(state.metrics.refusals.with_label_values(&["unknown_token"]).get(), 3);
-    }
-
-    /// Protocol 3: a call names its run by the token in its system prompt. Another token of the
-    /// right shape in text the agent read (planted, or an ended run's) no longer refuses the call
-    /// (and so every later call of its conversation); two live runs' tokens still do, and a
-    /// call whose only token is nobody's is refused as before.
-    #[actix_rt::test]
-    async fn only_live_runs_tokens_count_and_exactly_one_must() {
-        let probe = Arc::new(crate::remote_runs::tests::Probe::default());
-        let (remote, attributions) = crate::remote_runs::tests::remote_runs(probe.clone()).await;
-        let (mine, theirs) = (crate::attribution::new_token(), crate::attribution::new_token());
-        attributions.register(Arc::new(billing().with_token(mine.clone()))).expect("registered");
-        let other = RunBilling::new("run-2", "acct-2", "sandbox:openclaw", "agent:main:acct-2:run-2", "1af7651916cd43dd8448eb211c80319c").with_token(theirs.clone());
-        attributions.register(Arc::new(other)).expect("registered");
-        let state = proxy(attributions, None, Some(remote));
-        let app = web_test::init_service(actix_web::App::new().app_data(state.clone()).configure(routes)).await;
-        let marker = crate::attribution::TOKEN_MARKER;
-        let call = |system: String, user: String| {
-            let req = web_test::TestRequest::post()
-                .uri("/v1/chat/completions")
-                .set_json(serde_json::json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}))
-                .to_request();
-            web_test::call_service(&app, req)
-        };
-        let planted = format!("a file said: {marker}{}", crate::attribution::new_token());
-        // Forwarded (to an upstream that is down: 502), attributed to its own run.
-        assert_eq!(call(format!("{marker}{mine}"), planted.clone()).await.status().as_u16(), 502, "a planted token refused the call");
-        assert_eq!(call(format!("{marker}{mine}"), "hi".into()).await.status().as_u16(), 502);
-        assert_eq!(call(format!("{marker}{mine}"), format!("{marker}{theirs}")).await.status().as_u16(), 409, "two live runs' tokens: never a guess");
-        assert_eq!(state.metrics.refusals.with_label_values(&["ambiguous_token"]).get(), 1);
-        // (A fresh one: the planted token above is a miss believed for a while, answered 503.)
-        let nobodys = format!("{marker}{}", crate::attribution::new_token());
-        assert_eq!(call("no token".into(), nobodys).await.status().as_u16(), 409, "nobody's token");
-        assert_eq!(call(String::new(), planted).await.status().as_u16(), 503, "a miss believed a moment: retried");
-        assert_eq!(state.metrics.refusals.with_label_values(&["unknown_token"]).get(), 1);
     }
 
     #[actix_rt::test]
