@@ -309,12 +309,14 @@ pub fn is_token(t: &str) -> bool {
     t.len() == 68 && t.starts_with("cmx-") && t.as_bytes()[4..].iter().all(u8::is_ascii_hexdigit)
 }
 
-/// The attribution tokens named in a request body (raw bytes; JSON escaping does not touch them).
-pub fn tokens_in(body: &[u8]) -> Vec<String> {
+/// The attribution tokens named in a request body (raw bytes; JSON escaping does not touch them),
+/// the first `max` distinct ones: a body of up to its size limit may hold a million markers, and
+/// telling them apart one by one from all found before would hold a worker for minutes.
+pub fn tokens_in(body: &[u8], max: usize) -> Vec<String> {
     let marker = TOKEN_MARKER.as_bytes();
     let mut out = Vec::new();
     let mut i = 0;
-    while i + marker.len() <= body.len() {
+    while i + marker.len() <= body.len() && out.len() < max {
         if &body[i..i + marker.len()] == marker {
             let start = i + marker.len();
             let end = body[start..].iter().position(|b| !(b.is_ascii_alphanumeric() || *b == b'-')).map_or(body.len(), |p| start + p);
@@ -481,7 +483,7 @@ mod tests {
             body.push(b'"');
             body.extend_from_slice(format!("{TOKEN_MARKER}cmx-{junk}").as_bytes());
             body.extend_from_slice(&after);
-            let found = tokens_in(&body);
+            let found = tokens_in(&body, usize::MAX);
             prop_assert!(found.contains(&token), "{found:?}");
             prop_assert!(is_token(&token));
             for t in &found {
@@ -539,6 +541,19 @@ mod tests {
         assert!(a.lookup("t1").is_none());
     }
 
+    /// A body of a million distinct markers (32 MiB, the proxy's body limit) is scanned only as
+    /// far as the caller needs: the first `max` distinct tokens, in order.
+    #[test]
+    fn a_body_of_many_markers_is_scanned_only_to_the_tokens_needed() {
+        let mut body = Vec::new();
+        for i in 0..1_000_000u32 {
+            body.extend_from_slice(format!("{TOKEN_MARKER}cmx-{i:08x} ").as_bytes());
+        }
+        assert_eq!(tokens_in(&body, 2), ["cmx-00000000", "cmx-00000001"]);
+        let repeated = format!("{TOKEN_MARKER}cmx-a {TOKEN_MARKER}cmx-a {TOKEN_MARKER}cmx-b");
+        assert_eq!(tokens_in(repeated.as_bytes(), 2), ["cmx-a", "cmx-b"], "distinct ones");
+    }
+
     #[test]
     fn tokens_are_found_in_bodies_and_revoked_with_the_run() {
         let a = Attributions::new();
@@ -546,9 +561,9 @@ mod tests {
         let b = Arc::new(RunBilling::new("r1", "acct", "g", "s", "t1").with_token(tok.clone()));
         a.register(b.clone()).expect("register");
         let body = format!(r#"{{"messages":[{{"role":"system","content":"... {TOKEN_MARKER}{tok}\n(Billing ...)"}}]}}"#);
-        assert_eq!(tokens_in(body.as_bytes()), vec![tok.clone()]);
+        assert_eq!(tokens_in(body.as_bytes(), usize::MAX), vec![tok.clone()]);
         assert_eq!(a.lookup_token(&tok).map(|b| b.run_id.clone()).as_deref(), Some("r1"));
-        assert!(tokens_in(b"no marker here").is_empty());
+        assert!(tokens_in(b"no marker here", usize::MAX).is_empty());
         a.unregister("t1", "r1");
         assert!(a.lookup_token(&tok).is_none());
         assert!(b.revoked.is_cancelled());

@@ -477,7 +477,8 @@ pub async fn forward(req: HttpRequest, body: web::Payload, state: web::Data<Prox
         },
         (None, None) if is_model_list => None,
         (None, None) => {
-            let tokens = crate::attribution::tokens_in(&body);
+            // Two are as many as the answer needs (none, one, or ambiguous).
+            let tokens = crate::attribution::tokens_in(&body, 2);
             match tokens.as_slice() {
                 [] => {
                     return refuse(&state, "no_traceparent", "the call carries neither a W3C traceparent nor a clawmux attribution token; it cannot be attributed to a run".to_owned())
