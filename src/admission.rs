@@ -170,16 +170,6 @@ impl Admission {
     /// leaves nothing behind (no stored row, no live-run count, no attribution, no claim of its
     /// branch key).
     pub async fn submit(&self, new: NewRun) -> Result<Submitted, Refused> {
-        // Nor may a run start from another account's sandbox branch: its worktree would hold that
-        // branch's work, and its pull request would ask to merge into it.
-        let base_ref = new.run.request.branch.as_ref().and_then(|b| b.base_ref.as_deref());
-        if let Some((base_ref, key)) = base_ref.and_then(|r| Some((r, crate::refname::sandbox_key_of_base_ref(r)?))) {
-            let account = &new.run.request.billing_account_id;
-            if self.store.tenants().branch_owner(key).await.map_err(Refused::Store)?.is_some_and(|owner| &owner != account) {
-                let message = format!("base ref {base_ref:?} is the sandbox branch of another billing account's branch key; start from a branch of your own or a shared one");
-                return Err(Refused::BranchConflict { field: "branch.baseRef", message });
-            }
-        }
         // A branch key is its account's (see `claim_branch`): another account's is refused before
         // anything else looks at it, and a key claimed for a run that is then refused is let go
         // (unless a run of the same account claimed it meanwhile: that one may be working on it).
@@ -206,6 +196,21 @@ impl Admission {
         result
     }
 
+    /// The refusal of a run whose `branch.baseRef` names another account's sandbox branch: its
+    /// worktree would start from that account's work, and its pull request would ask to merge
+    /// into it. (The server's default base ref is the operator's, not checked.)
+    async fn foreign_base_ref(&self, request: &request::RunRequest) -> Result<Option<Refused>, Refused> {
+        let base_ref = request.branch.as_ref().and_then(|b| b.base_ref.as_deref());
+        let Some((base_ref, key)) = base_ref.and_then(|r| Some((r, crate::refname::sandbox_key_of_base_ref(r)?))) else {
+            return Ok(None);
+        };
+        let owner = self.store.tenants().branch_owner(key).await.map_err(Refused::Store)?;
+        Ok(owner.filter(|o| o != &request.billing_account_id).map(|_| Refused::BranchConflict {
+            field: "branch.baseRef",
+            message: format!("base ref {base_ref:?} is the sandbox branch of another billing account's branch key; start from a branch of your own or a shared one"),
+        }))
+    }
+
     /// [`Self::submit`] once the run's branch key (if any) is its account's.
     async fn submit_on_own_branch(&self, new: NewRun) -> Result<Submitted, Refused> {
         let if_busy = match new.run.request.if_busy {
@@ -214,16 +219,21 @@ impl Admission {
             Some(request::IfBusy::Interrupt) => IfBusy::Interrupt,
         };
         let key_field = branch_field(&new.run.request);
+        let foreign_base = self.foreign_base_ref(&new.run.request).await?;
         let (spec, row) = spec_and_row(new, self.attributions.is_some())?;
         // What can refuse the run before it is stored is asked first, so a refused run is never
         // stored (where the replica its session key runs on could take it up before it is
         // forgotten): a branch run's checks (seconds, at worst, hence outside the gate: holding
         // it that long would hold up takeovers, and the admissions queued behind a waiting
-        // takeover), and a token budget nothing here could count. A request repeating a stored
-        // one (same run id or Idempotency-Key, same body) still gets its run.
-        let refused_early = match (&spec.branch, &self.workspace) {
-            (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await.err(),
-            _ => None,
+        // takeover), a base ref that is another account's branch, and a token budget nothing
+        // here could count. A request repeating a stored one (same run id or Idempotency-Key, same
+        // body) still gets its run.
+        let refused_early = match foreign_base {
+            Some(refused) => Some(refused),
+            None => match (&spec.branch, &self.workspace) {
+                (Some(plan), Some(workspace)) => check_branch(workspace.as_ref(), plan, key_field).await.err(),
+                _ => None,
+            },
         }
         .or_else(|| self.budgets.unmetered(&spec.billing_account_id).map(Refused::Limit));
         if let Some(refused) = refused_early {

@@ -477,6 +477,17 @@ async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     // left the key b-copy free.
     let mut stacked = post(&http, &base, &run_of("own-stacked", "acct-a", json!({"workItemId": "b-copy", "baseRef": "sandbox/shared"}))).await;
     assert_relayed(&mut stacked, "b-copy").await;
+    // A request repeating a stored one gets its run, even when the base ref's key has become
+    // another account's since (as for the other checks made before a run is stored).
+    let early = run_of("b-early", "acct-b", json!({"workItemId": "b-early", "baseRef": "sandbox/later"}));
+    let mut first_try = post(&http, &base, &early).await;
+    assert_relayed(&mut first_try, "b-early").await;
+    let mut later = post(&http, &base, &run_of("own-later", "acct-a", json!({"workItemId": "later"}))).await;
+    assert_relayed(&mut later, "later").await;
+    let r = http.post(format!("{base}/v1/runs?wait=false")).json(&early).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.unwrap();
+    assert!((200..300).contains(&status) && v["runId"] == "b-early", "the repeat did not get its run: {status} {v}");
     // A run refused for another reason (here its base ref) claims nothing: the key stays free.
     let r = http.post(format!("{base}/v1/runs")).json(&run_of("other-3", "acct-b", json!({"workItemId": "free", "baseRef": "nope"}))).send().await.unwrap();
     assert_eq!(r.status(), 422);
@@ -499,7 +510,7 @@ async fn a_branch_key_belongs_to_the_account_that_first_ran_on_it() {
     let v: Value = r.json().await.unwrap();
     assert_eq!((status, v["error"]["code"].as_str()), (422, Some("branch_conflict")), "{v}");
     let prepared: Vec<String> = ws.log().into_iter().filter(|(k, _)| *k == Kind::Prepare).map(|(_, key)| key).collect();
-    assert_eq!(prepared, ["shared", "b-own", "shared", "b-copy", "free", "racy"], "the refused runs prepared nothing");
+    assert_eq!(prepared, ["shared", "b-own", "shared", "b-copy", "b-early", "later", "free", "racy"], "the refused runs prepared nothing");
     server::shutdown(&app).await;
     drop(app);
     let (ws2, _held2) = FakeWorkspace::new();
