@@ -86,6 +86,9 @@ impl ApiError {
     pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         Self { status, code, message: message.into(), retry_after: None, allow: None }
     }
+    pub(crate) fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
@@ -226,26 +229,20 @@ async fn authorize(req: &HttpRequest, state: &AppState, action: Action) -> Resul
     let principal = match given {
         Some(Some(token)) => state.tenants.principal(token, state.cfg.api_token.as_ref()).await.map_err(|e| match e {
             AuthError::Unavailable(m) => store_unavailable(format!("cannot check the credentials: {m}")),
-            AuthError::Missing | AuthError::Invalid => {
-                ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the bearer token is not valid (or was revoked)")
-            }
+            AuthError::Missing | AuthError::Invalid => ApiError::unauthorized("the bearer token is not valid (or was revoked)"),
         })?,
-        Some(None) => return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the Authorization header is not `Bearer <token>`")),
+        Some(None) => return Err(ApiError::unauthorized("the Authorization header is not `Bearer <token>`")),
         None => match (&state.cfg.api_token, req.peer_addr()) {
             (None, Some(a)) if a.ip().is_loopback() => {
                 if crate::tenants::loopback::relayed(req.headers()) {
-                    return Err(ApiError::new(
-                        StatusCode::UNAUTHORIZED,
-                        "unauthorized",
+                    return Err(ApiError::unauthorized(
                         "a request relayed by a proxy (it has forwarding headers) is not a loopback client: send an API key, or set CLAWMUX_API_TOKEN",
                     ));
                 }
                 match state.tenants.keys_seen.any(state.tenants.store.as_ref()).await {
                     Ok(false) => Principal::Admin,
                     Ok(true) => {
-                        return Err(ApiError::new(
-                            StatusCode::UNAUTHORIZED,
-                            "unauthorized",
+                        return Err(ApiError::unauthorized(
                             "API keys exist, so a loopback client without credentials is not the admin: send an API key, or set CLAWMUX_API_TOKEN for the admin",
                         ))
                     }
@@ -253,15 +250,9 @@ async fn authorize(req: &HttpRequest, state: &AppState, action: Action) -> Resul
                 }
             }
             (None, _) => {
-                return Err(ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "unauthorized",
-                    "no CLAWMUX_API_TOKEN is configured, so only loopback clients are served without an API key",
-                ))
+                return Err(ApiError::unauthorized("no CLAWMUX_API_TOKEN is configured, so only loopback clients are served without an API key"))
             }
-            (Some(_), _) => {
-                return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing `Authorization: Bearer <token>` header"))
-            }
+            (Some(_), _) => return Err(ApiError::unauthorized("missing `Authorization: Bearer <token>` header")),
         },
     };
     if !principal.can(action) {
