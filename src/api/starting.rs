@@ -20,52 +20,74 @@ const PER_CONNECTION: Duration = Duration::from_secs(2);
 /// of 1,024 open files, which start-up itself needs some of).
 const MAX_ANSWERING: usize = 256;
 
-/// After a failed accept (out of file descriptors, say) before the next: never a busy loop on
-/// the thread start-up runs on.
+/// After a failed accept (out of file descriptors, say) before the next: never a busy loop.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// The answering task; [`Self::listener`] hands the listener on.
+/// The answering thread; [`Self::listener`] hands the listener on.
 pub struct Starting {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<std::io::Result<std::net::TcpListener>>,
+    handed: tokio::sync::oneshot::Receiver<std::io::Result<std::net::TcpListener>>,
 }
 
 impl Starting {
     /// Answers every connection on `listener` `503` until [`Self::listener`].
+    ///
+    /// On a thread of its own, with its own small runtime: start-up's steps include long
+    /// synchronous ones (SQLite's restart recovery reads every unfinished run), and answers made on
+    /// start-up's own thread waited for each of them, the very hang this is here to end.
     pub fn answer(listener: std::net::TcpListener) -> std::io::Result<Self> {
         listener.set_nonblocking(true)?;
-        let listener = tokio::net::TcpListener::from_std(listener)?;
-        let (stop, mut stopped) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(async move {
-            let answering = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_ANSWERING));
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = &mut stopped => break,
-                    accepted = listener.accept() => match accepted {
-                        Ok((conn, _)) => {
-                            if let Ok(permit) = answering.clone().try_acquire_owned() {
-                                tokio::spawn(async move {
-                                    answer_one(conn).await;
-                                    drop(permit);
-                                });
-                            }
-                        }
-                        Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
-                    },
-                }
-            }
-            // Connections that arrive from here on wait in the backlog for the API itself.
-            listener.into_std()
-        });
-        Ok(Self { stop, task })
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let (hand, handed) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("clawmux-starting".to_owned())
+            .spawn(move || runtime.block_on(answer_until_stopped(listener, stopped, hand)))?;
+        Ok(Self { stop, handed })
     }
 
     /// Stops answering and gives the listener back, for the API to serve on.
     pub async fn listener(self) -> std::io::Result<std::net::TcpListener> {
         let _ = self.stop.send(());
-        self.task.await.map_err(std::io::Error::other)?
+        self.handed.await.map_err(|_| std::io::Error::other("the starting port's thread ended without handing its listener on"))?
     }
+}
+
+async fn answer_until_stopped(
+    listener: std::net::TcpListener,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+    hand: tokio::sync::oneshot::Sender<std::io::Result<std::net::TcpListener>>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = hand.send(Err(e));
+            return;
+        }
+    };
+    let answering = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_ANSWERING));
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut stopped => break,
+            accepted = listener.accept() => match accepted {
+                Ok((conn, _)) => {
+                    if let Ok(permit) = answering.clone().try_acquire_owned() {
+                        tokio::spawn(async move {
+                            answer_one(conn).await;
+                            drop(permit);
+                        });
+                    }
+                }
+                Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
+            },
+        }
+    }
+    // Connections that arrive from here on wait in the backlog for the API itself.
+    let _ = hand.send(listener.into_std());
+    // The answers under way are finished (each is bounded) rather than cut off with this runtime:
+    // a reset instead of the `503` would look like the hang again.
+    let _ = answering.acquire_many(MAX_ANSWERING as u32).await;
 }
 
 /// The answer every request gets meanwhile.
@@ -137,5 +159,25 @@ mod tests {
         let _listener = starting.listener().await.expect("handed on");
         let conn = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await;
         assert!(matches!(conn, Ok(Ok(_))), "{conn:?}");
+    }
+
+    /// Answered while start-up's own thread is held by a synchronous step: the request here is
+    /// made with blocking I/O on the very thread that started the answering (a runtime of one
+    /// thread), which then runs nothing else until the answer came.
+    #[actix_rt::test]
+    async fn requests_are_answered_while_the_starting_thread_is_blocked() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let starting = Starting::answer(listener).expect("answer");
+        let mut conn = std::net::TcpStream::connect(addr).expect("connect");
+        conn.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").expect("request");
+        let mut answer = Vec::new();
+        let read = conn.read_to_end(&mut answer);
+        let head = String::from_utf8_lossy(&answer);
+        assert!(read.is_ok() && head.starts_with("HTTP/1.1 503 "), "{read:?}: {head}");
+        assert!(head.contains("retry-after: 1"), "{head}");
+        starting.listener().await.expect("handed on");
     }
 }
