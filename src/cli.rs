@@ -484,8 +484,12 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     println!("clawmux demo: API on http://{} , replay gateway on {url}", running.addr);
+    // A store named by the user may hold API keys: a loopback caller without credentials is then
+    // no longer the admin (docs/API.md), so the example run and the curl below without a key
+    // would each get `401`. Said here, once, rather than left to a bare `401`.
+    let needs_key = admin_token.is_none() && running.state.tenants.keys_seen.any(running.state.tenants.store.as_ref()).await.unwrap_or(false);
     // One run at once, so the runs page has something to show before the first curl.
-    let example = demo_example_run(running.addr, admin_token.as_ref()).await;
+    let example = !needs_key && demo_example_run(running.addr, admin_token.as_ref()).await;
     println!(
         "Runs page: http://{}/ui/ {}",
         running.addr,
@@ -494,6 +498,15 @@ async fn demo(mut cfg: Config, speed: f64) -> std::io::Result<()> {
     if admin_token.is_some() {
         println!("  (it asks for the token: paste CLAWMUX_API_TOKEN; it stays in that browser tab)");
     }
+    let auth = if needs_key {
+        println!(
+            "This store (CLAWMUX_STORE_URL) holds API keys, so a request without credentials is refused (401), even from this host:\n  \
+             send a key of the account (CLAWMUX_API_KEY below), or set CLAWMUX_API_TOKEN for the demo and send that (README: \"Tenants\")."
+        );
+        " -H \"Authorization: Bearer $CLAWMUX_API_KEY\""
+    } else {
+        auth
+    };
     println!("Stream a run (Ctrl-C stops the demo):");
     println!();
     println!(

@@ -800,3 +800,58 @@ async fn case_webhooks_are_retried_across_a_restart_accepted_once_signed_allow_l
     assert!(target.hits().is_empty(), "a redirect was followed");
     assert!(forbidden.hits().is_empty(), "a URL outside the allow-list was contacted");
 }
+
+/// `clawmux demo` on a store that holds API keys (the user named it) says that requests need a
+/// key, prints the curl with one, and starts no example run that would only get `401`. Before, it
+/// printed a curl without credentials and "it lists the runs you start": every request was `401`
+/// and nothing said why.
+#[test]
+fn the_demo_on_a_store_with_api_keys_says_requests_need_one() {
+    use std::io::BufRead;
+    let dir = temp_dir("demo-keys");
+    let store_url = format!("sqlite://{}", dir.join("runs.db").display());
+    let clawmux = |args: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_clawmux"));
+        c.args(args)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", &dir)
+            .env("CLAWMUX_DEVICE_IDENTITY", "off")
+            .env("CLAWMUX_LISTEN", "127.0.0.1:0")
+            .env("CLAWMUX_STORE_URL", &store_url);
+        c
+    };
+    let demo_says = |what: &str| {
+        let mut child = clawmux(&["demo"]).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().expect("demo starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut said = Vec::new();
+        while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+            let last = line.starts_with("  curl");
+            said.push(line);
+            if last {
+                break;
+            }
+        }
+        let _ = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        let _ = child.wait();
+        assert!(said.last().is_some_and(|l| l.starts_with("  curl")), "{what}: the demo printed no curl: {said:?}");
+        said.join("\n")
+    };
+    // Without keys: the loopback admin, an example run, a curl without credentials.
+    let before = demo_says("no keys");
+    assert!(before.contains("(one example run started)") && !before.contains("Authorization"), "{before}");
+    assert!(!before.contains("holds API keys"), "{before}");
+    let made = clawmux(&["keys", "create", "--name", "team-a", "--accounts", "demo-account"]).output().expect("keys create");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let after = demo_says("a key");
+    assert!(after.contains("holds API keys"), "{after}");
+    assert!(after.contains("Authorization: Bearer $CLAWMUX_API_KEY"), "{after}");
+    assert!(after.contains("(it lists the runs you start)") && !after.contains("example run started"), "{after}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
