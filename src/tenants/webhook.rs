@@ -131,10 +131,11 @@ pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secret
                     slots.done(id, &key);
                 }
             }
+            // Read also while every slot is taken: a slot that frees goes by the list as it is
+            // now. Before, a full set of slots kept the last list, and a key with nothing under
+            // way (a webhook queued meanwhile) waited until the receivers that never answer had
+            // been tried through all of it, a few attempt bounds later.
             _ = tick.tick() => {
-                if slots.free() == 0 {
-                    continue;
-                }
                 match store.due_deliveries(now_ms(), 64).await {
                     Ok(d) => pending = d.into(),
                     Err(e) => {
@@ -247,8 +248,23 @@ async fn attempt(client: &reqwest::Client, secrets: &dyn Secrets, item: &OutboxI
         Ok(r) if r.status().is_success() => DeliveryOutcome::Delivered,
         // A redirect is not followed: it is a failure like any other (the URL is what the admin allowed).
         Ok(r) => failed(format!("the receiver answered {}", r.status())),
-        Err(e) => failed(format!("cannot reach the receiver: {e}")),
+        Err(e) => failed(format!("cannot reach the receiver: {}", without_url(e))),
     }
+}
+
+/// A failed request's error and its causes, without its URL: reqwest's own text names the URL,
+/// and a receiver's URL may carry its capability (`https://hooks.example/T0/B0/<token>`), which
+/// must not reach the logs nor the delivery's stored error.
+fn without_url(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 #[cfg(test)]
@@ -369,6 +385,58 @@ mod tests {
         let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(0))), config()));
         until("the webhook behind the hanging receivers did not arrive", || seen.lock().expect("log").len() == 1).await;
         worker.abort();
+    }
+
+    /// A failed attempt's error, logged and stored with the delivery, names the cause and never
+    /// the receiver's URL (whose path may be its capability).
+    #[tokio::test]
+    async fn a_failed_attempt_never_records_the_receivers_url() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        queue(&store, "run-1", format!("http://{closed}/T000/B000/capability-secret?token=also-secret"), "k1").await;
+        let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(0))), config()));
+        let mut recorded = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while recorded.is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "no attempt was recorded");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            recorded = store.deliveries_of("run-1").await.expect("read").into_iter().filter_map(|d| d.3).collect();
+        }
+        worker.abort();
+        let error = &recorded[0];
+        assert!(error.starts_with("cannot reach the receiver: ") && error.len() > "cannot reach the receiver: ".len(), "{error}");
+        assert!(!error.contains("secret") && !error.contains(&closed.to_string()), "{error}");
+    }
+
+    /// Every slot taken by receivers that never answer: a webhook queued meanwhile for another key
+    /// gets the first slot that frees (about one attempt bound, 3 s here), not a turn after the
+    /// backlog the worker had listed before it was queued (three bounds and more).
+    #[tokio::test]
+    async fn a_freed_slot_goes_by_the_due_list_as_it_is_now() {
+        let (base, seen) = receiver().await;
+        let store = Arc::new(crate::store::memory::MemoryStore::new());
+        for k in 0..4 {
+            for i in 0..16 {
+                queue(&store, &format!("hang-{k}-{i}"), format!("{base}/hang"), &format!("k-hang-{k}")).await;
+            }
+        }
+        let cfg = DeliveryConfig { attempt_timeout: Duration::from_secs(3), ..config() };
+        let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(0))), cfg));
+        // All slots taken: the claims of 16 attempts are stored.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            assert!(tokio::time::Instant::now() < deadline, "the slots were not all taken");
+            if store.due_deliveries(now_ms(), 1000).await.expect("read").len() == 64 - CONCURRENT_ATTEMPTS {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let queued = tokio::time::Instant::now();
+        queue(&store, "run-ok", format!("{base}/ok"), "k-other").await;
+        until("the webhook queued behind the full slots did not arrive", || seen.lock().expect("log").len() == 1).await;
+        let waited = queued.elapsed();
+        worker.abort();
+        assert!(waited < Duration::from_millis(6_500), "waited {waited:?} for a freed slot");
     }
 
     fn item(id: i64, key: &str) -> OutboxItem {
