@@ -447,6 +447,8 @@ async fn fill_the_disk_while_runs_stream(disk: &SmallDisk, app: &Clawmux, http: 
             assert_eq!(end.data["code"], "internal", "{id}: {end:?}");
             let message = end.data["message"].as_str().unwrap_or_default();
             assert!(message.contains("run store") && message.contains("full"), "{id}: the message does not say why: {message:?}");
+            // The tenant is told why, never where: the operator's file path stays in the log.
+            assert!(!message.contains("runs.db") && !message.contains(&*std::env::temp_dir().to_string_lossy()), "{id}: the message names the store's file: {message:?}");
             internal += 1;
         }
     }

@@ -507,8 +507,10 @@ pub(super) async fn llm_calls(req: HttpRequest, path: web::Path<String>, state: 
     Ok(HttpResponse::Ok().json(LlmCalls { run_id, proxy: true, calls, truncated }))
 }
 
+/// The cause goes to the log only: it names the operator's audit file or database.
 fn audit_unavailable(e: impl std::fmt::Display) -> ApiError {
-    ApiError { retry_after: Some(2), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "audit_unavailable", format!("cannot read the LLM call audit log: {e}")) }
+    tracing::warn!(error = %e, "cannot read the LLM call audit log for a request");
+    ApiError { retry_after: Some(2), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "audit_unavailable", "cannot read the LLM call audit log right now; retry shortly") }
 }
 
 /// A document's `createdAt` in ms (0 when unreadable: then every audit file is read).
