@@ -355,7 +355,12 @@ pub(crate) async fn continue_runs(state: &web::Data<AppState>, stored: Vec<(Arc<
             Err(e) => {
                 // Ended, not lost: the run gets its terminal event and says why.
                 tracing::error!(run_id = %row.run_id, error = %e, "a stored run cannot be continued");
-                let msg = format!("clawmux could not continue the run (after a restart, a takeover or a store outage): {e}");
+                // A store's error names its file or server: the tenant gets its cause only.
+                let why = match &e {
+                    crate::admission::Refused::Store(se) => se.for_tenant().to_owned(),
+                    other => other.to_string(),
+                };
+                let msg = format!("clawmux could not continue the run (after a restart, a takeover or a store outage): {why}");
                 log.emit(RunEvent::Finished(RunOutcome::failed(ErrorCode::Internal, msg, String::new())));
             }
         }

@@ -568,7 +568,7 @@ impl RunLog {
             // store drops whatever else of the run it takes meanwhile, see `Write::Fail`).
             let id = st.events.last().map_or(st.stored.last_event_id, |e| e.id.max(st.stored.last_event_id)) + 1;
             st.next_id = id;
-            let message = format!("the run store cannot record this run ({}); the run was cancelled", tenant_reason(e));
+            let message = format!("the run store cannot record this run ({}); the run was cancelled", e.for_tenant());
             let data = serde_json::json!({"runId": self.run_id, "code": "internal", "message": message}).to_string();
             let event = StoredEvent { id, name: EventName::Error, data };
             let patch = RunPatch {
@@ -808,21 +808,6 @@ impl RunSink for RunLog {
     }
 }
 
-/// Why the store failed a run, as its tenant is told (the run's `error`, its event, its
-/// webhook): the storage engine's own words for the common causes, else a generic one. Never the
-/// whole error: it names the operator's database file or server, which the log has.
-fn tenant_reason(e: &StoreError) -> &'static str {
-    const KNOWN: [&str; 6] = [
-        "database or disk is full",
-        "No space left on device",
-        "disk I/O error",
-        "attempt to write a readonly database",
-        "database disk image is malformed",
-        "database is locked",
-    ];
-    KNOWN.into_iter().find(|k| e.0.contains(k)).unwrap_or("a storage error")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -838,9 +823,9 @@ mod tests {
     #[test]
     fn a_tenant_is_told_why_the_store_failed_never_where_it_is() {
         let full = StoreError("the run store /srv/operator-secret/runs.db: database or disk is full".to_owned());
-        assert_eq!(tenant_reason(&full), "database or disk is full");
+        assert_eq!(full.for_tenant(), "database or disk is full");
         let pg = StoreError("the run store postgres://clawmux@db.internal:5432/runs: error returned from database: relation \"x\" does not exist".to_owned());
-        assert_eq!(tenant_reason(&pg), "a storage error");
+        assert_eq!(pg.for_tenant(), "a storage error");
     }
 
     async fn live_run(run_id: &str) -> (Arc<RunStore>, Arc<RunLog>) {

@@ -514,6 +514,23 @@ pub enum Applied {
 #[error("{0}")]
 pub struct StoreError(pub String);
 
+impl StoreError {
+    /// Why the store failed, as a tenant is told (a run's `error`, its event, its webhook): the
+    /// storage engine's own words for the common causes, else a generic one. Never the whole
+    /// error: it names the operator's database file or server, which the log has.
+    pub fn for_tenant(&self) -> &'static str {
+        const KNOWN: [&str; 6] = [
+            "database or disk is full",
+            "No space left on device",
+            "disk I/O error",
+            "attempt to write a readonly database",
+            "database disk image is malformed",
+            "database is locked",
+        ];
+        KNOWN.into_iter().find(|k| self.0.contains(k)).unwrap_or("a storage error")
+    }
+}
+
 /// `GET /v1/runs`, validated.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ListQuery {
