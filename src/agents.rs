@@ -51,11 +51,14 @@ pub struct EphemeralSpec {
     /// Size of the workspace (a tmpfs: what the agent writes counts against `memory_bytes` too, so
     /// at most half of it).
     pub workspace_bytes: u64,
+    /// CPU limit in billionths of a CPU (Docker's `NanoCpus`): one tenant's agent spinning on
+    /// every core would slow every other run on the host, other tenants' containers and clawmux.
+    pub nano_cpus: i64,
 }
 
 impl EphemeralSpec {
     /// The spec's limits for an image: 600 s, 1024 MB, 256 processes, 4 MiB of output, a 512 MB
-    /// workspace.
+    /// workspace, 1 CPU.
     pub fn defaults(image: &str) -> Self {
         Self {
             image: image.to_owned(),
@@ -64,6 +67,7 @@ impl EphemeralSpec {
             pids: 256,
             output_bytes: 4 * 1024 * 1024,
             workspace_bytes: 512 * 1024 * 1024,
+            nano_cpus: 1_000_000_000,
         }
     }
 }
@@ -127,6 +131,7 @@ struct AgentEntry {
     pids: Option<u64>,
     output_bytes: Option<u64>,
     workspace_mb: Option<u64>,
+    cpus: Option<f64>,
 }
 
 fn main() -> String {
@@ -197,7 +202,7 @@ impl AgentRegistry {
             let workspace = positive("workspace_mb", e.workspace_mb)?;
             let ephemeral = match e.mode {
                 Mode::Gateway => {
-                    if e.image.is_some() || timeout.is_some() || memory.is_some() || pids.is_some() || output.is_some() || workspace.is_some() {
+                    if e.image.is_some() || timeout.is_some() || memory.is_some() || pids.is_some() || output.is_some() || workspace.is_some() || e.cpus.is_some() {
                         return Err(format!("{at}: image and limits apply to ephemeral variants only (the gateway has its own)"));
                     }
                     None
@@ -221,6 +226,14 @@ impl AgentRegistry {
                             return Err(format!("{at}: `memory_mb` must be 64 to 1048576"));
                         }
                         s.memory_bytes = i64::try_from(m * 1024 * 1024).map_err(|_| format!("{at}: `memory_mb` too large"))?;
+                    }
+                    if let Some(c) = e.cpus {
+                        // Docker's own bounds are the host's cores; 0.1 is the least that runs a
+                        // Node start-up in reasonable time.
+                        if !(c.is_finite() && (0.1..=1024.0).contains(&c)) {
+                            return Err(format!("{at}: `cpus` must be 0.1 to 1024"));
+                        }
+                        s.nano_cpus = (c * 1e9).round() as i64;
                     }
                     if let Some(p) = pids {
                         if !(16..=65_536).contains(&p) {
@@ -366,6 +379,7 @@ memory_mb = 256
 pids = 64
 output_bytes = 1000
 workspace_mb = 64
+cpus = 1.5
 "#,
             None,
         )
@@ -373,7 +387,7 @@ workspace_mb = 64
         assert_eq!(r.default_graph_id, "eph");
         assert_eq!(r.default_agent_id, "coder");
         let s = r.variant("eph").and_then(|a| a.ephemeral.clone()).expect("spec");
-        assert_eq!(s, EphemeralSpec { image: "img:1".into(), timeout: Duration::from_secs(30), memory_bytes: 256 << 20, pids: 64, output_bytes: 1000, workspace_bytes: 64 << 20 });
+        assert_eq!(s, EphemeralSpec { image: "img:1".into(), timeout: Duration::from_secs(30), memory_bytes: 256 << 20, pids: 64, output_bytes: 1000, workspace_bytes: 64 << 20, nano_cpus: 1_500_000_000 });
         assert!(r.variant("gw").is_some_and(|a| a.ephemeral.is_none()));
     }
 
@@ -405,6 +419,11 @@ workspace_mb = 64
             // Large enough to wrap when multiplied into bytes.
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\nworkspace_mb = 17592186044417", "half of `memory_mb` (512)"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\nworkspace_mb = 64", "ephemeral variants only"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\ncpus = 2", "ephemeral variants only"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\ncpus = 0", "0.1 to 1024"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\ncpus = -1.0", "0.1 to 1024"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\ncpus = nan", "0.1 to 1024"),
+            ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x\"\ncpus = 1e300", "0.1 to 1024"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"ephemeral\"\nimage = \"x y\"", "not an image"),
             ("[[agent]]\ngraph_id = \"a b\"\nmode = \"gateway\"", "must match"),
             ("[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"\n[[agent]]\ngraph_id = \"a\"\nmode = \"gateway\"", "twice"),
