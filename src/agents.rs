@@ -58,7 +58,7 @@ pub struct EphemeralSpec {
 
 impl EphemeralSpec {
     /// The spec's limits for an image: 600 s, 1024 MB, 256 processes, 4 MiB of output, a 512 MB
-    /// workspace, 1 CPU.
+    /// workspace, 2 CPUs.
     pub fn defaults(image: &str) -> Self {
         Self {
             image: image.to_owned(),
@@ -67,7 +67,7 @@ impl EphemeralSpec {
             pids: 256,
             output_bytes: 4 * 1024 * 1024,
             workspace_bytes: 512 * 1024 * 1024,
-            nano_cpus: 1_000_000_000,
+            nano_cpus: 2_000_000_000,
         }
     }
 }
