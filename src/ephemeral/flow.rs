@@ -224,13 +224,25 @@ impl Ephemeral {
     }
 
     async fn run_container(&self, job: &Job, live: &Switch, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> Contained {
+        // A create (and start) under way is let finish even when the run ends meanwhile (bounded
+        // by the engine client's timeout): dropping the request does not stop the engine, which
+        // then made the container after the removal that follows had found none, and it stayed
+        // until the next start of clawmux.
+        let start = self.runner.start(name, body);
+        tokio::pin!(start);
         let id = tokio::select! {
-            r = self.runner.start(name, body) => match r {
+            r = &mut start => match r {
                 Ok(id) => id,
                 Err(e) => return Contained::Ended(Err(e)),
             },
-            _ = live.cancel.cancelled() => return Contained::Cancelled,
-            _ = tokio::time::sleep_until(deadline) => return Contained::TimedOut,
+            _ = live.cancel.cancelled() => {
+                let _ = start.await;
+                return Contained::Cancelled;
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                let _ = start.await;
+                return Contained::TimedOut;
+            }
         };
         job.sink.emit(RunEvent::Accepted { gateway_run_id: name.to_owned() });
         let ended = tokio::select! {

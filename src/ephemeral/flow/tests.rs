@@ -24,6 +24,9 @@ enum Script {
     Gate(Arc<Notify>, Exit),
     /// Its image is missing.
     Missing,
+    /// The engine takes this long to create and start it, and does so even when the request is
+    /// dropped meanwhile (as Docker does); then it runs until removed.
+    SlowCreate(Duration),
 }
 
 #[derive(Default)]
@@ -40,8 +43,8 @@ struct Seen {
 
 struct FakeRunner {
     scripts: Mutex<std::collections::HashMap<String, Script>>,
-    seen: Mutex<Seen>,
-    running: AtomicUsize,
+    seen: Arc<Mutex<Seen>>,
+    running: Arc<AtomicUsize>,
     max_running: AtomicUsize,
     removed: Notify,
     orphans: Vec<String>,
@@ -51,8 +54,8 @@ impl FakeRunner {
     fn new() -> Arc<Self> {
         Arc::new(Self {
             scripts: Mutex::new(Default::default()),
-            seen: Mutex::new(Seen::default()),
-            running: AtomicUsize::new(0),
+            seen: Arc::new(Mutex::new(Seen::default())),
+            running: Arc::new(AtomicUsize::new(0)),
             max_running: AtomicUsize::new(0),
             removed: Notify::new(),
             orphans: vec!["/old-1".into()],
@@ -73,8 +76,21 @@ impl FakeRunner {
 #[async_trait]
 impl Runner for FakeRunner {
     async fn start(&self, name: &str, body: bollard::models::ContainerCreateBody) -> Result<String, RunnerError> {
-        if let Script::Missing = self.script_of(name) {
-            return Err(RunnerError::MissingImage(body.image.clone().unwrap_or_default()));
+        match self.script_of(name) {
+            Script::Missing => return Err(RunnerError::MissingImage(body.image.clone().unwrap_or_default())),
+            Script::SlowCreate(took) => {
+                let (seen, running, name) = (self.seen.clone(), self.running.clone(), name.to_owned());
+                let (made, was_made) = tokio::sync::oneshot::channel();
+                // The engine's side: not cancelled with the request.
+                tokio::spawn(async move {
+                    tokio::time::sleep(took).await;
+                    running.fetch_add(1, Ordering::SeqCst);
+                    seen.lock().expect("lock").started.push(name.clone());
+                    let _ = made.send(name);
+                });
+                return was_made.await.map_err(|_| RunnerError::Engine("the fake engine stopped".to_owned()));
+            }
+            _ => {}
         }
         let binds = body.host_config.as_ref().and_then(|h| h.binds.clone()).unwrap_or_default();
         let input = binds[0].split(':').next().unwrap_or_default().to_owned();
@@ -101,7 +117,7 @@ impl Runner for FakeRunner {
                 n.notified().await;
                 Ok(e)
             }
-            Script::Hang | Script::Missing => std::future::pending().await,
+            Script::Hang | Script::Missing | Script::SlowCreate(_) => std::future::pending().await,
         }
     }
 
@@ -442,6 +458,26 @@ async fn abort_and_client_disconnect_remove_the_container_at_once() {
     let ends = e.reported(2).await;
     assert_eq!(ends, [("r-abort".to_owned(), Some(RunStatus::Aborted)), ("r-gone".to_owned(), Some(RunStatus::Aborted))]);
     assert_eq!(e.leftover_dirs(), 0);
+}
+
+/// A run aborted, or over its deadline, while the engine still creates its container: the
+/// container the engine made after all is removed with the run, not left until the next start.
+#[actix_rt::test]
+async fn a_run_ended_while_its_container_is_created_leaves_no_container() {
+    let e = env(4);
+    e.runner.script("r-abort-create", Script::SlowCreate(Duration::from_millis(300)));
+    e.runner.script("r-late-create", Script::SlowCreate(Duration::from_millis(1500)));
+    let aborted = e.run("r-abort-create", LONG);
+    let late = e.run("r-late-create", Duration::from_secs(1));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    aborted.cancel(CancelReason::Api);
+    assert_eq!(aborted.outcome().await.status, RunStatus::Aborted);
+    assert_eq!(late.outcome().await.status, RunStatus::Timeout);
+    // Past both creates, were they still under way.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let (started, removed) = e.runner.seen(|s| (s.started.clone(), s.removed.clone()));
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert_eq!(e.runner.running.load(Ordering::SeqCst), 0, "a container was left behind: started {started:?}, removed {removed:?}");
 }
 
 #[actix_rt::test]
