@@ -622,6 +622,49 @@ async fn tenant_rows_round_trip(s: Arc<dyn Store>, t: Arc<dyn super::tenants::Te
     assert_eq!(due, want, "{kind}");
 }
 
+/// A tenant with many keys, each with a retry due (a receiver that never answers), does not
+/// crowd another key's first attempt out of the due list: 64 retries, older than it, and a list
+/// of 64.
+async fn retries_of_many_keys_never_crowd_out_a_first_attempt(s: Arc<dyn Store>, t: Arc<dyn super::tenants::TenantStore>) {
+    let kind = s.kind();
+    let end = |id: &str, key: &str| Write::Append {
+        run_id: id.into(),
+        event: Some(event(1, EventName::Final, "{}")),
+        patch: finish(5),
+        webhook: Some(NewDelivery { url: "https://hooks.example.com/k".into(), key_id: Some(key.into()), body: "{}".into() }),
+    };
+    for i in 0..64 {
+        let id = format!("run-crowd-{i}");
+        insert(&*s, row(&id, "acct-crowd", 1)).await;
+        s.apply(&[end(&id, &format!("k-crowd-{i}"))]).await.expect("end");
+    }
+    for d in t.due_deliveries(super::now_ms() + 1_000, 64).await.expect("due") {
+        t.record_delivery(d.id, &super::tenants::DeliveryOutcome::Retry { next_at_ms: 0, error: "timed out".into() }, 1).await.expect("retry");
+    }
+    insert(&*s, row("run-victim", "acct-v", 1)).await;
+    s.apply(&[end("run-victim", "k-victim")]).await.expect("end");
+    let due = t.due_deliveries(super::now_ms() + 1_000, 64).await.expect("due");
+    assert_eq!(due.len(), 64, "{kind}");
+    assert_eq!(due[0].run_id, "run-victim", "{kind}: the first attempt goes first");
+}
+
+#[tokio::test]
+async fn retries_of_many_keys_never_crowd_out_a_first_attempt_on_memory_and_sqlite() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = Arc::new(SqliteStore::open(&dir.path().join("runs.db")).await.expect("sqlite opens"));
+    retries_of_many_keys_never_crowd_out_a_first_attempt(sqlite.clone(), sqlite).await;
+    let memory = Arc::new(MemoryStore::new());
+    retries_of_many_keys_never_crowd_out_a_first_attempt(memory.clone(), memory).await;
+}
+
+#[tokio::test]
+async fn pg_retries_of_many_keys_never_crowd_out_a_first_attempt() {
+    if let Some(url) = pg_url("pg_retries_of_many_keys_never_crowd_out").await {
+        let pg = Arc::new(open_pg(&url).await);
+        retries_of_many_keys_never_crowd_out_a_first_attempt(pg.clone(), pg).await;
+    }
+}
+
 #[tokio::test]
 async fn tenant_rows_round_trip_on_memory_and_sqlite() {
     let dir = tempfile::tempdir().expect("temp dir");

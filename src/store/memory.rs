@@ -304,7 +304,7 @@ impl TenantStore for MemoryStore {
     }
 
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
-        // Numbered per key in id order, then taken by (number, id), as the SQL stores do.
+        // Numbered per key in id order, then taken by (number, attempts, id), as the SQL stores do.
         let mut per_key: HashMap<Option<String>, usize> = HashMap::new();
         let st = self.lock();
         let mut due: Vec<(usize, i64, &OutboxItem)> = st
@@ -318,7 +318,7 @@ impl TenantStore for MemoryStore {
             })
             .filter(|(n, _, _)| *n <= super::tenants::DUE_PER_KEY)
             .collect();
-        due.sort_by_key(|(n, id, _)| (*n, *id));
+        due.sort_by_key(|(n, id, o)| (*n, o.attempts, *id));
         Ok(due.into_iter().take(limit).map(|(_, _, o)| o.clone()).collect())
     }
 

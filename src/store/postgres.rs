@@ -1174,7 +1174,7 @@ impl TenantStore for PgStore {
             "SELECT o.id, o.run_id, o.url, o.key_id, o.body, o.attempts, o.created_at FROM webhook_outbox o JOIN \
              (SELECT id, ROW_NUMBER() OVER (PARTITION BY key_id ORDER BY id) AS nth FROM webhook_outbox \
               WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1) d ON d.id = o.id \
-             WHERE d.nth <= $3 ORDER BY d.nth, d.id LIMIT $2",
+             WHERE d.nth <= $3 ORDER BY d.nth, o.attempts, d.id LIMIT $2",
         )
         .bind(now_ms)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
