@@ -252,6 +252,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
             poll: Duration::from_millis(250),
             max_age: Duration::from_secs(cfg.webhook_max_age_sec),
             attempt_timeout: Duration::from_secs(10),
+            allow: crate::tenants::webhook::Allow::parse(&cfg.webhook_allow),
         },
     ));
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);

@@ -15,6 +15,7 @@
 pub mod budget;
 pub mod keys;
 pub mod loopback;
+pub mod receiver_dns;
 pub mod webhook;
 
 use crate::config::Secret;

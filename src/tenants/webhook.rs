@@ -29,6 +29,20 @@ impl Allow {
         self.0.is_empty()
     }
 
+    /// The addresses the list names itself (`127.0.0.1:9000`, `[::1]`): a host name that
+    /// resolves to one of them may lead there even when it is loopback (see [`super::receiver_dns`]).
+    pub fn addresses(&self) -> Vec<std::net::IpAddr> {
+        self.0
+            .iter()
+            .filter_map(|p| {
+                if let Some(v6) = p.strip_prefix('[') {
+                    return v6.split_once(']').and_then(|(ip, _)| ip.parse().ok());
+                }
+                p.parse().ok().or_else(|| p.rsplit_once(':').and_then(|(host, _)| host.parse().ok()))
+            })
+            .collect()
+    }
+
     /// Checks a webhook URL: `http(s)`, no credentials, a host the list allows. Returns why not.
     pub fn check(&self, url: &str) -> Result<(), String> {
         let u = reqwest::Url::parse(url).map_err(|e| format!("is not a URL ({e})"))?;
@@ -97,6 +111,9 @@ pub struct DeliveryConfig {
     pub max_age: Duration,
     /// One attempt's bound.
     pub attempt_timeout: Duration,
+    /// The allow-list: its addresses are the only loopback or link-local ones a receiver's host
+    /// name may resolve to.
+    pub allow: Allow,
 }
 
 /// How much longer than one attempt's bound a delivery stays taken by the replica attempting it.
@@ -104,7 +121,13 @@ const CLAIM_MARGIN_MS: i64 = 5_000;
 
 /// Delivers due webhooks until the process ends.
 pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secrets>, cfg: DeliveryConfig) {
-    let client = match reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).timeout(cfg.attempt_timeout).build() {
+    let resolver = super::receiver_dns::GuardedResolver { listed: Arc::new(cfg.allow.addresses()) };
+    let client = match reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(cfg.attempt_timeout)
+        .dns_resolver(Arc::new(resolver))
+        .build()
+    {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot build the webhook client; no webhook is delivered");
@@ -346,7 +369,7 @@ mod tests {
     }
 
     fn config() -> DeliveryConfig {
-        DeliveryConfig { poll: Duration::from_millis(50), max_age: Duration::from_secs(3600), attempt_timeout: Duration::from_secs(30) }
+        DeliveryConfig { poll: Duration::from_millis(50), max_age: Duration::from_secs(3600), attempt_timeout: Duration::from_secs(30), allow: Allow::default() }
     }
 
     async fn until(what: &str, mut done: impl FnMut() -> bool) {
@@ -437,6 +460,45 @@ mod tests {
         let waited = queued.elapsed();
         worker.abort();
         assert!(waited < Duration::from_millis(6_500), "waited {waited:?} for a freed slot");
+    }
+
+    #[test]
+    fn the_allow_list_names_its_addresses() {
+        let a = Allow::parse("hooks.example.com, *.acme.io ,127.0.0.1:8080, 10.0.0.5, [::1]:9000, [fe80::1]");
+        let want: Vec<std::net::IpAddr> = ["127.0.0.1", "10.0.0.5", "::1", "fe80::1"].iter().map(|i| i.parse().expect("ip")).collect();
+        assert_eq!(a.addresses(), want);
+    }
+
+    /// An allowed host name whose DNS leads to this host's loopback (a tenant's name pointed at
+    /// clawmux's own ports, say) is not posted to, and the stored error says why; listing the
+    /// address itself allows it.
+    #[tokio::test]
+    async fn a_host_name_that_resolves_to_loopback_is_posted_to_only_when_its_address_is_listed() {
+        let (base, seen) = receiver().await;
+        let port = base.rsplit(':').next().expect("port").to_owned();
+        let by_name = format!("http://localhost:{port}/by-name");
+        for (listed, delivered) in [(format!("localhost:{port}"), false), (format!("localhost:{port},127.0.0.1:{port},[::1]:{port}"), true)] {
+            let store = Arc::new(crate::store::memory::MemoryStore::new());
+            queue(&store, "run-1", by_name.clone(), "k1").await;
+            let cfg = DeliveryConfig { allow: Allow::parse(&listed), ..config() };
+            let worker = tokio::spawn(run_deliveries(store.clone(), Arc::new(Flaky(AtomicUsize::new(0))), cfg));
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            let outcome = loop {
+                assert!(tokio::time::Instant::now() < deadline, "{listed}: no attempt was recorded");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let d = store.deliveries_of("run-1").await.expect("read");
+                if d.iter().any(|d| d.1 || d.3.is_some()) {
+                    break d;
+                }
+            };
+            worker.abort();
+            assert_eq!(outcome[0].1, delivered, "{listed}: {outcome:?}");
+            if !delivered {
+                let error = outcome[0].3.clone().unwrap_or_default();
+                assert!(error.contains("loopback") && error.contains("CLAWMUX_WEBHOOK_ALLOW"), "{error}");
+            }
+        }
+        assert_eq!(seen.lock().expect("log").as_slice(), ["/by-name"], "posted to only once listed");
     }
 
     fn item(id: i64, key: &str) -> OutboxItem {
