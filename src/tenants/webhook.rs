@@ -29,16 +29,26 @@ impl Allow {
         self.0.is_empty()
     }
 
-    /// The addresses the list names itself (`127.0.0.1:9000`, `[::1]`): a host name that
-    /// resolves to one of them may lead there even when it is loopback (see [`super::receiver_dns`]).
-    pub fn addresses(&self) -> Vec<std::net::IpAddr> {
+    /// The addresses the list names itself, with their ports (`127.0.0.1:9000`, `[::1]`: any
+    /// port): a host name that resolves to one of them may lead there on that port even when it
+    /// is loopback (see [`super::receiver_dns`]).
+    pub fn addresses(&self) -> Vec<(std::net::IpAddr, Option<u16>)> {
         self.0
             .iter()
             .filter_map(|p| {
                 if let Some(v6) = p.strip_prefix('[') {
-                    return v6.split_once(']').and_then(|(ip, _)| ip.parse().ok());
+                    let (ip, rest) = v6.split_once(']')?;
+                    let port = match rest.strip_prefix(':') {
+                        Some(pt) => Some(pt.parse().ok()?),
+                        None => None,
+                    };
+                    return Some((ip.parse().ok()?, port));
                 }
-                p.parse().ok().or_else(|| p.rsplit_once(':').and_then(|(host, _)| host.parse().ok()))
+                if let Ok(ip) = p.parse() {
+                    return Some((ip, None));
+                }
+                let (host, pt) = p.rsplit_once(':')?;
+                Some((host.parse().ok()?, Some(pt.parse().ok()?)))
             })
             .collect()
     }
@@ -121,13 +131,7 @@ const CLAIM_MARGIN_MS: i64 = 5_000;
 
 /// Delivers due webhooks until the process ends.
 pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secrets>, cfg: DeliveryConfig) {
-    let resolver = super::receiver_dns::GuardedResolver { listed: Arc::new(cfg.allow.addresses()) };
-    let client = match reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .timeout(cfg.attempt_timeout)
-        .dns_resolver(Arc::new(resolver))
-        .build()
-    {
+    let client = match reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).timeout(cfg.attempt_timeout).build() {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot build the webhook client; no webhook is delivered");
@@ -257,8 +261,14 @@ async fn attempt(client: &reqwest::Client, secrets: &dyn Secrets, item: &OutboxI
         Ok(None) => return DeliveryOutcome::GaveUp { error: "no signing secret (the key is gone, or CLAWMUX_WEBHOOK_SECRET is unset)".to_owned() },
         Err(e) => return failed(format!("cannot read the signing secret: {e}")),
     };
+    let pinned = match pinned_client(item, cfg).await {
+        Ok(c) => c,
+        Err(e) => return failed(e),
+    };
     let t = now_ms() / 1000;
-    let sent = client
+    let sent = pinned
+        .as_ref()
+        .unwrap_or(client)
         .post(&item.url)
         .header("content-type", "application/json")
         .header("x-clawmux-signature", signature(&secret, t, &item.body))
@@ -273,6 +283,27 @@ async fn attempt(client: &reqwest::Client, secrets: &dyn Secrets, item: &OutboxI
         Ok(r) => failed(format!("the receiver answered {}", r.status())),
         Err(e) => failed(format!("cannot reach the receiver: {}", without_url(e))),
     }
+}
+
+/// For a receiver given by host name (and no HTTP proxy): a client that connects only to the
+/// addresses [`super::receiver_dns::resolve`] leaves of the name, pinned for this attempt. `None`:
+/// the shared client serves (an address in the URL, which the allow-list checked itself, or a
+/// proxy, which resolves).
+async fn pinned_client(item: &OutboxItem, cfg: &DeliveryConfig) -> Result<Option<reqwest::Client>, String> {
+    let url = reqwest::Url::parse(&item.url).map_err(|e| format!("is not a URL ({e})"))?;
+    let Some(host) = url.domain() else { return Ok(None) };
+    if super::receiver_dns::proxied(&|k| std::env::var(k).ok()) {
+        return Ok(None);
+    }
+    let port = url.port_or_known_default().unwrap_or(0);
+    let addrs = super::receiver_dns::resolve(host, port, &cfg.allow.addresses()).await?;
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(cfg.attempt_timeout)
+        .resolve_to_addrs(host, &addrs)
+        .build()
+        .map(Some)
+        .map_err(|e| format!("cannot build the webhook client: {}", without_url(e)))
 }
 
 /// A failed request's error and its causes, without its URL: reqwest's own text names the URL,
@@ -465,7 +496,8 @@ mod tests {
     #[test]
     fn the_allow_list_names_its_addresses() {
         let a = Allow::parse("hooks.example.com, *.acme.io ,127.0.0.1:8080, 10.0.0.5, [::1]:9000, [fe80::1]");
-        let want: Vec<std::net::IpAddr> = ["127.0.0.1", "10.0.0.5", "::1", "fe80::1"].iter().map(|i| i.parse().expect("ip")).collect();
+        let want: Vec<(std::net::IpAddr, Option<u16>)> =
+            [("127.0.0.1", Some(8080)), ("10.0.0.5", None), ("::1", Some(9000)), ("fe80::1", None)].iter().map(|(i, p)| (i.parse().expect("ip"), *p)).collect();
         assert_eq!(a.addresses(), want);
     }
 
@@ -477,7 +509,8 @@ mod tests {
         let (base, seen) = receiver().await;
         let port = base.rsplit(':').next().expect("port").to_owned();
         let by_name = format!("http://localhost:{port}/by-name");
-        for (listed, delivered) in [(format!("localhost:{port}"), false), (format!("localhost:{port},127.0.0.1:{port},[::1]:{port}"), true)] {
+        // The address listed with another port opens nothing on this one.
+        for (listed, delivered) in [(format!("localhost:{port},127.0.0.1:1,[::1]:1"), false), (format!("localhost:{port},127.0.0.1:{port},[::1]:{port}"), true)] {
             let store = Arc::new(crate::store::memory::MemoryStore::new());
             queue(&store, "run-1", by_name.clone(), "k1").await;
             let cfg = DeliveryConfig { allow: Allow::parse(&listed), ..config() };
