@@ -58,7 +58,7 @@ pub struct EphemeralSpec {
 
 impl EphemeralSpec {
     /// The spec's limits for an image: 600 s, 1024 MB, 256 processes, 4 MiB of output, a 512 MB
-    /// workspace, 2 CPUs.
+    /// workspace, two CPUs (see [`default_nano_cpus`]).
     pub fn defaults(image: &str) -> Self {
         Self {
             image: image.to_owned(),
@@ -67,9 +67,18 @@ impl EphemeralSpec {
             pids: 256,
             output_bytes: 4 * 1024 * 1024,
             workspace_bytes: 512 * 1024 * 1024,
-            nano_cpus: 2_000_000_000,
+            nano_cpus: default_nano_cpus(),
         }
     }
+}
+
+/// Two CPUs, or all of a smaller host's (Docker refuses a limit above the engine's cores, which
+/// made every run of a one-CPU host fail): OpenClaw's cold start uses more than one core (with
+/// one, a run took twice as long), and one tenant's agent still cannot take every core of a
+/// larger host.
+pub fn default_nano_cpus() -> i64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(2);
+    cores as i64 * 1_000_000_000
 }
 
 /// One agent variant a run can name.

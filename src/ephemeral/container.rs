@@ -203,7 +203,8 @@ mod tests {
         assert_eq!(h.memory, Some(1024 * 1024 * 1024));
         assert_eq!(h.memory_swap, h.memory, "no swap beyond the limit");
         assert_eq!(h.pids_limit, Some(256));
-        assert_eq!(h.nano_cpus, Some(2_000_000_000), "two CPUs by default");
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(2) as i64;
+        assert_eq!(h.nano_cpus, Some(cores * 1_000_000_000), "two CPUs by default, or the host's one");
         assert_eq!(b.user.as_deref(), Some("1000:1000"));
         assert!(h.port_bindings.is_none() && h.mounts.is_none() && h.devices.is_none());
         let env = b.env.clone().expect("env");
