@@ -224,23 +224,35 @@ impl Ephemeral {
     }
 
     async fn run_container(&self, job: &Job, live: &Switch, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> Contained {
-        // A create (and start) under way is let finish even when the run ends meanwhile (bounded
-        // by the engine client's timeout): dropping the request does not stop the engine, which
-        // then made the container after the removal that follows had found none, and it stayed
-        // until the next start of clawmux.
-        let start = self.runner.start(name, body);
-        tokio::pin!(start);
+        // The create and start go on in a task of their own, which outlives the run when it ends
+        // meanwhile and then removes what the engine made: dropping the request does not stop the
+        // engine, which made the container after the removal below had found none, left until
+        // the next start. The run's end does not wait for the engine (up to its client's timeout).
+        let start = {
+            let (runner, name) = (self.runner.clone(), name.to_owned());
+            tokio::spawn(async move { runner.start(&name, body).await })
+        };
+        let abandon = |start: tokio::task::JoinHandle<Result<String, super::runner::RunnerError>>| {
+            let (runner, name) = (self.runner.clone(), name.to_owned());
+            tokio::spawn(async move {
+                if let Ok(Ok(_)) = start.await {
+                    runner.remove(&name).await;
+                }
+            });
+        };
+        let mut start = start;
         let id = tokio::select! {
             r = &mut start => match r {
-                Ok(id) => id,
-                Err(e) => return Contained::Ended(Err(e)),
+                Ok(Ok(id)) => id,
+                Ok(Err(e)) => return Contained::Ended(Err(e)),
+                Err(e) => return Contained::Failed(format!("the container's start did not finish: {e}")),
             },
             _ = live.cancel.cancelled() => {
-                let _ = start.await;
+                abandon(start);
                 return Contained::Cancelled;
             }
             _ = tokio::time::sleep_until(deadline) => {
-                let _ = start.await;
+                abandon(start);
                 return Contained::TimedOut;
             }
         };

@@ -32,6 +32,8 @@ enum Script {
 #[derive(Default)]
 struct Seen {
     started: Vec<String>,
+    /// Started and not removed since (a removal before the engine made it finds nothing).
+    alive: std::collections::HashSet<String>,
     removed: Vec<String>,
     /// Prompt and config as the container would find them at start.
     files: Vec<(String, serde_json::Value)>,
@@ -85,7 +87,10 @@ impl Runner for FakeRunner {
                 tokio::spawn(async move {
                     tokio::time::sleep(took).await;
                     running.fetch_add(1, Ordering::SeqCst);
-                    seen.lock().expect("lock").started.push(name.clone());
+                    let mut seen = seen.lock().expect("lock");
+                    seen.started.push(name.clone());
+                    seen.alive.insert(name.clone());
+                    drop(seen);
                     let _ = made.send(name);
                 });
                 return was_made.await.map_err(|_| RunnerError::Engine("the fake engine stopped".to_owned()));
@@ -105,6 +110,7 @@ impl Runner for FakeRunner {
         let mut seen = self.seen.lock().expect("lock");
         seen.dir_modes.push(mode);
         seen.started.push(name.to_owned());
+        seen.alive.insert(name.to_owned());
         seen.files.push((prompt, config));
         seen.bodies.push(body);
         Ok(name.to_owned())
@@ -123,7 +129,7 @@ impl Runner for FakeRunner {
 
     async fn remove(&self, id: &str) {
         let mut seen = self.seen.lock().expect("lock");
-        if seen.started.iter().any(|s| s == id) && !seen.removed.iter().any(|s| s == id) {
+        if seen.alive.remove(id) {
             self.running.fetch_sub(1, Ordering::SeqCst);
         }
         seen.removed.push(id.to_owned());
@@ -460,24 +466,28 @@ async fn abort_and_client_disconnect_remove_the_container_at_once() {
     assert_eq!(e.leftover_dirs(), 0);
 }
 
-/// A run aborted, or over its deadline, while the engine still creates its container: the
-/// container the engine made after all is removed with the run, not left until the next start.
+/// A run aborted, or over its deadline, while the engine still creates its container: the run
+/// ends at once (it does not wait for the engine), and the container the engine made after all
+/// is removed then, not left until the next start.
 #[actix_rt::test]
 async fn a_run_ended_while_its_container_is_created_leaves_no_container() {
     let e = env(4);
-    e.runner.script("r-abort-create", Script::SlowCreate(Duration::from_millis(300)));
-    e.runner.script("r-late-create", Script::SlowCreate(Duration::from_millis(1500)));
+    e.runner.script("r-abort-create", Script::SlowCreate(Duration::from_millis(2000)));
+    e.runner.script("r-late-create", Script::SlowCreate(Duration::from_millis(2500)));
     let aborted = e.run("r-abort-create", LONG);
     let late = e.run("r-late-create", Duration::from_secs(1));
     tokio::time::sleep(Duration::from_millis(100)).await;
     aborted.cancel(CancelReason::Api);
     assert_eq!(aborted.outcome().await.status, RunStatus::Aborted);
     assert_eq!(late.outcome().await.status, RunStatus::Timeout);
-    // Past both creates, were they still under way.
-    tokio::time::sleep(Duration::from_millis(1600)).await;
-    let (started, removed) = e.runner.seen(|s| (s.started.clone(), s.removed.clone()));
-    assert_eq!(started.len(), 2, "{started:?}");
-    assert_eq!(e.runner.running.load(Ordering::SeqCst), 0, "a container was left behind: started {started:?}, removed {removed:?}");
+    assert!(e.runner.seen(|s| s.started.is_empty()), "the runs' ends waited for the engine's creates");
+    // Past both creates.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while e.runner.seen(|s| s.started.len()) < 2 || e.runner.running.load(Ordering::SeqCst) > 0 {
+        let (started, removed) = e.runner.seen(|s| (s.started.clone(), s.removed.clone()));
+        assert!(std::time::Instant::now() < deadline, "a container was left behind: started {started:?}, removed {removed:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[actix_rt::test]
