@@ -646,6 +646,15 @@ async fn retries_of_many_keys_never_crowd_out_a_first_attempt(s: Arc<dyn Store>,
     let due = t.due_deliveries(super::now_ms() + 1_000, 64).await.expect("due");
     assert_eq!(due.len(), 64, "{kind}");
     assert_eq!(due[0].run_id, "run-victim", "{kind}: the first attempt goes first");
+    assert_eq!(due[1].run_id, "run-crowd-0", "{kind}: then the oldest retry");
+    // And the other way round: first attempts of 64 keys leave the retries a turn each.
+    for i in 0..64 {
+        let id = format!("run-new-{i}");
+        insert(&*s, row(&id, "acct-new", 1)).await;
+        s.apply(&[end(&id, &format!("k-new-{i}"))]).await.expect("end");
+    }
+    let due: Vec<String> = t.due_deliveries(super::now_ms() + 1_000, 8).await.expect("due").into_iter().map(|d| d.run_id).collect();
+    assert_eq!(due, ["run-victim", "run-crowd-0", "run-new-0", "run-crowd-1", "run-new-1", "run-crowd-2", "run-new-2", "run-crowd-3"], "{kind}");
 }
 
 #[tokio::test]

@@ -304,7 +304,7 @@ impl TenantStore for MemoryStore {
     }
 
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError> {
-        // Numbered per key in id order, then taken by (number, attempts, id), as the SQL stores do.
+        // Numbered per key in id order, then taken by (number, id), as the SQL stores do.
         let mut per_key: HashMap<Option<String>, usize> = HashMap::new();
         let st = self.lock();
         let mut due: Vec<(usize, i64, &OutboxItem)> = st
@@ -318,8 +318,19 @@ impl TenantStore for MemoryStore {
             })
             .filter(|(n, _, _)| *n <= super::tenants::DUE_PER_KEY)
             .collect();
-        due.sort_by_key(|(n, id, o)| (*n, o.attempts, *id));
-        Ok(due.into_iter().take(limit).map(|(_, _, o)| o.clone()).collect())
+        // Then first attempts and retries taken in turns (each class in that order).
+        due.sort_by_key(|(n, id, _)| (*n, *id));
+        let mut in_class = [0usize; 2];
+        let mut turns: Vec<(usize, bool, i64, &OutboxItem)> = due
+            .into_iter()
+            .map(|(_, id, o)| {
+                let retry = o.attempts > 0;
+                in_class[usize::from(retry)] += 1;
+                (in_class[usize::from(retry)], retry, id, o)
+            })
+            .collect();
+        turns.sort_by_key(|(k, retry, id, _)| (*k, *retry, *id));
+        Ok(turns.into_iter().take(limit).map(|(_, _, _, o)| o.clone()).collect())
     }
 
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, _at_ms: i64) -> Result<(), StoreError> {

@@ -183,9 +183,10 @@ pub trait TenantStore: Send + Sync + 'static {
     /// Deliveries due at `now_ms`, round-robin across keys (each key's oldest, then each key's
     /// second oldest, ...; the admin token's count as one key), at most [`DUE_PER_KEY`] of one
     /// key: one tenant's backlog (a receiver that never answers) cannot fill the list every
-    /// other tenant's deliveries wait behind. Within one round, first attempts go before retries:
-    /// a tenant with many keys (an admin key makes as many as it likes), each with a retry due,
-    /// would otherwise fill the list with older ids than a first attempt's.
+    /// other tenant's deliveries wait behind. First attempts and retries are taken in turns (each
+    /// in that order): a tenant with many keys (an admin key makes as many as it likes), each with
+    /// a retry due, would otherwise fill the list with older ids than a first attempt's; and
+    /// first attempts alone first would leave retries out for as long as new webhooks keep coming.
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError>;
     /// Takes a delivery that is due at `now_ms` for one attempt, until `until_ms`: false when
     /// another replica's delivery loop took it first (or it is not due any more), so replicas
