@@ -7,9 +7,10 @@
 //! what is left (pinned: a second answer of the DNS is never asked for). Private networks stay
 //! reachable: receivers on them are ordinary.
 //!
-//! Behind an HTTP proxy (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`) the proxy resolves the name
-//! and connects: the check is then the proxy's, and this one is not made (the host may not even
-//! resolve names outside).
+//! The check is made whether or not an HTTP proxy is configured (`HTTPS_PROXY` and the like: a
+//! URL the proxy does not take, for its scheme or `NO_PROXY`, is connected to directly). Only a
+//! name that does not resolve here at all is left to the proxy, when one is configured: the
+//! proxy resolves what it forwards, and this host may not resolve names outside.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -46,17 +47,32 @@ pub fn usable(resolved: &[SocketAddr], port: u16, listed: &[(IpAddr, Option<u16>
         .collect()
 }
 
-/// Resolves `host` for a delivery to `port`: the addresses it may connect to, or why none.
-pub async fn resolve(host: &str, port: u16, listed: &[(IpAddr, Option<u16>)]) -> Result<Vec<SocketAddr>, String> {
-    let all: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await.map_err(|e| format!("cannot resolve {host}: {e}"))?.collect();
+/// What a receiver's host name resolved to, for a delivery.
+#[derive(Debug, PartialEq)]
+pub enum Resolved {
+    /// The addresses it may connect to.
+    Usable(Vec<SocketAddr>),
+    /// Only guarded addresses, none listed: why.
+    Guarded(String),
+    /// It did not resolve (in time): why.
+    Failed(String),
+}
+
+/// Resolves `host` for a delivery to `port`, within `within`.
+pub async fn resolve(host: &str, port: u16, listed: &[(IpAddr, Option<u16>)], within: std::time::Duration) -> Resolved {
+    let all: Vec<SocketAddr> = match tokio::time::timeout(within, tokio::net::lookup_host((host, port))).await {
+        Ok(Ok(a)) => a.collect(),
+        Ok(Err(e)) => return Resolved::Failed(format!("cannot resolve {host}: {e}")),
+        Err(_) => return Resolved::Failed(format!("cannot resolve {host}: no answer within {} s", within.as_secs_f64())),
+    };
     let ok = usable(&all, port, listed);
     if ok.is_empty() {
-        return Err(format!(
+        return Resolved::Guarded(format!(
             "{host} resolves only to loopback or link-local addresses ({}); to allow one, list it with the port in CLAWMUX_WEBHOOK_ALLOW",
             all.iter().map(|a| a.ip().to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
-    Ok(ok)
+    Resolved::Usable(ok)
 }
 
 #[cfg(test)]
@@ -84,6 +100,17 @@ mod tests {
         let any_port = vec![("127.0.0.1".parse().expect("ip"), None)];
         assert_eq!(usable(&at(8080), 8080, &any_port), at(8080));
         assert!(usable(&at(8080)[..1], 8080, &[]).is_empty());
+    }
+
+    /// A name that does not resolve (in time) is told apart from one that leads only to guarded
+    /// addresses: the first may go to a proxy, the second never.
+    #[tokio::test]
+    async fn resolving_tells_guarded_from_unresolved() {
+        let within = std::time::Duration::from_secs(5);
+        assert!(matches!(resolve("localhost", 80, &[], within).await, Resolved::Guarded(m) if m.contains("loopback")));
+        let listed = [("127.0.0.1".parse().expect("ip"), Some(80)), ("::1".parse().expect("ip"), Some(80))];
+        assert!(matches!(resolve("localhost", 80, &listed, within).await, Resolved::Usable(a) if !a.is_empty()));
+        assert!(matches!(resolve("no-such-host.invalid", 80, &[], within).await, Resolved::Failed(_)));
     }
 
     #[test]

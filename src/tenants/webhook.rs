@@ -29,26 +29,15 @@ impl Allow {
         self.0.is_empty()
     }
 
-    /// The addresses the list names itself, with their ports (`127.0.0.1:9000`, `[::1]`: any
-    /// port): a host name that resolves to one of them may lead there on that port even when it
-    /// is loopback (see [`super::receiver_dns`]).
+    /// The addresses the list names itself, with their ports (`127.0.0.1:9000`; `10.0.0.5`: any
+    /// port), read as [`Self::check`] reads its patterns: a host name that resolves to one of them
+    /// may lead there on that port even when it is loopback (see [`super::receiver_dns`]).
     pub fn addresses(&self) -> Vec<(std::net::IpAddr, Option<u16>)> {
         self.0
             .iter()
             .filter_map(|p| {
-                if let Some(v6) = p.strip_prefix('[') {
-                    let (ip, rest) = v6.split_once(']')?;
-                    let port = match rest.strip_prefix(':') {
-                        Some(pt) => Some(pt.parse().ok()?),
-                        None => None,
-                    };
-                    return Some((ip.parse().ok()?, port));
-                }
-                if let Ok(ip) = p.parse() {
-                    return Some((ip, None));
-                }
-                let (host, pt) = p.rsplit_once(':')?;
-                Some((host.parse().ok()?, Some(pt.parse().ok()?)))
+                let (host, port) = pattern(p);
+                host.trim_start_matches('[').trim_end_matches(']').parse().ok().map(|ip| (ip, port))
             })
             .collect()
     }
@@ -65,10 +54,7 @@ impl Allow {
         let host = u.host_str().ok_or("has no host")?.to_ascii_lowercase();
         let port = u.port_or_known_default().unwrap_or(0);
         let allowed = self.0.iter().any(|p| {
-            let (pat_host, pat_port) = match p.rsplit_once(':') {
-                Some((h, pt)) if pt.bytes().all(|b| b.is_ascii_digit()) => (h, pt.parse::<u16>().ok()),
-                _ => (p.as_str(), None),
-            };
+            let (pat_host, pat_port) = pattern(p);
             let host_ok = match pat_host.strip_prefix("*.") {
                 Some(suffix) => host.ends_with(&format!(".{suffix}")),
                 None => host == pat_host,
@@ -80,6 +66,14 @@ impl Allow {
         } else {
             Err(format!("host {host}:{port} is not allowed (CLAWMUX_WEBHOOK_ALLOW)"))
         }
+    }
+}
+
+/// An allow-list pattern's host and port (`None`: any port).
+fn pattern(p: &str) -> (&str, Option<u16>) {
+    match p.rsplit_once(':') {
+        Some((h, pt)) if pt.bytes().all(|b| b.is_ascii_digit()) => (h, pt.parse::<u16>().ok()),
+        _ => (p, None),
     }
 }
 
@@ -285,21 +279,26 @@ async fn attempt(client: &reqwest::Client, secrets: &dyn Secrets, item: &OutboxI
     }
 }
 
-/// For a receiver given by host name (and no HTTP proxy): a client that connects only to the
-/// addresses [`super::receiver_dns::resolve`] leaves of the name, pinned for this attempt. `None`:
-/// the shared client serves (an address in the URL, which the allow-list checked itself, or a
-/// proxy, which resolves).
+/// For a receiver given by host name: a client that connects only to the addresses
+/// [`super::receiver_dns::resolve`] leaves of the name, pinned for this attempt (a proxy the URL
+/// goes through still resolves it itself). `None`: the shared client serves (an address in the
+/// URL, which the allow-list checked itself; or a name that does not resolve here, with a proxy
+/// configured to resolve it). The name's lookup counts in the attempt's bound.
 async fn pinned_client(item: &OutboxItem, cfg: &DeliveryConfig) -> Result<Option<reqwest::Client>, String> {
+    use super::receiver_dns::{resolve, Resolved};
     let url = reqwest::Url::parse(&item.url).map_err(|e| format!("is not a URL ({e})"))?;
     let Some(host) = url.domain() else { return Ok(None) };
-    if super::receiver_dns::proxied(&|k| std::env::var(k).ok()) {
-        return Ok(None);
-    }
     let port = url.port_or_known_default().unwrap_or(0);
-    let addrs = super::receiver_dns::resolve(host, port, &cfg.allow.addresses()).await?;
+    let started = std::time::Instant::now();
+    let addrs = match resolve(host, port, &cfg.allow.addresses(), cfg.attempt_timeout / 2).await {
+        Resolved::Usable(a) => a,
+        Resolved::Guarded(why) => return Err(why),
+        Resolved::Failed(_) if super::receiver_dns::proxied(&|k| std::env::var(k).ok()) => return Ok(None),
+        Resolved::Failed(why) => return Err(why),
+    };
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
-        .timeout(cfg.attempt_timeout)
+        .timeout(cfg.attempt_timeout.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1)))
         .resolve_to_addrs(host, &addrs)
         .build()
         .map(Some)
@@ -495,9 +494,11 @@ mod tests {
 
     #[test]
     fn the_allow_list_names_its_addresses() {
-        let a = Allow::parse("hooks.example.com, *.acme.io ,127.0.0.1:8080, 10.0.0.5, [::1]:9000, [fe80::1]");
+        // As `check` reads them: a bare IPv6 address is not a pattern it matches (its last group
+        // reads as a port), nor one that opens that address here.
+        let a = Allow::parse("hooks.example.com, *.acme.io ,127.0.0.1:8080, 10.0.0.5, [::1]:9000, [fe80::1], 127.0.0.2:, 127.0.0.3:99999");
         let want: Vec<(std::net::IpAddr, Option<u16>)> =
-            [("127.0.0.1", Some(8080)), ("10.0.0.5", None), ("::1", Some(9000)), ("fe80::1", None)].iter().map(|(i, p)| (i.parse().expect("ip"), *p)).collect();
+            [("127.0.0.1", Some(8080)), ("10.0.0.5", None), ("::1", Some(9000)), ("fe80::1", None), ("127.0.0.2", None), ("127.0.0.3", None)].iter().map(|(i, p)| (i.parse().expect("ip"), *p)).collect();
         assert_eq!(a.addresses(), want);
     }
 
