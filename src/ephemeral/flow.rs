@@ -8,8 +8,10 @@
 //! The deadline is admission + the run's timeout (capped by the variant's): the waits for its
 //! session key and for a slot count. Abort, timeout, client disconnect and shutdown remove the container at once (with it
 //! the agent and its LLM stream; the run's end also cuts its calls in the proxy). Nothing of a run
-//! outlives it: its container is removed whatever happened, and a restart reaps the containers
-//! (by label) and run directories a crash left behind.
+//! outlives it: its container is removed whatever happened (one the engine was still creating
+//! when the run ended, once the create is done: the run's slot and directory are held until
+//! then), and a restart reaps the containers (by label) and run directories a crash or a
+//! shutdown meanwhile left behind.
 
 use super::container::{self, Plan};
 use super::runner::Runner;
@@ -171,32 +173,47 @@ impl Ephemeral {
         let name = container::name(&job.spec.run_id, &nonce[..12]);
         // Short: the socket's path must fit a unix socket address (108 bytes).
         let dir = self.cfg.root.join(&nonce[..16]);
-        let result = self.contained(job, live, &name, &dir, deadline).await;
+        let (result, unfinished) = self.contained(job, live, &name, &dir, deadline).await;
         let result = match result {
             Contained::Ended(exit) => outcome::of(exit, job.variant.output_bytes, job.variant.memory_bytes / (1024 * 1024)),
             Contained::Cancelled => cancelled(live),
             Contained::TimedOut => timed_out(),
             Contained::Failed(m) => (RunOutcome::failed(ErrorCode::Internal, m, String::new()), None),
         };
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(run_id = %job.spec.run_id, error = %e, dir = %dir.display(), "cannot remove an ephemeral run's directory; the next start does");
+        match unfinished {
+            None => {
+                remove_run_dir(&dir, &job.spec.run_id);
+                drop(permit);
+            }
+            // The run ended while the engine still creates its container: the create goes on
+            // (dropping the request does not stop the engine), and what it made is removed once it
+            // is done, then the directory its binds name (the engine would make a missing one
+            // again, as root) and the slot (the container counted until then).
+            Some(start) => {
+                let (runner, run_id) = (self.runner.clone(), job.spec.run_id.clone());
+                tokio::spawn(async move {
+                    if let Ok(Ok(_)) = start.await {
+                        runner.remove(&name).await;
+                    }
+                    remove_run_dir(&dir, &run_id);
+                    drop(permit);
+                });
             }
         }
-        drop(permit);
         result
     }
 
-    /// Workspace, socket, container; everything removed again before it returns.
-    async fn contained(&self, job: &Job, live: &Switch, name: &str, dir: &Path, deadline: Instant) -> Contained {
+    /// Workspace, socket, container; everything removed again before it returns, but for a
+    /// container whose create was still under way when the run ended: its start, returned.
+    async fn contained(&self, job: &Job, live: &Switch, name: &str, dir: &Path, deadline: Instant) -> (Contained, Option<StartTask>) {
         let layout = match prepare(dir, job, &self.cfg.default_model) {
             Ok(l) => l,
-            Err(e) => return Contained::Failed(format!("cannot prepare the run's directory in {}: {e}", dir.display())),
+            Err(e) => return (Contained::Failed(format!("cannot prepare the run's directory in {}: {e}", dir.display())), None),
         };
         let socket = match (&self.proxy, &job.billing) {
             (Some(proxy), Some(billing)) => match RunSocket::start(&layout.socket_dir.join("llm.sock"), proxy.clone(), billing.clone()) {
                 Ok(s) => Some(s),
-                Err(e) => return Contained::Failed(format!("cannot open the run's LLM socket: {e}")),
+                Err(e) => return (Contained::Failed(format!("cannot open the run's LLM socket: {e}")), None),
             },
             _ => None,
         };
@@ -214,54 +231,44 @@ impl Ephemeral {
             owner: &owner,
             agent_timeout_sec: container::agent_timeout_sec(hard),
         };
-        let result = self.run_container(job, live, name, container::body(&plan), deadline).await;
-        // Removed by name: also a container whose create was under way when the run ended.
-        self.runner.remove(name).await;
+        let (result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline).await;
+        if unfinished.is_none() {
+            self.runner.remove(name).await;
+        }
         if let Some(s) = socket {
             s.stop().await;
         }
-        result
+        (result, unfinished)
     }
 
-    async fn run_container(&self, job: &Job, live: &Switch, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> Contained {
-        // The create and start go on in a task of their own, which outlives the run when it ends
-        // meanwhile and then removes what the engine made: dropping the request does not stop the
-        // engine, which made the container after the removal below had found none, left until
-        // the next start. The run's end does not wait for the engine (up to its client's timeout).
-        let start = {
+    async fn run_container(&self, job: &Job, live: &Switch, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> (Contained, Option<StartTask>) {
+        // The create and start go on in a task of their own: when the run ends meanwhile, it
+        // ends at once (the engine's client may wait up to its timeout), and the start is
+        // returned for `run` to finish cleaning up after.
+        let mut start: StartTask = {
             let (runner, name) = (self.runner.clone(), name.to_owned());
             tokio::spawn(async move { runner.start(&name, body).await })
         };
-        let abandon = |start: tokio::task::JoinHandle<Result<String, super::runner::RunnerError>>| {
-            let (runner, name) = (self.runner.clone(), name.to_owned());
-            tokio::spawn(async move {
-                if let Ok(Ok(_)) = start.await {
-                    runner.remove(&name).await;
-                }
-            });
-        };
-        let mut start = start;
         let id = tokio::select! {
             r = &mut start => match r {
                 Ok(Ok(id)) => id,
-                Ok(Err(e)) => return Contained::Ended(Err(e)),
-                Err(e) => return Contained::Failed(format!("the container's start did not finish: {e}")),
+                Ok(Err(e)) => return (Contained::Ended(Err(e)), None),
+                Err(e) => return (Contained::Failed(format!("the container's start did not finish: {e}")), None),
             },
-            _ = live.cancel.cancelled() => {
-                abandon(start);
-                return Contained::Cancelled;
-            }
-            _ = tokio::time::sleep_until(deadline) => {
-                abandon(start);
-                return Contained::TimedOut;
-            }
+            _ = live.cancel.cancelled() => return (Contained::Cancelled, Some(start)),
+            _ = tokio::time::sleep_until(deadline) => return (Contained::TimedOut, Some(start)),
         };
+        (self.follow(job, live, &id, name, deadline).await, None)
+    }
+
+    /// The started container until it ends, the run is cancelled or its deadline passes.
+    async fn follow(&self, job: &Job, live: &Switch, id: &str, name: &str, deadline: Instant) -> Contained {
         job.sink.emit(RunEvent::Accepted { gateway_run_id: name.to_owned() });
         let ended = tokio::select! {
             biased;
             _ = live.cancel.cancelled() => return Contained::Cancelled,
             _ = tokio::time::sleep_until(deadline) => return Contained::TimedOut,
-            exit = self.runner.wait(&id, job.variant.output_bytes) => exit,
+            exit = self.runner.wait(id, job.variant.output_bytes) => exit,
         };
         // A cancel that came first is why the agent ended (e.g. its LLM call refused for the
         // budget): the run ends with the cancel's reason, not with what the agent made of it.
@@ -269,6 +276,19 @@ impl Ephemeral {
             return Contained::Cancelled;
         }
         Contained::Ended(ended)
+    }
+}
+
+/// A container's create and start, under way in a task of its own.
+type StartTask = tokio::task::JoinHandle<Result<String, super::runner::RunnerError>>;
+
+/// Removes a run's directory (its inputs and socket); a failure is logged, the next start
+/// removes what is left.
+fn remove_run_dir(dir: &Path, run_id: &str) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(run_id, error = %e, dir = %dir.display(), "cannot remove an ephemeral run's directory; the next start does");
+        }
     }
 }
 

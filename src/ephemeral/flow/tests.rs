@@ -47,7 +47,7 @@ struct FakeRunner {
     scripts: Mutex<std::collections::HashMap<String, Script>>,
     seen: Arc<Mutex<Seen>>,
     running: Arc<AtomicUsize>,
-    max_running: AtomicUsize,
+    max_running: Arc<AtomicUsize>,
     removed: Notify,
     orphans: Vec<String>,
 }
@@ -58,7 +58,7 @@ impl FakeRunner {
             scripts: Mutex::new(Default::default()),
             seen: Arc::new(Mutex::new(Seen::default())),
             running: Arc::new(AtomicUsize::new(0)),
-            max_running: AtomicUsize::new(0),
+            max_running: Arc::new(AtomicUsize::new(0)),
             removed: Notify::new(),
             orphans: vec!["/old-1".into()],
         })
@@ -81,12 +81,12 @@ impl Runner for FakeRunner {
         match self.script_of(name) {
             Script::Missing => return Err(RunnerError::MissingImage(body.image.clone().unwrap_or_default())),
             Script::SlowCreate(took) => {
-                let (seen, running, name) = (self.seen.clone(), self.running.clone(), name.to_owned());
+                let (seen, running, max, name) = (self.seen.clone(), self.running.clone(), self.max_running.clone(), name.to_owned());
                 let (made, was_made) = tokio::sync::oneshot::channel();
                 // The engine's side: not cancelled with the request.
                 tokio::spawn(async move {
                     tokio::time::sleep(took).await;
-                    running.fetch_add(1, Ordering::SeqCst);
+                    max.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
                     let mut seen = seen.lock().expect("lock");
                     seen.started.push(name.clone());
                     seen.alive.insert(name.clone());
@@ -483,11 +483,29 @@ async fn a_run_ended_while_its_container_is_created_leaves_no_container() {
     assert!(e.runner.seen(|s| s.started.is_empty()), "the runs' ends waited for the engine's creates");
     // Past both creates.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while e.runner.seen(|s| s.started.len()) < 2 || e.runner.running.load(Ordering::SeqCst) > 0 {
+    while e.runner.seen(|s| s.started.len()) < 2 || e.runner.running.load(Ordering::SeqCst) > 0 || e.leftover_dirs() > 0 {
         let (started, removed) = e.runner.seen(|s| (s.started.clone(), s.removed.clone()));
-        assert!(std::time::Instant::now() < deadline, "a container was left behind: started {started:?}, removed {removed:?}");
+        assert!(std::time::Instant::now() < deadline, "a container or directory was left behind: started {started:?}, removed {removed:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The slot of a run that ended during its container's create stays taken until that container
+/// is removed: the next run waits for it (runs beyond `CLAWMUX_EPHEMERAL_MAX` never run at once).
+#[actix_rt::test]
+async fn a_run_ended_during_its_create_holds_its_slot_until_the_container_is_gone() {
+    let e = env(1);
+    e.runner.script("r-slow-create", Script::SlowCreate(Duration::from_millis(1500)));
+    e.runner.script("r-next", Script::Exit(ok_exit("next")));
+    let slow = e.run("r-slow-create", LONG);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    slow.cancel(CancelReason::Api);
+    assert_eq!(slow.outcome().await.status, RunStatus::Aborted);
+    let next = e.run("r-next", LONG);
+    assert_eq!(next.outcome().await.content, "next");
+    let order = e.runner.seen(|s| s.started.clone());
+    assert!(order.len() == 2 && order[0].contains("r-slow-create") && order[1].contains("r-next"), "the next run started before the slot was free: {order:?}");
+    assert_eq!(e.runner.max_running.load(Ordering::SeqCst), 1);
 }
 
 #[actix_rt::test]
