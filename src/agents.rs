@@ -72,13 +72,11 @@ impl EphemeralSpec {
     }
 }
 
-/// Two CPUs, or all of a smaller host's (Docker refuses a limit above the engine's cores, which
-/// made every run of a one-CPU host fail): OpenClaw's cold start uses more than one core (with
-/// one, a run took twice as long), and one tenant's agent still cannot take every core of a
-/// larger host.
+/// Two CPUs: OpenClaw's cold start uses more than one core (with one, a run took twice as
+/// long), and one tenant's agent still cannot take every core of a larger host. An engine with
+/// fewer has the limit lowered to its own (see `Ephemeral::cpu_limit`).
 pub fn default_nano_cpus() -> i64 {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(2);
-    cores as i64 * 1_000_000_000
+    2_000_000_000
 }
 
 /// One agent variant a run can name.

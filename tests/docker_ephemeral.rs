@@ -173,7 +173,8 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     assert!(h["Tmpfs"]["/tmp"].is_string() && h["Tmpfs"]["/run"].is_string(), "{h}");
     assert_eq!(h["Memory"], 1024 * 1024 * 1024);
     assert_eq!(h["PidsLimit"], 256);
-    assert_eq!(h["NanoCpus"], std::thread::available_parallelism().map_or(1, |n| n.get()).min(2) as i64 * 1_000_000_000, "two CPUs, or the host's one");
+    let engine_cpus = docker(&["info", "--format", "{{.NCPU}}"]).1.lines().next().unwrap_or_default().trim().parse::<i64>().expect("the engine's CPUs");
+    assert_eq!(h["NanoCpus"], engine_cpus.min(2) * 1_000_000_000, "two CPUs, or the engine's one");
     assert_eq!(c["Config"]["User"], "1000:1000");
     let binds = h["Binds"].as_array().expect("binds");
     assert_eq!(binds.len(), 2);

@@ -51,6 +51,8 @@ pub struct Plan<'a> {
     pub owner: &'a str,
     /// OpenClaw's own timeout (seconds): below the hard limit so it can exit cleanly.
     pub agent_timeout_sec: u64,
+    /// CPU limit (Docker's `NanoCpus`): the variant's, at most the engine's cores.
+    pub nano_cpus: i64,
 }
 
 /// The environment: exactly these four variables (the image's own `ENV` holds no secret).
@@ -137,7 +139,7 @@ pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
             memory: Some(p.spec.memory_bytes),
             memory_swap: Some(p.spec.memory_bytes),
             pids_limit: Some(p.spec.pids),
-            nano_cpus: Some(p.spec.nano_cpus),
+            nano_cpus: Some(p.nano_cpus),
             // A PID 1 that reaps the agent's zombies and passes signals on.
             init: Some(true),
             auto_remove: Some(false),
@@ -183,7 +185,7 @@ mod tests {
     #[test]
     fn the_container_is_hardened() {
         let spec = spec();
-        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, input_host: "/var/eph/r1/in", socket_dir_host: "/var/eph/r1/sock", user: (1000, 1000), owner: "o1", agent_timeout_sec: 540 };
+        let p = Plan { run_id: "r1", agent_id: "main", spec: &spec, input_host: "/var/eph/r1/in", socket_dir_host: "/var/eph/r1/sock", user: (1000, 1000), owner: "o1", agent_timeout_sec: 540, nano_cpus: spec.nano_cpus };
         let b = body(&p);
         let h = b.host_config.clone().expect("host config");
         assert_eq!(h.network_mode.as_deref(), Some("none"));
@@ -203,8 +205,7 @@ mod tests {
         assert_eq!(h.memory, Some(1024 * 1024 * 1024));
         assert_eq!(h.memory_swap, h.memory, "no swap beyond the limit");
         assert_eq!(h.pids_limit, Some(256));
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(2) as i64;
-        assert_eq!(h.nano_cpus, Some(cores * 1_000_000_000), "two CPUs by default, or the host's one");
+        assert_eq!(h.nano_cpus, Some(2_000_000_000), "two CPUs by default");
         assert_eq!(b.user.as_deref(), Some("1000:1000"));
         assert!(h.port_bindings.is_none() && h.mounts.is_none() && h.devices.is_none());
         let env = b.env.clone().expect("env");

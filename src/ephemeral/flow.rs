@@ -116,13 +116,32 @@ pub struct Ephemeral {
     cfg: EphemeralConfig,
     /// FIFO: tokio's semaphore hands permits out in request order.
     slots: Arc<tokio::sync::Semaphore>,
+    /// The engine's CPUs, once it has said.
+    engine_cpus: std::sync::OnceLock<u32>,
 }
 
 impl Ephemeral {
     /// The runner of ephemeral runs.
     pub fn new(runner: Arc<dyn Runner>, proxy: Option<web::Data<ProxyState>>, cfg: EphemeralConfig) -> Arc<Self> {
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrent.max(1)));
-        Arc::new(Self { runner, proxy, cfg, slots })
+        Arc::new(Self { runner, proxy, cfg, slots, engine_cpus: std::sync::OnceLock::new() })
+    }
+
+    /// A variant's CPU limit, at most the engine's cores: Docker refuses a limit above them, and
+    /// every run of a variant (the default's two CPUs on a one-CPU engine) would fail. Asked of
+    /// the engine once it answers.
+    async fn cpu_limit(&self, wanted: i64) -> i64 {
+        let cores = match self.engine_cpus.get() {
+            Some(c) => Some(*c),
+            None => {
+                let c = self.runner.cpus().await;
+                if let Some(c) = c {
+                    let _ = self.engine_cpus.set(c);
+                }
+                c
+            }
+        };
+        cores.map_or(wanted, |c| wanted.min(i64::from(c) * 1_000_000_000))
     }
 
     /// Removes what a previous process left: labelled containers and run directories.
@@ -230,6 +249,7 @@ impl Ephemeral {
             user: layout.user,
             owner: &owner,
             agent_timeout_sec: container::agent_timeout_sec(hard),
+            nano_cpus: self.cpu_limit(job.variant.nano_cpus).await,
         };
         let (result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline).await;
         if unfinished.is_none() {

@@ -51,6 +51,10 @@ pub trait Runner: Send + Sync + 'static {
     async fn reap(&self, owner: &str) -> Result<Vec<String>, RunnerError>;
     /// The engine answers and has `image`.
     async fn check_image(&self, image: &str) -> Result<(), RunnerError>;
+    /// The CPUs the engine has (`None`: unknown): a container's CPU limit above them is refused.
+    async fn cpus(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Keeps the last `max` bytes of a growing buffer (on a char boundary when turned into text).
@@ -149,6 +153,11 @@ impl Runner for DockerRunner {
             names.push(c.names.and_then(|n| n.into_iter().next()).unwrap_or(id));
         }
         Ok(names)
+    }
+
+    async fn cpus(&self) -> Option<u32> {
+        let info = self.docker.info().await.ok()?;
+        info.ncpu.and_then(|n| u32::try_from(n).ok()).filter(|n| *n > 0)
     }
 
     async fn check_image(&self, image: &str) -> Result<(), RunnerError> {

@@ -144,6 +144,10 @@ impl Runner for FakeRunner {
     async fn check_image(&self, _image: &str) -> Result<(), RunnerError> {
         Ok(())
     }
+
+    async fn cpus(&self) -> Option<u32> {
+        Some(1)
+    }
 }
 
 #[derive(Default)]
@@ -488,6 +492,17 @@ async fn a_run_ended_while_its_container_is_created_leaves_no_container() {
         assert!(std::time::Instant::now() < deadline, "a container or directory was left behind: started {started:?}, removed {removed:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A variant's CPU limit above the engine's cores (the default's two on a one-CPU engine) is
+/// lowered to them: Docker refuses the container otherwise, and every run failed.
+#[actix_rt::test]
+async fn the_cpu_limit_is_at_most_the_engines_cores() {
+    let e = env(4);
+    e.runner.script("r-cpu", Script::Exit(ok_exit("ok")));
+    assert_eq!(e.run("r-cpu", LONG).outcome().await.content, "ok");
+    let limit = e.runner.seen(|s| s.bodies[0].host_config.as_ref().and_then(|h| h.nano_cpus));
+    assert_eq!(limit, Some(1_000_000_000), "the fake engine has one CPU");
 }
 
 /// The slot of a run that ended during its container's create stays taken until that container
