@@ -647,6 +647,12 @@ async fn retries_of_many_keys_never_crowd_out_a_first_attempt(s: Arc<dyn Store>,
     assert_eq!(due.len(), 64, "{kind}");
     assert_eq!(due[0].run_id, "run-victim", "{kind}: the first attempt goes first");
     assert_eq!(due[1].run_id, "run-crowd-0", "{kind}: then the oldest retry");
+    // Still round-robin across keys: the victim's key's second delivery waits for the round of
+    // every key's first.
+    insert(&*s, row("run-victim-2", "acct-v", 1)).await;
+    s.apply(&[end("run-victim-2", "k-victim")]).await.expect("end");
+    let due: Vec<String> = t.due_deliveries(super::now_ms() + 1_000, 4).await.expect("due").into_iter().map(|d| d.run_id).collect();
+    assert_eq!(due, ["run-victim", "run-crowd-0", "run-crowd-1", "run-crowd-2"], "{kind}");
     // And the other way round: first attempts of 64 keys leave the retries a turn each.
     for i in 0..64 {
         let id = format!("run-new-{i}");

@@ -318,19 +318,20 @@ impl TenantStore for MemoryStore {
             })
             .filter(|(n, _, _)| *n <= super::tenants::DUE_PER_KEY)
             .collect();
-        // Then first attempts and retries taken in turns (each class in that order).
-        due.sort_by_key(|(n, id, _)| (*n, *id));
-        let mut in_class = [0usize; 2];
-        let mut turns: Vec<(usize, bool, i64, &OutboxItem)> = due
+        // Within each round, first attempts and retries taken in turns (each class by id).
+        due.sort_by_key(|(n, id, o)| (*n, o.attempts > 0, *id));
+        let mut in_class: HashMap<(usize, bool), usize> = HashMap::new();
+        let mut turns: Vec<(usize, usize, bool, i64, &OutboxItem)> = due
             .into_iter()
-            .map(|(_, id, o)| {
+            .map(|(n, id, o)| {
                 let retry = o.attempts > 0;
-                in_class[usize::from(retry)] += 1;
-                (in_class[usize::from(retry)], retry, id, o)
+                let k = in_class.entry((n, retry)).or_default();
+                *k += 1;
+                (n, *k, retry, id, o)
             })
             .collect();
-        turns.sort_by_key(|(k, retry, id, _)| (*k, *retry, *id));
-        Ok(turns.into_iter().take(limit).map(|(_, _, _, o)| o.clone()).collect())
+        turns.sort_by_key(|(n, k, retry, id, _)| (*n, *k, *retry, *id));
+        Ok(turns.into_iter().take(limit).map(|(_, _, _, _, o)| o.clone()).collect())
     }
 
     async fn record_delivery(&self, id: i64, outcome: &DeliveryOutcome, _at_ms: i64) -> Result<(), StoreError> {

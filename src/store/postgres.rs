@@ -1173,10 +1173,10 @@ impl TenantStore for PgStore {
         let rows: Vec<(i64, String, String, Option<String>, String, i64, i64)> = sqlx::query_as(
             "SELECT id, run_id, url, key_id, body, attempts, created_at FROM \
              (SELECT o.id, o.run_id, o.url, o.key_id, o.body, o.attempts, o.created_at, \
-              ROW_NUMBER() OVER (PARTITION BY o.attempts > 0 ORDER BY d.nth, o.id) AS k FROM webhook_outbox o JOIN \
+              d.nth, ROW_NUMBER() OVER (PARTITION BY d.nth, o.attempts > 0 ORDER BY o.id) AS k FROM webhook_outbox o JOIN \
               (SELECT id, ROW_NUMBER() OVER (PARTITION BY key_id ORDER BY id) AS nth FROM webhook_outbox \
                WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_at <= $1) d ON d.id = o.id \
-              WHERE d.nth <= $3) x ORDER BY k, attempts > 0, id LIMIT $2",
+              WHERE d.nth <= $3) x ORDER BY nth, k, attempts > 0, id LIMIT $2",
         )
         .bind(now_ms)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))

@@ -183,8 +183,8 @@ pub trait TenantStore: Send + Sync + 'static {
     /// Deliveries due at `now_ms`, round-robin across keys (each key's oldest, then each key's
     /// second oldest, ...; the admin token's count as one key), at most [`DUE_PER_KEY`] of one
     /// key: one tenant's backlog (a receiver that never answers) cannot fill the list every
-    /// other tenant's deliveries wait behind. First attempts and retries are taken in turns (each
-    /// in that order): a tenant with many keys (an admin key makes as many as it likes), each with
+    /// other tenant's deliveries wait behind. Within each round, first attempts and retries are
+    /// taken in turns (each in id order): a tenant with many keys (an admin key makes as many as it likes), each with
     /// a retry due, would otherwise fill the list with older ids than a first attempt's; and
     /// first attempts alone first would leave retries out for as long as new webhooks keep coming.
     async fn due_deliveries(&self, now_ms: i64, limit: usize) -> Result<Vec<OutboxItem>, StoreError>;
