@@ -51,14 +51,16 @@ pub struct EphemeralSpec {
     /// Size of the workspace (a tmpfs: what the agent writes counts against `memory_bytes` too, so
     /// at most half of it).
     pub workspace_bytes: u64,
-    /// CPU limit in billionths of a CPU (Docker's `NanoCpus`): one tenant's agent spinning on
-    /// every core would slow every other run on the host, other tenants' containers and clawmux.
-    pub nano_cpus: i64,
+    /// CPU limit in billionths of a CPU (Docker's `NanoCpus`; `None`: none): one tenant's agent
+    /// spinning on every core slows every other run on the host, other tenants' containers and
+    /// clawmux. Not set by default: measured on the test machine, a limit even of all its cores
+    /// slowed OpenClaw's cold start (CFS quota throttling), see README.
+    pub nano_cpus: Option<i64>,
 }
 
 impl EphemeralSpec {
     /// The spec's limits for an image: 600 s, 1024 MB, 256 processes, 4 MiB of output, a 512 MB
-    /// workspace, two CPUs (see [`default_nano_cpus`]).
+    /// workspace, no CPU limit.
     pub fn defaults(image: &str) -> Self {
         Self {
             image: image.to_owned(),
@@ -67,17 +69,12 @@ impl EphemeralSpec {
             pids: 256,
             output_bytes: 4 * 1024 * 1024,
             workspace_bytes: 512 * 1024 * 1024,
-            nano_cpus: default_nano_cpus(),
+            nano_cpus: None,
         }
     }
 }
 
-/// Two CPUs: OpenClaw's cold start uses more than one core (with one, a run took twice as
-/// long), and one tenant's agent still cannot take every core of a larger host. An engine with
-/// fewer has the limit lowered to its own (see `Ephemeral::cpu_limit`).
-pub fn default_nano_cpus() -> i64 {
-    2_000_000_000
-}
+
 
 /// One agent variant a run can name.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -240,7 +237,7 @@ impl AgentRegistry {
                         if !(c.is_finite() && (0.1..=1024.0).contains(&c)) {
                             return Err(format!("{at}: `cpus` must be 0.1 to 1024"));
                         }
-                        s.nano_cpus = (c * 1e9).round() as i64;
+                        s.nano_cpus = Some((c * 1e9).round() as i64);
                     }
                     if let Some(p) = pids {
                         if !(16..=65_536).contains(&p) {
@@ -394,7 +391,7 @@ cpus = 1.5
         assert_eq!(r.default_graph_id, "eph");
         assert_eq!(r.default_agent_id, "coder");
         let s = r.variant("eph").and_then(|a| a.ephemeral.clone()).expect("spec");
-        assert_eq!(s, EphemeralSpec { image: "img:1".into(), timeout: Duration::from_secs(30), memory_bytes: 256 << 20, pids: 64, output_bytes: 1000, workspace_bytes: 64 << 20, nano_cpus: 1_500_000_000 });
+        assert_eq!(s, EphemeralSpec { image: "img:1".into(), timeout: Duration::from_secs(30), memory_bytes: 256 << 20, pids: 64, output_bytes: 1000, workspace_bytes: 64 << 20, nano_cpus: Some(1_500_000_000) });
         assert!(r.variant("gw").is_some_and(|a| a.ephemeral.is_none()));
     }
 

@@ -173,8 +173,7 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     assert!(h["Tmpfs"]["/tmp"].is_string() && h["Tmpfs"]["/run"].is_string(), "{h}");
     assert_eq!(h["Memory"], 1024 * 1024 * 1024);
     assert_eq!(h["PidsLimit"], 256);
-    let engine_cpus = docker(&["info", "--format", "{{.NCPU}}"]).1.lines().next().unwrap_or_default().trim().parse::<i64>().expect("the engine's CPUs");
-    assert_eq!(h["NanoCpus"], engine_cpus.min(2) * 1_000_000_000, "two CPUs, or the engine's one");
+    assert_eq!(h["NanoCpus"], 0, "no CPU limit unless the variant sets one");
     assert_eq!(c["Config"]["User"], "1000:1000");
     let binds = h["Binds"].as_array().expect("binds");
     assert_eq!(binds.len(), 2);
@@ -221,7 +220,7 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     env.wait_stream_cut("EPHTWO").await;
 
     // Timeout: the same.
-    env.post(json!({"message": "SLOW EPHTIME", "billingAccountId": "acct-a", "runId": "dk-3", "graphId": "sandbox:openclaw-ephemeral", "timeoutSec": 20})).await;
+    env.post(json!({"message": "SLOW EPHTIME", "billingAccountId": "acct-a", "runId": "dk-3", "graphId": "sandbox:openclaw-ephemeral", "timeoutSec": 60})).await;
     env.llm_called("EPHTIME").await;
     let doc = env.finished("dk-3").await;
     assert_eq!(doc["status"], "timeout", "{doc}");

@@ -51,8 +51,8 @@ pub struct Plan<'a> {
     pub owner: &'a str,
     /// OpenClaw's own timeout (seconds): below the hard limit so it can exit cleanly.
     pub agent_timeout_sec: u64,
-    /// CPU limit (Docker's `NanoCpus`): the variant's, at most the engine's cores.
-    pub nano_cpus: i64,
+    /// CPU limit (Docker's `NanoCpus`; `None`: none): the variant's, at most the engine's cores.
+    pub nano_cpus: Option<i64>,
 }
 
 /// The environment: exactly these four variables (the image's own `ENV` holds no secret).
@@ -139,7 +139,7 @@ pub fn body(p: &Plan<'_>) -> ContainerCreateBody {
             memory: Some(p.spec.memory_bytes),
             memory_swap: Some(p.spec.memory_bytes),
             pids_limit: Some(p.spec.pids),
-            nano_cpus: Some(p.nano_cpus),
+            nano_cpus: p.nano_cpus,
             // A PID 1 that reaps the agent's zombies and passes signals on.
             init: Some(true),
             auto_remove: Some(false),
@@ -205,7 +205,7 @@ mod tests {
         assert_eq!(h.memory, Some(1024 * 1024 * 1024));
         assert_eq!(h.memory_swap, h.memory, "no swap beyond the limit");
         assert_eq!(h.pids_limit, Some(256));
-        assert_eq!(h.nano_cpus, Some(2_000_000_000), "two CPUs by default");
+        assert_eq!(h.nano_cpus, None, "no CPU limit unless the variant sets one");
         assert_eq!(b.user.as_deref(), Some("1000:1000"));
         assert!(h.port_bindings.is_none() && h.mounts.is_none() && h.devices.is_none());
         let env = b.env.clone().expect("env");

@@ -128,9 +128,9 @@ impl Ephemeral {
     }
 
     /// A variant's CPU limit, at most the engine's cores: Docker refuses a limit above them, and
-    /// every run of a variant (the default's two CPUs on a one-CPU engine) would fail. Asked of
-    /// the engine once it answers.
-    async fn cpu_limit(&self, wanted: i64) -> i64 {
+    /// every run of the variant would fail. Asked of the engine once it answers.
+    async fn cpu_limit(&self, wanted: Option<i64>) -> Option<i64> {
+        let wanted = wanted?;
         let cores = match self.engine_cpus.get() {
             Some(c) => Some(*c),
             None => {
@@ -141,7 +141,7 @@ impl Ephemeral {
                 c
             }
         };
-        cores.map_or(wanted, |c| wanted.min(i64::from(c) * 1_000_000_000))
+        Some(cores.map_or(wanted, |c| wanted.min(i64::from(c) * 1_000_000_000)))
     }
 
     /// Removes what a previous process left: labelled containers and run directories.

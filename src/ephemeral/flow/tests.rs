@@ -286,6 +286,10 @@ impl Env {
         let sink = Arc::new(Sink::default());
         let mut variant = EphemeralSpec::defaults("img:test");
         variant.output_bytes = 1000;
+        // The runs of the CPU limit's test: a variant with two CPUs.
+        if run_id.contains("cpu") {
+            variant.nano_cpus = Some(2_000_000_000);
+        }
         let job = Job { spec: spec(run_id, timeout), agent_id: "main".into(), variant, sink: sink.clone(), billing: None };
         let port = RegistryPort { release: self.ends.clone().recipient(), ended: self.ends.clone().recipient() };
         Started { sink, actor: ContainerRun::start(self.eph.clone(), job, port) }
@@ -494,8 +498,8 @@ async fn a_run_ended_while_its_container_is_created_leaves_no_container() {
     }
 }
 
-/// A variant's CPU limit above the engine's cores (the default's two on a one-CPU engine) is
-/// lowered to them: Docker refuses the container otherwise, and every run failed.
+/// A variant's CPU limit above the engine's cores (two on a one-CPU engine) is lowered to them:
+/// Docker refuses the container otherwise, and every run of the variant failed.
 #[actix_rt::test]
 async fn the_cpu_limit_is_at_most_the_engines_cores() {
     let e = env(4);
