@@ -53,8 +53,8 @@ pub struct EphemeralSpec {
     pub workspace_bytes: u64,
     /// CPU limit in billionths of a CPU (Docker's `NanoCpus`; `None`: none): one tenant's agent
     /// spinning on every core slows every other run on the host, other tenants' containers and
-    /// clawmux. Not set by default: measured on the test machine, a limit even of all its cores
-    /// slowed OpenClaw's cold start (CFS quota throttling), see README.
+    /// clawmux. Not set by default (README: what a limit costs OpenClaw's cold start could not be
+    /// told apart from the test machine's own variance).
     pub nano_cpus: Option<i64>,
 }
 
