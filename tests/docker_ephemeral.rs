@@ -220,7 +220,11 @@ async fn docker_ephemeral_run_streams_is_billed_and_its_container_is_hardened() 
     env.wait_stream_cut("EPHTWO").await;
 
     // Timeout: the same.
-    env.post(json!({"message": "SLOW EPHTIME", "billingAccountId": "acct-a", "runId": "dk-3", "graphId": "sandbox:openclaw-ephemeral", "timeoutSec": 60})).await;
+    // A stream far longer than the timeout, and a timeout far longer than OpenClaw's cold start
+    // (8 s to over 30 s on this machine, by the day): the run times out during its LLM call
+    // whichever day it is. With `SLOW` (40 s) and 20 s, a slow day's cold start missed the call,
+    // and with 60 s a fast day's call ended first.
+    env.post(json!({"message": "SLOWEST EPHTIME", "billingAccountId": "acct-a", "runId": "dk-3", "graphId": "sandbox:openclaw-ephemeral", "timeoutSec": 90})).await;
     env.llm_called("EPHTIME").await;
     let doc = env.finished("dk-3").await;
     assert_eq!(doc["status"], "timeout", "{doc}");

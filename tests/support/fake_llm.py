@@ -36,6 +36,7 @@ Reply (deterministic, echoes the caller):
   Keywords, looked for (case-sensitive, as whole words) in the last real user message (for shape b
   in the queued message, as for the echo):
     SLOW  -> 40 chunks at 1.0 s each (lets abort tests see the stream stop)
+    SLOWEST -> 600 chunks at 1.0 s each (a stream that outlasts any run timeout a test sets)
     TOOL  -> if no `tool` message follows the last real user message: a streamed tool call to the
              function `exec` with {"command":"echo tool-ran-<marker>"} (marker from "TOOL:<marker>",
              else "x") and finish_reason "tool_calls"; once a tool result is present: normal text
@@ -97,6 +98,7 @@ MODELS = [m.strip() for m in (os.environ.get("FAKE_LLM_MODELS") or "fake-model,f
 LOG_BODY = os.environ.get("FAKE_LLM_LOG_BODY") == "1"
 
 SLOW_CHUNKS = 40
+SLOWEST_CHUNKS = 600
 SLOW_DELAY = 1.0
 INTERNAL_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
 # openclaw 2026.9.6: CONTINUATION_PROMPT (src/agents/embedded-agent-runner/run/session-prompt-state.ts)
@@ -324,10 +326,12 @@ class Handler(BaseHTTPRequestHandler):
         tool_msgs = [m for m in messages[ui + 1:] if isinstance(m, dict) and m.get("role") == "tool"] if ui >= 0 else []
         has_tool_result = bool(tool_msgs)
         slow = re.search(r"\bSLOW\b", user_text) is not None
+        slowest = re.search(r"\bSLOWEST\b", user_text) is not None
         wants_tool = re.search(r"\bTOOL\b", user_text) is not None
 
         commit = commit_spec(user_text)
-        n_chunks, delay = (SLOW_CHUNKS, SLOW_DELAY) if slow else (CHUNKS, DELAY)
+        n_chunks, delay = (SLOWEST_CHUNKS, SLOW_DELAY) if slowest else (SLOW_CHUNKS, SLOW_DELAY) if slow else (CHUNKS, DELAY)
+        slow = slow or slowest
         words = [f"w{i}" for i in range(1, n_chunks + 1)]
         if commit is not None and commit[0] == "refused":
             kind = "commit_refused"
