@@ -125,7 +125,7 @@ const CLAIM_MARGIN_MS: i64 = 5_000;
 
 /// Delivers due webhooks until the process ends.
 pub async fn run_deliveries(store: Arc<dyn TenantStore>, secrets: Arc<dyn Secrets>, cfg: DeliveryConfig) {
-    let client = match reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).timeout(cfg.attempt_timeout).build() {
+    let client = match client_builder(cfg.attempt_timeout).build() {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot build the webhook client; no webhook is delivered");
@@ -296,13 +296,17 @@ async fn pinned_client(item: &OutboxItem, cfg: &DeliveryConfig) -> Result<Option
         Resolved::Failed(_) if super::receiver_dns::proxied(&|k| std::env::var(k).ok()) => return Ok(None),
         Resolved::Failed(why) => return Err(why),
     };
-    reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .timeout(cfg.attempt_timeout.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1)))
+    client_builder(cfg.attempt_timeout.saturating_sub(started.elapsed()).max(std::time::Duration::from_secs(1)))
         .resolve_to_addrs(host, &addrs)
         .build()
         .map(Some)
         .map_err(|e| format!("cannot build the webhook client: {}", without_url(e)))
+}
+
+/// The webhook client's settings, shared by the worker's client and each pinned one: a redirect is
+/// never followed (the URL is what the admin allowed), and an attempt is bounded by `timeout`.
+fn client_builder(timeout: Duration) -> reqwest::ClientBuilder {
+    reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).timeout(timeout)
 }
 
 /// A failed request's error and its causes, without its URL: reqwest's own text names the URL,
