@@ -45,7 +45,7 @@ one() { # BIN REP
   local tools="${SYS_GW_BIN:-$bin}"
   local store; store="${SYS_STORE_DIR:-$WORK}/clawmux-sys-store-$$-$RANDOM$RANDOM.db"
   CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$tools" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
-    --speed 1 --deltas 20 --stats-listen "127.0.0.1:$sp" >>"$WORK/gateway.log" 2>&1 &
+    --speed 1 --deltas ${SYS_DELTAS:-20} --stats-listen "127.0.0.1:$sp" >>"$WORK/gateway.log" 2>&1 &
   GW_PID=$!
   wait_http "http://127.0.0.1:$sp/stats" 20 || { echo "gateway did not start" >&2; return 1; }
   CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$gp" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$cp" \

@@ -134,6 +134,8 @@ pub struct Admission {
     /// (session-key FIFO across replicas). A branch run's checks (seconds, at worst) are made
     /// before it takes the gate.
     gate: Arc<tokio::sync::RwLock<()>>,
+    /// The HTTP workers that are shards: a run admitted on one lives there.
+    shards: Arc<crate::shards::Shards>,
 }
 
 impl Admission {
@@ -145,7 +147,13 @@ impl Admission {
         budgets: Arc<Budgets>,
         workspace: Option<Arc<dyn Workspace>>,
     ) -> Self {
-        Self { store, registry, attributions, budgets, workspace, ephemeral: None, gate: Arc::default() }
+        Self { store, registry, attributions, budgets, workspace, ephemeral: None, gate: Arc::default(), shards: Arc::default() }
+    }
+
+    /// The shards a run admitted on lives on (see [`crate::shards`]).
+    pub fn with_shards(mut self, shards: Arc<crate::shards::Shards>) -> Self {
+        self.shards = shards;
+        self
     }
 
     /// Held exclusively by a takeover from its claim until its runs are in the registry.
@@ -398,7 +406,10 @@ impl Admission {
             let start: clawmux_actors::messages::ExternalStart = Box::new(move |port| crate::ephemeral::ContainerRun::start(runner, job, port));
             start
         });
-        let admitted = self.registry.send(Submit { spec, sink, resume, if_busy, external }).timeout(REGISTRY_TIMEOUT).await;
+        // Admitted on a shard (an HTTP worker): it lives there, beside its log's lane and its
+        // caller's stream; a run continued from the store goes to the registry's shards.
+        let shard = self.shards.here();
+        let admitted = self.registry.send(Submit { spec, sink, resume, if_busy, external, shard }).timeout(REGISTRY_TIMEOUT).await;
         // Queued while every container slot is taken (its document says `queued` until then).
         let admitted = admitted.map(|a| a.map(|a| if slots_taken { Admitted::Queued } else { a }));
         let refused = match admitted {

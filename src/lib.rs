@@ -59,6 +59,7 @@ pub mod proxy;
 pub mod replay;
 pub mod request;
 pub mod server;
+pub mod shards;
 pub mod store;
 pub mod tenants;
 #[cfg(test)]

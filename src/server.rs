@@ -256,7 +256,10 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
         },
     ));
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
-    let mut admission = crate::admission::Admission::new(store.clone(), run_registry.clone(), attributions.clone(), budgets.clone(), workspace.clone());
+    // The API's HTTP workers are the shards of the runs they admit (`src/shards.rs`).
+    let shards = Arc::new(crate::shards::Shards::new());
+    let mut admission = crate::admission::Admission::new(store.clone(), run_registry.clone(), attributions.clone(), budgets.clone(), workspace.clone())
+        .with_shards(shards.clone());
     if let Some(eph) = &ephemeral {
         admission = admission.with_ephemeral(agents.clone(), eph.clone());
     }
@@ -311,8 +314,15 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     });
     let api_listener = api_starting.listener().await?;
     let app_state = state.clone();
-    let server = HttpServer::new(move || App::new().app_data(app_state.clone()).configure(api::routes))
-        .on_connect(tune_connection(Duration::from_secs(state.cfg.send_timeout_sec)))
+    let server = HttpServer::new(move || {
+        // Called once on each worker's thread as it starts: the worker becomes a shard, with a
+        // store lane of its own.
+        app_state.store.start_lane_here();
+        shards.join_here();
+        App::new().app_data(app_state.clone()).configure(api::routes)
+    })
+    .workers(state.cfg.shards.max(1))
+    .on_connect(tune_connection(Duration::from_secs(state.cfg.send_timeout_sec)))
         .disable_signals()
         // A caller that closes its connection is gone (`onDisconnect: abort` must cancel its run
         // now): with half-closed connections allowed, actix notices only when a write fails, i.e.

@@ -217,6 +217,10 @@ pub struct Submit {
     /// makes (an ephemeral container's). Either way the registry owns the run's life: locks,
     /// cancels, shutdown, its end.
     pub external: Option<ExternalStart>,
+    /// The arbiter (shard) its session actor runs on: the HTTP worker that admitted it, whose
+    /// thread also commits its events and streams them to its caller. `None` (a run continued
+    /// from the store): one of the registry's shards, by session key.
+    pub shard: Option<actix::dev::ArbiterHandle>,
 }
 
 /// Makes the actor of a run that does not use the gateway connection, given the registry's port

@@ -110,9 +110,10 @@ pub struct Registry {
     start_queue: std::collections::VecDeque<String>,
     /// Set at shutdown: nothing new is admitted.
     draining: Option<ShutdownMode>,
-    /// The arbiters (threads) session actors run on, one per core by default: a run's frames, its
-    /// deltas and its store writes are then handled beside the supervisor's thread, not on it.
-    /// Empty: on the registry's own arbiter (tests).
+    /// The arbiters (threads) the session actors of runs that name none ([`Submit::shard`]: runs
+    /// continued from the store) run on, by session key: their frames, deltas and store writes are
+    /// then handled beside the supervisor's thread, not on it. Empty: on the registry's own
+    /// arbiter (tests).
     shards: Vec<ArbiterHandle>,
 }
 
@@ -326,9 +327,10 @@ impl Handler<Submit> for Registry {
                     self.link.clone(),
                     msg.resume,
                 );
-                RunActor::Session(match shard_of(&session_key, self.shards.len()) {
-                    Some(i) => SessionActor::start_in_arbiter(&self.shards[i], move |_| actor),
-                    None => actor.start(),
+                RunActor::Session(match (msg.shard, shard_of(&session_key, self.shards.len())) {
+                    (Some(shard), _) => SessionActor::start_in_arbiter(&shard, move |_| actor),
+                    (None, Some(i)) => SessionActor::start_in_arbiter(&self.shards[i], move |_| actor),
+                    (None, None) => actor.start(),
                 })
             }
         };

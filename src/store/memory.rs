@@ -102,6 +102,10 @@ impl Store for MemoryStore {
         "memory"
     }
 
+    fn commits_locally(&self) -> bool {
+        true
+    }
+
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
         let mut st = self.lock();
         let mut out = Vec::with_capacity(batch.len());

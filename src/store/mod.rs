@@ -575,6 +575,12 @@ pub trait Store: Send + Sync + 'static {
     fn unreachable(&self) -> bool {
         false
     }
+    /// True when a commit is local work, short and bounded by this machine (SQLite, `memory:`),
+    /// not a round trip to a server: then each shard commits its runs' writes on its own thread
+    /// (see [`writer::Writer::start_lane_here`]).
+    fn commits_locally(&self) -> bool {
+        false
+    }
     /// One run.
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError>;
     /// The run a billing account admitted under an `Idempotency-Key`, if any.

@@ -236,9 +236,15 @@ impl RunStore {
         self.tenants.clone()
     }
 
-    /// The group-commit writer.
+    /// The group-commit writer (its main lane).
     pub fn writer(&self) -> Writer {
         self.writer.clone()
+    }
+
+    /// Makes the current thread a shard of the store: its runs' writes commit on it (stores that
+    /// commit locally; see [`Writer::start_lane_here`]).
+    pub fn start_lane_here(&self) {
+        self.writer.start_lane_here();
     }
 
     /// `sqlite://…` or `memory:`.
@@ -268,7 +274,7 @@ impl RunStore {
 
     /// Stores a new run unless its run id or idempotency key is taken.
     pub async fn insert(&self, mut row: RunRow) -> Result<Insert, StoreError> {
-        match self.writer.apply(Write::Insert(Box::new(row.clone()))).await? {
+        match self.writer.here().apply(Write::Insert(Box::new(row.clone()))).await? {
             Applied::Inserted { seq } => {
                 row.seq = seq;
                 let log = self.new_log(row, Vec::new());
@@ -302,7 +308,9 @@ impl RunStore {
     /// A run's log; on a store shared by replicas, one whose store failure suspends this
     /// replica's runs instead of ending it.
     fn new_log(&self, row: RunRow, events: Vec<StoredEvent>) -> Arc<RunLog> {
-        let log = RunLog::new(row, events, self.writer.clone(), self.latency.clone(), self.notes.clone());
+        // The lane of the thread that makes the log: on a shard (the HTTP worker that admitted the
+        // run, which runs its session actor too), that shard's.
+        let log = RunLog::new(row, events, self.writer.here(), self.latency.clone(), self.notes.clone());
         if self.backend.shared() {
             let me = self.weak_self.clone();
             log.on_store_down(Box::new(move || {

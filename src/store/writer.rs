@@ -68,59 +68,123 @@ impl StoreMetrics {
     }
 }
 
-/// A handle to the writer task (cheap to clone).
+/// A handle to the writer (cheap to clone): it submits to one lane, and flushes and holds across
+/// all of them.
+///
+/// A store has a main lane, a task on a thread of its own, and, when it commits locally (SQLite,
+/// `memory:`: [`Store::commits_locally`]), a lane on each shard (each HTTP worker: see
+/// `src/shards.rs`). A run admitted on a shard has its log write through that shard's lane, so its
+/// events are committed, made visible and streamed to its caller on the one thread that also runs
+/// its session actor: no other thread is woken for them (the main lane's thread cost two wake-ups
+/// per event, the largest share of clawmux's CPU per run; BENCHMARKS.md, "Shards are the HTTP
+/// workers"). Each lane is a group commit of its own; a run's writes all go through one lane, so
+/// they keep their order.
 #[derive(Clone)]
 pub struct Writer {
+    /// Where this handle's writes go.
+    lane: Lane,
+    /// Every lane of the store.
+    all: Arc<Lanes>,
+}
+
+/// One group-commit task's queue.
+#[derive(Clone)]
+struct Lane {
     tx: mpsc::UnboundedSender<Job>,
     /// True from a batch that failed because the store itself was out of reach ([`Store::unreachable`])
     /// until a batch commits again: a write's failure then says nothing about the write, and
     /// runs on a store shared by replicas are suspended rather than ended.
     down: Arc<AtomicBool>,
-    /// Runs whose writes are dropped (answered [`Applied::Fenced`], never applied): runs
-    /// suspended while the store was out of reach. Writes they queued before that must not land
-    /// once it answers again: the run goes on from what the store has, under a new log.
+}
+
+struct Lanes {
+    store: Arc<dyn Store>,
+    metrics: StoreMetrics,
+    /// Runs whose writes are dropped (answered [`Applied::Fenced`], never applied), in every lane:
+    /// runs suspended while the store was out of reach. Writes they queued before that must not
+    /// land once it answers again: the run goes on from what the store has, under a new log.
     held: Arc<dashmap::DashSet<String>>,
+    main: Lane,
+    /// The shards' lanes, by thread (a few: one per HTTP worker).
+    shards: std::sync::RwLock<Vec<(std::thread::ThreadId, Lane)>>,
 }
 
 impl Writer {
-    /// Starts the writer task on a thread of its own: commits and the completions that publish
-    /// stored events never wait behind the actors' work, nor the actors behind a commit.
+    /// Starts the writer's main lane on a thread of its own: commits and the completions that
+    /// publish stored events never wait behind the actors' work, nor the actors behind a commit.
     pub fn start(store: Arc<dyn Store>, metrics: StoreMetrics) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let down = Arc::new(AtomicBool::new(false));
         let held = Arc::new(dashmap::DashSet::new());
         let arbiter = actix::Arbiter::new();
-        if !arbiter.spawn(run(store, metrics, rx, down.clone(), held.clone())) {
+        if !arbiter.spawn(run(store.clone(), metrics.clone(), rx, down.clone(), held.clone(), Some(LINGER))) {
             tracing::error!("the run store's writer thread did not start");
         }
-        Self { tx, down, held }
+        let main = Lane { tx, down };
+        let all = Arc::new(Lanes { store, metrics, held, main: main.clone(), shards: std::sync::RwLock::new(Vec::new()) });
+        Self { lane: main, all }
     }
 
-    /// Drops every write of `run_id` from now on, queued ones included, until [`Self::release`].
+    /// Gives the current thread (a shard: an actix arbiter) a lane of its own, when the store
+    /// commits locally; a no-op otherwise, or when it has one. Its commits then run on this
+    /// thread, between the thread's other tasks: no linger (whatever the thread's tasks submitted
+    /// since the last commit makes the next batch).
+    pub fn start_lane_here(&self) {
+        if !self.all.store.commits_locally() {
+            return;
+        }
+        let me = std::thread::current().id();
+        let mut shards = self.all.shards.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if shards.iter().any(|(t, _)| *t == me) {
+            return;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let down = Arc::new(AtomicBool::new(false));
+        actix::spawn(run(self.all.store.clone(), self.all.metrics.clone(), rx, down.clone(), self.all.held.clone(), None));
+        shards.push((me, Lane { tx, down }));
+    }
+
+    /// This writer writing through the current thread's lane (a shard's), or the main lane when
+    /// the thread has none.
+    pub fn here(&self) -> Writer {
+        let me = std::thread::current().id();
+        let shards = self.all.shards.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let lane = shards.iter().find(|(t, _)| *t == me).map_or_else(|| self.all.main.clone(), |(_, l)| l.clone());
+        Writer { lane, all: self.all.clone() }
+    }
+
+    /// True when this handle writes through a shard's lane (tests).
+    #[cfg(test)]
+    pub fn on_a_shard_lane(&self) -> bool {
+        !self.lane.tx.same_channel(&self.all.main.tx)
+    }
+
+    /// Drops every write of `run_id` from now on, in every lane, queued ones included, until
+    /// [`Self::release`].
     pub fn hold(&self, run_id: &str) {
-        self.held.insert(run_id.to_owned());
+        self.all.held.insert(run_id.to_owned());
     }
 
     /// True while `run_id`'s writes are dropped.
     pub fn is_held(&self, run_id: &str) -> bool {
-        self.held.contains(run_id)
+        self.all.held.contains(run_id)
     }
 
     /// Applies `run_id`'s writes again. Call it after a [`Self::flush`]: the writes queued while it
     /// was held are gone by then.
     pub fn release(&self, run_id: &str) {
-        self.held.remove(run_id);
+        self.all.held.remove(run_id);
     }
 
-    /// True when the last batch failed because the store was out of reach; a completion sees
-    /// whether its own write did (completions run one by one, before the next batch).
+    /// True when this lane's last batch failed because the store was out of reach; a completion
+    /// sees whether its own write did (completions run one by one, before the next batch).
     pub fn store_down(&self) -> bool {
-        self.down.load(Ordering::Acquire)
+        self.lane.down.load(Ordering::Acquire)
     }
 
     /// Queues a write; `done` runs once it is applied. Never blocks.
     pub fn submit(&self, write: Write, done: Option<Done>) {
-        if let Err(mpsc::error::SendError(Job::Write(_, Some(done)))) = self.tx.send(Job::Write(write, done)) {
+        if let Err(mpsc::error::SendError(Job::Write(_, Some(done)))) = self.lane.tx.send(Job::Write(write, done)) {
             done(Err(StoreError("the run store's writer has stopped".to_owned())));
         }
     }
@@ -137,10 +201,21 @@ impl Writer {
         rx.await.unwrap_or_else(|_| Err(StoreError("the run store's writer has stopped".to_owned())))
     }
 
-    /// Waits until everything queued so far is applied.
+    /// Waits until everything queued so far, in every lane, is applied.
     pub async fn flush(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(Job::Flush(tx)).is_ok() {
+        let lanes: Vec<Lane> = {
+            let shards = self.all.shards.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            std::iter::once(self.all.main.clone()).chain(shards.iter().map(|(_, l)| l.clone())).collect()
+        };
+        let mut waits = Vec::with_capacity(lanes.len());
+        for lane in lanes {
+            let (tx, rx) = oneshot::channel();
+            // A lane that is gone (its shard stopped) has nothing left to apply.
+            if lane.tx.send(Job::Flush(tx)).is_ok() {
+                waits.push(rx);
+            }
+        }
+        for rx in waits {
             let _ = rx.await;
         }
     }
@@ -183,7 +258,16 @@ const MAX_KEPT: usize = 100_000;
 /// How soon kept billing records are tried again when nothing else is written.
 const KEPT_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
-async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::UnboundedReceiver<Job>, down: Arc<AtomicBool>, held: Arc<dashmap::DashSet<String>>) {
+/// One lane's group commit. `linger`: how long a busy lane waits for more writes before a commit
+/// (the main lane, on a thread of its own); `None` on a shard, whose other tasks must not wait.
+async fn run(
+    store: Arc<dyn Store>,
+    metrics: StoreMetrics,
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    down: Arc<AtomicBool>,
+    held: Arc<dashmap::DashSet<String>>,
+    linger: Option<std::time::Duration>,
+) {
     let mut jobs = Vec::new();
     // Billing records of batches the store could not take (out of reach), written again first.
     let mut kept: std::collections::VecDeque<Write> = std::collections::VecDeque::new();
@@ -208,8 +292,16 @@ async fn run(store: Arc<dyn Store>, metrics: StoreMetrics, mut rx: mpsc::Unbound
         // Under load (the last batch was more than one write), wait a moment for more: one commit
         // and one wake-up of each follower's thread for more events. A thread sleep (this thread
         // is the writer's own): the runtime's timer would wait a whole millisecond or two.
-        if last_batch > 1 && !closed && jobs.len() < MAX_BATCH {
-            std::thread::sleep(LINGER);
+        // On a shard the lane yields instead: it commits after the thread's other ready tasks
+        // (the session actors handling the frames of the same burst) have queued their writes,
+        // and after the runtime looked for more input once. Without it a shard committed almost
+        // every write alone (1.1 writes per commit at C=1,000, against 9 on the main lane).
+        if !closed && jobs.len() < MAX_BATCH {
+            match linger {
+                Some(linger) if last_batch > 1 => std::thread::sleep(linger),
+                Some(_) => {}
+                None => tokio::task::yield_now().await,
+            }
             while jobs.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(j) => jobs.push(j),

@@ -70,7 +70,7 @@ async fn submit(reg: &Addr<Registry>, id: &str, session: &str) -> (Result<Admitt
         ExternalRun { turn: probe.clone().recipient(), cancel: probe.recipient() }
     });
     let spec: RunSpec = spec(id, session, Duration::from_secs(60));
-    let admitted = reg.send(Submit { spec, sink: Arc::new(TestSink::default()), resume: None, if_busy: IfBusy::Enqueue, external: Some(start) }).await.unwrap();
+    let admitted = reg.send(Submit { spec, sink: Arc::new(TestSink::default()), resume: None, if_busy: IfBusy::Enqueue, external: Some(start), shard: None }).await.unwrap();
     (admitted, seen, addr)
 }
 

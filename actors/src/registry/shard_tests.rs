@@ -35,7 +35,7 @@ fn session_on(shard: usize) -> String {
 
 impl Sharded {
     async fn submit(&self, spec: &RunSpec, sink: &TestSink) -> Admitted {
-        self.reg.send(Submit { spec: spec.clone(), sink: Arc::new(sink.clone()), resume: None, if_busy: IfBusy::Enqueue, external: None }).await.unwrap().unwrap()
+        self.reg.send(Submit { spec: spec.clone(), sink: Arc::new(sink.clone()), resume: None, if_busy: IfBusy::Enqueue, external: None, shard: None }).await.unwrap().unwrap()
     }
 
     /// Answers the runs' `sessions.patch` calls until `n` `agent` calls came; returns them by gateway run id.

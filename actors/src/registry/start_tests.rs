@@ -38,7 +38,7 @@ async fn a_burst_starts_a_few_runs_at_a_time_in_admission_order() {
     let runs: Vec<(RunSpec, TestSink)> = (0..4).map(|i| (spec(&format!("r{i}"), &format!("s{i}"), Duration::from_secs(60)), TestSink::default())).collect();
     let mut admitted = Vec::new();
     for (spec, sink) in &runs {
-        let submit = Submit { spec: spec.clone(), sink: Arc::new(sink.clone()), resume: None, if_busy: IfBusy::Enqueue, external: None };
+        let submit = Submit { spec: spec.clone(), sink: Arc::new(sink.clone()), resume: None, if_busy: IfBusy::Enqueue, external: None, shard: None };
         admitted.push(reg.send(submit).await.unwrap().unwrap());
     }
     assert_eq!(admitted, [Admitted::Started, Admitted::Started, Admitted::Queued, Admitted::Queued], "two slots");
@@ -72,7 +72,7 @@ async fn a_burst_starts_a_few_runs_at_a_time_in_admission_order() {
     // Slots are all free again: two new runs start at once.
     for i in 4..6 {
         let (spec, sink) = (spec(&format!("r{i}"), &format!("s{i}"), Duration::from_secs(60)), TestSink::default());
-        let submit = Submit { spec, sink: Arc::new(sink), resume: None, if_busy: IfBusy::Enqueue, external: None };
+        let submit = Submit { spec, sink: Arc::new(sink), resume: None, if_busy: IfBusy::Enqueue, external: None, shard: None };
         assert_eq!(reg.send(submit).await.unwrap(), Ok(Admitted::Started));
     }
 }

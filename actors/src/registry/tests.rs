@@ -40,7 +40,7 @@ fn branch_run(id: &str, session: &str, key: &str) -> (RunSpec, TestSink) {
 
 impl World {
     async fn submit_with(&self, spec: &RunSpec, sink: &TestSink, if_busy: IfBusy) -> Result<Admitted, AdmitError> {
-        self.reg.send(Submit { spec: spec.clone(), sink: Arc::new(sink.clone()), resume: None, if_busy, external: None }).await.unwrap()
+        self.reg.send(Submit { spec: spec.clone(), sink: Arc::new(sink.clone()), resume: None, if_busy, external: None, shard: None }).await.unwrap()
     }
 
     async fn submit(&self, spec: &RunSpec, sink: &TestSink) -> Result<Admitted, AdmitError> {
