@@ -49,7 +49,7 @@ one() { # BIN REP
   GW_PID=$!
   wait_http "http://127.0.0.1:$sp/stats" 20 || { echo "gateway did not start" >&2; return 1; }
   CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$gp" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$cp" \
-    CLAWMUX_STORE_URL="sqlite://$store" CLAWMUX_MAX_RUNS="$((C + 100))" HOME="$WORK" CLAWMUX_LOG=warn \
+    CLAWMUX_STORE_URL="${SYS_STORE_URL:-sqlite://$store}" CLAWMUX_MAX_RUNS="$((C + 100))" HOME="$WORK" CLAWMUX_LOG=warn \
     "$bin" serve >>"$WORK/clawmux.log" 2>&1 &
   CM_PID=$!
   wait_http "http://127.0.0.1:$cp/readyz" 30 || { echo "clawmux did not become ready" >&2; return 1; }

@@ -103,7 +103,7 @@ impl Metrics {
             frame_to_client: Histogram::with_opts(
                 HistogramOpts::new(
                     "clawmux_frame_to_client_seconds",
-                    "From a chat frame arriving on the gateway socket to its text delta stored and handed to the run's SSE clients",
+                    "From a chat frame arriving on the gateway socket to its text delta, stored, taken by a live SSE client's stream (a sample per client)",
                 )
                 // Fine between 0.5 and 15 ms: where a store's share of p99 is read (bench/store.sh compares
                 // p99 with and without the store against a 2 ms budget).

@@ -18,7 +18,7 @@ use super::{now_ms, Applied, CheckpointRecord, EventName, NewDelivery, RunPatch,
 use crate::attribution::{Attributions, RunBilling, Usage};
 use clawmux_actors::{Checkpoint, RunEvent, RunSink, RunStatus};
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Instant;
 use time::OffsetDateTime;
@@ -180,6 +180,10 @@ struct LogState {
     /// billing when it is set, else the documents and the final event would miss them until that
     /// replica wrote again.
     early_shares: HashMap<String, Usage>,
+    /// When the frames behind the latest deltas arrived, by event id (the last
+    /// [`CLIENT_BUFFER`]): `clawmux_frame_to_client_seconds` is observed when a live client's
+    /// stream takes the delta, on whichever thread serves it.
+    received: VecDeque<(u64, Instant)>,
 }
 
 /// A live run's log (the session actor's [`RunSink`]).
@@ -211,7 +215,7 @@ pub struct RunLog {
     /// ending this one (stores shared by replicas: another replica, or this one once the store
     /// answers again, continues them).
     on_store_down: OnceLock<Box<dyn Fn() + Send + Sync>>,
-    /// `clawmux_frame_to_client_seconds`, observed when a delta becomes visible.
+    /// `clawmux_frame_to_client_seconds`, observed when a live client takes a delta.
     latency: Option<prometheus::Histogram>,
     /// Where an end the store cannot take is noted (durable stores only).
     notes: Option<Arc<EndNotes>>,
@@ -247,6 +251,7 @@ impl RunLog {
                 end_stored: finished,
                 lost: false,
                 early_shares: HashMap::new(),
+                received: VecDeque::new(),
             }),
             visible: watch::channel(Visible { last_id: next_id, finished }).0,
             billing: OnceLock::new(),
@@ -510,12 +515,7 @@ impl RunLog {
                             // billing entry is dropped (see `RunStore::lose`).
                             log.lose(false);
                         }
-                        Ok(_) => {
-                            log.stored(stored_event, patch);
-                            if let (Some(h), Some(t)) = (&log.latency, received) {
-                                h.observe(t.elapsed().as_secs_f64());
-                            }
-                        }
+                        Ok(_) => log.stored(stored_event, patch, received),
                         Err(e) => log.fail(&e),
                     }
                 }
@@ -523,8 +523,9 @@ impl RunLog {
         );
     }
 
-    /// The store has it: apply, publish.
-    fn stored(&self, event: Option<Arc<StoredEvent>>, patch: RunPatch) {
+    /// The store has it: apply, publish. `received`: when the gateway frame behind the event
+    /// arrived (a delta's), measured when a live client takes it.
+    fn stored(&self, event: Option<Arc<StoredEvent>>, patch: RunPatch, received: Option<Instant>) {
         let terminal = {
             let mut st = self.lock();
             if st.finished_at.is_some() || st.lost {
@@ -532,6 +533,12 @@ impl RunLog {
             }
             patch.apply(&mut st.stored);
             let Some(ev) = event else { return };
+            if let (Some(t), Some(_)) = (received, &self.latency) {
+                if st.received.len() == CLIENT_BUFFER {
+                    st.received.pop_front();
+                }
+                st.received.push_back((ev.id, t));
+            }
             st.events.push(ev.clone());
             if ev.is_terminal() {
                 st.finished_at = Some(Instant::now());
@@ -671,6 +678,11 @@ impl Feed {
                         return Err(FeedError::Lagged((behind - CLIENT_BUFFER) as u64));
                     }
                     self.last = ev.id;
+                    if let Some(h) = &self.log.latency {
+                        if let Some((_, t)) = st.received.iter().rev().find(|(id, _)| *id == ev.id) {
+                            h.observe(t.elapsed().as_secs_f64());
+                        }
+                    }
                     return Ok(ev.clone());
                 }
                 if st.finished_at.is_some() || st.lost {

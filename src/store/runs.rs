@@ -133,7 +133,7 @@ pub struct RunStore {
     live: DashMap<String, Arc<RunLog>>,
     retention: Retention,
     url: String,
-    /// `clawmux_frame_to_client_seconds` (observed by the logs when deltas become visible).
+    /// `clawmux_frame_to_client_seconds` (observed by the logs' feeds when a live client takes a delta).
     latency: Option<prometheus::Histogram>,
     /// Ends the store could not take (durable stores only): see [`super::notes`].
     notes: Option<Arc<EndNotes>>,

@@ -19,6 +19,13 @@ use tokio::sync::{mpsc, oneshot};
 /// Writes per transaction at most.
 pub const MAX_BATCH: usize = 2048;
 
+/// Writes per transaction at most on a shard's lane: its commit holds up every other task of the
+/// shard's thread (frames, streams, requests), ~5 µs per write.
+const MAX_SHARD_BATCH: usize = 256;
+
+/// A shard's lane that has this many writes commits at once, without yielding first.
+const SHARD_ENOUGH: usize = 32;
+
 /// What to do once a write is applied (or failed).
 pub type Done = Box<dyn FnOnce(Result<Applied, StoreError>) + Send>;
 
@@ -285,7 +292,7 @@ async fn run(
             break;
         }
         tokio::select! {
-            n = rx.recv_many(&mut jobs, MAX_BATCH), if !closed => closed = n == 0,
+            n = rx.recv_many(&mut jobs, if linger.is_some() { MAX_BATCH } else { MAX_SHARD_BATCH }), if !closed => closed = n == 0,
             // Nothing new to write: the kept records are tried again on their own.
             () = tokio::time::sleep(KEPT_RETRY), if !kept.is_empty() => {}
         }
@@ -296,13 +303,17 @@ async fn run(
         // (the session actors handling the frames of the same burst) have queued their writes,
         // and after the runtime looked for more input once. Without it a shard committed almost
         // every write alone (1.1 writes per commit at C=1,000, against 9 on the main lane).
-        if !closed && jobs.len() < MAX_BATCH {
+        let max = if linger.is_some() { MAX_BATCH } else { MAX_SHARD_BATCH };
+        if !closed && jobs.len() < max {
             match linger {
                 Some(linger) if last_batch > 1 => std::thread::sleep(linger),
                 Some(_) => {}
+                // Enough for a commit already: a yield would only make its writes wait behind
+                // every other task of a busy shard.
+                None if jobs.len() >= SHARD_ENOUGH => {}
                 None => tokio::task::yield_now().await,
             }
-            while jobs.len() < MAX_BATCH {
+            while jobs.len() < max {
                 match rx.try_recv() {
                     Ok(j) => jobs.push(j),
                     Err(_) => break,
