@@ -408,8 +408,12 @@ impl Admission {
         });
         // Admitted on a shard (an HTTP worker): it lives there, beside its log's lane and its
         // caller's stream; a run continued from the store goes to the registry's shards.
-        let shard = self.shards.here();
+        let here = self.shards.here_indexed();
+        let shard = here.as_ref().map(|(_, arbiter)| arbiter.clone());
         let admitted = self.registry.send(Submit { spec, sink, resume, if_busy, external, shard }).timeout(REGISTRY_TIMEOUT).await;
+        if let (Some((i, _)), Ok(Ok(_))) = (&here, &admitted) {
+            self.shards.admitted(*i);
+        }
         // Queued while every container slot is taken (its document says `queued` until then).
         let admitted = admitted.map(|a| a.map(|a| if slots_taken { Admitted::Queued } else { a }));
         let refused = match admitted {

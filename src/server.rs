@@ -257,7 +257,7 @@ pub async fn start_with(cfg: Config, sup: SupervisorConfig, mut options: StartOp
     ));
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     // The API's HTTP workers are the shards of the runs they admit (`src/shards.rs`).
-    let shards = Arc::new(crate::shards::Shards::new());
+    let shards = Arc::new(crate::shards::Shards::with_metrics(&registry).map_err(std::io::Error::other)?);
     let mut admission = crate::admission::Admission::new(store.clone(), run_registry.clone(), attributions.clone(), budgets.clone(), workspace.clone())
         .with_shards(shards.clone());
     if let Some(eph) = &ephemeral {

@@ -1525,6 +1525,97 @@ async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
     assert!(all.contains("event: final") && all.len() > 4_000_000, "re-attached: {} bytes", all.len());
 }
 
+/// Opens a run's SSE stream on a connection of its own whose client never reads (a 4 KiB
+/// receive buffer), so that the stream stalls once its buffers are full.
+async fn stalled_stream(env: &Env, marker: &str, run_id: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut b = body(marker, "acct-stalled");
+    b["runId"] = json!(run_id);
+    b["onDisconnect"] = json!("continue");
+    let payload = b.to_string();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(env.app.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nhost: {}\r\naccept: text/event-stream\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        env.app.addr,
+        payload.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(payload.as_bytes()).await.unwrap();
+    conn
+}
+
+/// Each shard (HTTP worker) serves the streams of the runs it admitted, and a stalled client's
+/// stream blocks nothing of its shard: with stalled streams on both shards, runs admitted on
+/// either afterwards stream to their end, and the stalled ones stay stuck.
+#[actix_rt::test]
+async fn a_stalled_client_on_one_shard_holds_up_no_run_on_any_shard() {
+    let env = env_with(fast(), |c| c.shards = 2, |_| {}).await;
+    let marker = unique("<stalled-shard>");
+    // 4 MB of text: more than the client's receive buffer, the server's send buffer and actix's.
+    env.gw.script_runs(&marker, clawmux::replay::RunScript { before_final: vec![clawmux::replay::ScriptFrame::chat("delta", "x".repeat(4_000_000))], ..Default::default() });
+    let shard_runs = |e: &Env| {
+        let e = e.http.clone();
+        let base = env.base.clone();
+        async move {
+            let text = e.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+            let count = |shard: &str| -> f64 {
+                text.lines()
+                    .find(|l| l.starts_with(&format!("clawmux_shard_runs_total{{shard=\"{shard}\"}}")))
+                    .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+                    .unwrap_or(0.0)
+            };
+            (count("0"), count("1"))
+        }
+    };
+    // New connections go to the workers in turn: four stalled streams, two on each.
+    let mut stalled = Vec::new();
+    for i in 0..4 {
+        let run_id = unique(&format!("stalled-{i}"));
+        stalled.push((stalled_stream(&env, &marker, &run_id).await, run_id));
+    }
+    let e = &env;
+    eventually(WAIT, "the stalled clients' runs finish in the store", || {
+        let ids: Vec<String> = stalled.iter().map(|(_, id)| id.clone()).collect();
+        async move {
+            for id in ids {
+                let r = e.http.get(e.url(&format!("/v1/runs/{id}"))).send().await.unwrap();
+                if r.status() != 200 || r.json::<Value>().await.unwrap()["status"] != "ok" {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    let (zero, one) = shard_runs(&env).await;
+    assert!(zero >= 1.0 && one >= 1.0 && zero + one == 4.0, "the stalled runs are on both shards: {zero} and {one}");
+    // Runs admitted now, on new connections (both workers), stream to their end at once.
+    let clients: Vec<reqwest::Client> = (0..8).map(|_| http()).collect();
+    let runs = clients.iter().enumerate().map(|(i, c)| {
+        let marker = unique(&format!("<free-{i}>"));
+        let base = env.base.clone();
+        async move {
+            let resp = post_sse(c, &base, &body(&marker, "acct-free"), &[]).await;
+            assert_eq!(resp.status(), 200);
+            let text = tokio::time::timeout(WAIT, resp.text()).await.expect("a free run's stream ends while the stalled ones are stuck").unwrap();
+            let events = parse_sse(&text);
+            let last = events.last().expect("events");
+            assert_eq!((last.event.as_str(), last.data["content"].as_str()), ("final", Some(answer(&marker).as_str())), "{text}");
+        }
+    });
+    futures_util::future::join_all(runs).await;
+    let (zero_after, one_after) = shard_runs(&env).await;
+    assert!(zero_after > zero && one_after > one, "the free runs ran on both shards: {zero_after} and {one_after}");
+    // The stalled streams are still stuck: nothing of the end reached them.
+    for (conn, _) in &stalled {
+        let mut buf = vec![0u8; 4096];
+        let n = conn.try_read(&mut buf).unwrap_or(0);
+        assert!(!String::from_utf8_lossy(&buf[..n]).contains("event: final"));
+    }
+}
+
 #[actix_rt::test]
 async fn a_run_over_its_timeout_ends_timeout_and_is_cancelled_on_the_gateway() {
     let env = env(fast()).await;
