@@ -98,10 +98,9 @@ enum Stage {
     Preparing,
     /// Waiting for a connection before anything was sent to the gateway.
     WaitingForGateway,
-    /// `sessions.patch` sent.
+    /// `sessions.patch` sent, and on a gateway with session-scoped events
+    /// `sessions.messages.subscribe` beside it: `agent` goes once both are answered.
     Patching,
-    /// `sessions.messages.subscribe` sent.
-    Subscribing,
     /// `agent` sent; waiting for ACK or final.
     Running,
     /// The connection dropped after `agent` was sent; waiting for it to come back.
@@ -165,7 +164,15 @@ pub struct SessionActor {
     /// Text of a chat `error` event (the final `res` may follow with less detail).
     chat_error: Option<String>,
     unavailable_retries: u32,
+    /// A subscribe was sent (an unsubscribe is due at the end).
     subscribed: bool,
+    /// The connection outage count (`outages`) the last subscribe was sent on: a new connection
+    /// needs its own.
+    subscribed_on: Option<u64>,
+    /// The subscribe's answer is still to come (`agent` waits for it).
+    awaiting_subscribe: bool,
+    /// The `sessions.patch` of the current attempt was answered ok.
+    patched: bool,
     /// The supervisor routes this run's frames here.
     routed: bool,
     /// The session key is held (released at the gateway run's end).
@@ -234,6 +241,9 @@ impl SessionActor {
             chat_error: None,
             unavailable_retries: 0,
             subscribed: false,
+            subscribed_on: None,
+            awaiting_subscribe: false,
+            patched: false,
             routed: false,
             holds_session: false,
             agent_sent: false,
@@ -391,10 +401,25 @@ impl SessionActor {
             return;
         };
         self.stage = Stage::Patching;
+        self.patched = false;
         let outbound_headers = if link.outbound_headers { Some(self.billing_headers()) } else { None };
         let params = SessionsPatchParams { key: self.spec.session_key.to_string(), model: self.spec.model.clone(), outbound_headers };
         let v = self.to_value(&params);
         self.call(ctx, name::SESSIONS_PATCH, v, TAG_PATCH);
+        // The subscription goes out beside the patch, not after its answer: the two do not depend
+        // on each other (a subscription is a filter of this connection, by key), and `agent`
+        // waits for both. One gateway round trip less per run: for its `accepted`, and two
+        // thread wake-ups less (BENCHMARKS.md, "Shards are the HTTP workers").
+        if link.session_scoped && self.subscribed_on != Some(self.outages) {
+            let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
+            self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_SUBSCRIBE);
+            // Counted from the send: a run ended before the answer (or whose subscribe timed out)
+            // may be subscribed all the same, and the subscription would outlive it (every later
+            // event of the session sent to clawmux). A stray unsubscribe is harmless.
+            self.subscribed = true;
+            self.subscribed_on = Some(self.outages);
+            self.awaiting_subscribe = true;
+        }
     }
 
     /// Per-session billing headers for gateways that accept them (the Cogni fork).
@@ -412,16 +437,9 @@ impl SessionActor {
         ])
     }
 
-    fn after_patch(&mut self, ctx: &mut Context<Self>) {
-        if self.link.as_ref().is_some_and(|l| l.session_scoped) {
-            self.stage = Stage::Subscribing;
-            let v = self.to_value(&SessionKeyParams { key: self.spec.session_key.to_string() });
-            self.call(ctx, name::SESSIONS_SUBSCRIBE, v, TAG_SUBSCRIBE);
-            // Counted from the send: a run ended before the answer (or whose subscribe timed out)
-            // may be subscribed all the same, and the subscription would outlive it (every later
-            // event of the session sent to clawmux). A stray unsubscribe is harmless.
-            self.subscribed = true;
-        } else {
+    /// `agent` goes once the patch is answered ok and the subscribe (if one was sent) answered.
+    fn after_setup(&mut self, ctx: &mut Context<Self>) {
+        if self.stage == Stage::Patching && self.patched && !self.awaiting_subscribe {
             self.send_agent(ctx);
         }
     }
@@ -734,7 +752,10 @@ impl SessionActor {
             (_, Err(CallError::NotConnected | CallError::Disconnected)) => {
                 // `Link(None)` drives recovery; nothing to do per call.
             }
-            (TAG_PATCH, Ok(_)) if self.stage == Stage::Patching => self.after_patch(ctx),
+            (TAG_PATCH, Ok(_)) if self.stage == Stage::Patching => {
+                self.patched = true;
+                self.after_setup(ctx);
+            }
             (TAG_PATCH, Err(CallError::Gateway(e))) if self.stage == Stage::Patching => {
                 if e.message.contains("outboundHeaders") && self.cfg.outbound_headers == OutboundHeadersMode::Auto {
                     self.gateway.headers_unsupported.do_send(OutboundHeadersUnsupported);
@@ -751,11 +772,12 @@ impl SessionActor {
                     self.finish(ctx, RunOutcome::failed(ErrorCode::GatewayRejected, format!("sessions.patch: {}", clip(&e.message)), String::new()));
                 }
             }
-            (TAG_SUBSCRIBE, result) if self.stage == Stage::Subscribing => {
+            (TAG_SUBSCRIBE, result) if self.stage == Stage::Patching && self.awaiting_subscribe => {
                 if let Err(e) = result {
                     tracing::warn!(run_id = %self.spec.run_id, error = %describe(&e), "subscribe failed; the run's events may not arrive");
                 }
-                self.send_agent(ctx);
+                self.awaiting_subscribe = false;
+                self.after_setup(ctx);
             }
             (TAG_AGENT, Ok(raw)) if self.stage == Stage::Running => self.on_agent_answer(ctx, raw.get()),
             (TAG_AGENT, Err(CallError::Gateway(e))) if self.stage == Stage::Running => {
@@ -959,7 +981,7 @@ impl SessionActor {
                 self.stage = Stage::Recovering;
                 self.arm_recovery_deadline(ctx);
             }
-            Stage::WaitingForGateway | Stage::Patching | Stage::Subscribing => {
+            Stage::WaitingForGateway | Stage::Patching => {
                 self.stage = Stage::WaitingForGateway;
                 self.arm_recovery_deadline(ctx);
             }

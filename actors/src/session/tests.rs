@@ -230,6 +230,54 @@ async fn a_resumed_run_times_no_stage() {
     h.settled(Some(&agent)).await;
 }
 
+/// The subscribe goes out with the patch, not after its answer (one gateway round trip less per
+/// run), and `agent` waits for both answers, whichever comes first; a patch retried on the same
+/// connection does not subscribe again.
+#[actix_rt::test]
+async fn the_subscribe_goes_with_the_patch_and_agent_waits_for_both_answers() {
+    for subscribe_answered_first in [true, false] {
+        let id = if subscribe_answered_first { "sub-first" } else { "patch-first" };
+        let mut h = start(one_minute(id), Some(up("A", true)), cfg(), None);
+        h.addr.do_send(Turn::Go);
+        h.probe.add_route().await;
+        let patch = h.probe.call(name::SESSIONS_PATCH).await;
+        let sub = h.probe.call(name::SESSIONS_SUBSCRIBE).await;
+        let (first, second) = if subscribe_answered_first { (&sub, &patch) } else { (&patch, &sub) };
+        answer(first, json!({"ok": true}));
+        h.probe.quiet().await;
+        answer(second, json!({"ok": true}));
+        let agent = h.probe.call(name::AGENT).await;
+        answer(&agent, ack(&h.spec));
+        answer(&agent, final_ok(&h.spec, "done"));
+        let (sent, status) = h.ended().await;
+        assert_eq!(status, Some(RunStatus::Ok), "{id}: {:?}", methods(&sent));
+    }
+    // A gateway refusing the patch's outboundHeaders: the patch is sent again, the subscription
+    // (still this connection's) is not.
+    let mut c = cfg();
+    c.outbound_headers = OutboundHeadersMode::Auto;
+    let mut link = up("A", true);
+    link.outbound_headers = true;
+    let mut h = start(one_minute("headers"), Some(link), c, None);
+    h.addr.do_send(Turn::Go);
+    h.probe.add_route().await;
+    let patch = h.probe.call(name::SESSIONS_PATCH).await;
+    let sub = h.probe.call(name::SESSIONS_SUBSCRIBE).await;
+    fail(&patch, CallError::Gateway(clawmux_protocol::ErrorShape::new("INVALID_REQUEST", "invalid params: unexpected property outboundHeaders")));
+    assert!(matches!(h.probe.next().await, Sent::HeadersUnsupported));
+    let again = h.probe.call(name::SESSIONS_PATCH).await;
+    assert!(again.params.get("outboundHeaders").is_none(), "{:?}", again.params);
+    answer(&again, json!({"ok": true}));
+    h.probe.quiet().await;
+    answer(&sub, json!({}));
+    let agent = h.probe.call(name::AGENT).await;
+    answer(&agent, ack(&h.spec));
+    answer(&agent, final_ok(&h.spec, "done"));
+    let (sent, status) = h.ended().await;
+    assert_eq!(status, Some(RunStatus::Ok), "{:?}", methods(&sent));
+    assert!(!methods(&sent).contains(&name::SESSIONS_SUBSCRIBE.to_owned()), "subscribed once: {:?}", methods(&sent));
+}
+
 #[actix_rt::test]
 async fn a_gateway_without_session_scoped_events_gets_no_subscribe() {
     let mut h = start(one_minute("r1"), Some(up("A", false)), cfg(), None);
