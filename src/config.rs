@@ -134,9 +134,10 @@ pub struct Config {
     /// New gateway runs between their turn and the gateway's ACK at once (`CLAWMUX_MAX_STARTING`,
     /// 0: no limit): a burst of POSTs starts at the gateway's pace, `queued` meanwhile.
     pub max_starting: usize,
-    /// Threads (actix arbiters) the session actors are spread over (`CLAWMUX_SHARDS`, default one
-    /// per core): the supervisor's thread then only decodes and routes frames. 0: on the
-    /// supervisor's own thread (no shards: the comparison case of the benchmarks).
+    /// The shards (`CLAWMUX_SHARDS`, default one per core): the API's HTTP workers (at least one),
+    /// each running the runs it admits (`src/shards.rs`), and as many arbiters for runs continued
+    /// from the store, by session key (0: those on the registry's own thread). The supervisor's
+    /// thread then only decodes and routes frames.
     pub shards: usize,
     /// The run store (`CLAWMUX_STORE_URL`).
     pub store_url: crate::store::StoreUrl,

@@ -1,11 +1,12 @@
 //! `sqlite://PATH`: the default run store. WAL journal (readers never wait for the writer),
 //! `synchronous = NORMAL` (a commit survives a crash of clawmux; the last commits before a power
-//! loss may not), one write connection used by the group-commit writer on its own thread, a small
-//! pool of read connections, checkpoints in the background (finished with the writer paused once
+//! loss may not), one write connection shared by the group-commit writer's lanes (its main lane's
+//! thread, and each shard's: a shard commits its runs' writes on its own thread), a small pool of
+//! read connections, checkpoints in the background (finished with the writer paused once
 //! the WAL grew, so that it restarts: [`checkpoint_round`]). The schema is created and migrated at
 //! start from `migrations/sqlite/` (its version in `PRAGMA user_version`).
 //!
-//! rusqlite, not an async driver: the writer owns a thread anyway, and a commit costs ~30 µs
+//! rusqlite, not an async driver: a commit is local work, and costs ~30 µs
 //! synchronously against ~600 µs through sqlx's per-statement hops to its worker thread (measured
 //! by the `probe` below), which at a thousand concurrent runs was the added latency of every event.
 //! Reads are short (by primary key, or a page of at most 500 rows) and run on the caller's thread.
