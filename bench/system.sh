@@ -14,7 +14,10 @@
 # the measured binary's own, or SYS_GW_BIN's (one build of them for every clawmux measured: its
 # own CPU then stays out of the comparison). Everything started is stopped by PID.
 # Also printed: clawmux's context switches per run (all its threads, /proc). SYS_STORE_DIR puts the
-# SQLite file elsewhere (e.g. /dev/shm: a store without real fsyncs, to see the disk's share).
+# SQLite file elsewhere (e.g. /dev/shm: a store without real fsyncs, to see the disk's share);
+# SYS_STORE_URL replaces the store (e.g. `memory:`). SYS_DELTAS: deltas per run (20). SYS_CM_CPUS
+# and SYS_TOOLS_CPUS pin clawmux, and the replay gateway with the load driver, to CPU lists
+# (`taskset -c`): e.g. 0 and 1 keep clawmux's thread hand-offs on one CPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=bench/lib.sh
@@ -27,6 +30,9 @@ REPS="${SYS_REPS:-1}"
 CASSETTE="${BENCH_CASSETTE:-tests/cassettes/openclaw-2026.9.6-long.jsonl}"
 DEADLINE="${SYS_DEADLINE:-300}"
 WORK="$(mktemp -d /tmp/clawmux-sys.XXXXXX)"
+CM_PIN=(); TOOLS_PIN=()
+[ -n "${SYS_CM_CPUS:-}" ] && CM_PIN=(taskset -c "$SYS_CM_CPUS")
+[ -n "${SYS_TOOLS_CPUS:-}" ] && TOOLS_PIN=(taskset -c "$SYS_TOOLS_CPUS")
 
 GW_PID=""; CM_PID=""
 cleanup() { stop_pid "$CM_PID"; stop_pid "$GW_PID"; }
@@ -44,17 +50,17 @@ one() { # BIN REP
   gp="$(free_port)"; sp="$(free_port)"; cp="$(free_port)"
   local tools="${SYS_GW_BIN:-$bin}"
   local store; store="${SYS_STORE_DIR:-$WORK}/clawmux-sys-store-$$-$RANDOM$RANDOM.db"
-  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "$tools" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
+  CLAWMUX_REPLAY_TOKEN="$TOKEN" CLAWMUX_LOG=warn "${TOOLS_PIN[@]}" "$tools" replay-gateway --cassette "$CASSETTE" --listen "127.0.0.1:$gp" \
     --speed 1 --deltas ${SYS_DELTAS:-20} --stats-listen "127.0.0.1:$sp" >>"$WORK/gateway.log" 2>&1 &
   GW_PID=$!
   wait_http "http://127.0.0.1:$sp/stats" 20 || { echo "gateway did not start" >&2; return 1; }
   CLAWMUX_GATEWAY_URL="ws://127.0.0.1:$gp" CLAWMUX_GATEWAY_TOKEN="$TOKEN" CLAWMUX_LISTEN="127.0.0.1:$cp" \
     CLAWMUX_STORE_URL="${SYS_STORE_URL:-sqlite://$store}" CLAWMUX_MAX_RUNS="$((C + 100))" HOME="$WORK" CLAWMUX_LOG=warn \
-    "$bin" serve >>"$WORK/clawmux.log" 2>&1 &
+    "${CM_PIN[@]}" "$bin" serve >>"$WORK/clawmux.log" 2>&1 &
   CM_PID=$!
   wait_http "http://127.0.0.1:$cp/readyz" 30 || { echo "clawmux did not become ready" >&2; return 1; }
   # Warm-up (not measured): connections, allocator, the gateway's sessions.
-  CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout 120 "$tools" load --target "http://127.0.0.1:$cp" --runs 20 --concurrency 20 \
+  CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout 120 "${TOOLS_PIN[@]}" "$tools" load --target "http://127.0.0.1:$cp" --runs 20 --concurrency 20 \
     --timeout-sec 60 --deadline-sec 60 --json --no-progress >/dev/null 2>&1 || true
   echo 5 >"/proc/$CM_PID/clear_refs" 2>/dev/null || true
   local cpu0 cpu1 gcpu0 gcpu1 t0 t1 lcpu
@@ -62,7 +68,7 @@ one() { # BIN REP
   curl -fsS "http://127.0.0.1:$cp/metrics" >"$out.metrics0" 2>/dev/null || true
   cpu0="$(cpu_ticks "$CM_PID")"; gcpu0="$(cpu_ticks "$GW_PID")"; cs0="$(ctx_switches "$CM_PID")"; t0="$(date +%s.%N)"
   CLAWMUX_GATEWAY_TOKEN="$TOKEN" timeout --signal=TERM --kill-after=10 $((DEADLINE + 30)) "$BENCH_TIME" -f '%U %S' -o "$out.time" \
-    "$tools" load --target "http://127.0.0.1:$cp" --runs "$RUNS" --concurrency "$C" --timeout-sec 120 \
+    "${TOOLS_PIN[@]}" "$tools" load --target "http://127.0.0.1:$cp" --runs "$RUNS" --concurrency "$C" --timeout-sec 120 \
     --deadline-sec "$DEADLINE" --json --no-progress --model cogni/fake-model >"$out" 2>"$out.err" || true
   t1="$(date +%s.%N)"; cpu1="$(cpu_ticks "$CM_PID")"; gcpu1="$(cpu_ticks "$GW_PID")"; cs1="$(ctx_switches "$CM_PID")"
   curl -fsS "http://127.0.0.1:$cp/metrics" >"$out.metrics1" 2>/dev/null || true

@@ -194,7 +194,8 @@ impl Ephemeral {
         let dir = self.cfg.root.join(&nonce[..16]);
         let (result, unfinished) = self.contained(job, live, &name, &dir, deadline).await;
         let result = match result {
-            Contained::Ended(exit) => outcome::of(exit, job.variant.output_bytes, job.variant.memory_bytes / (1024 * 1024)),
+            Contained::Ended(exit, None) => outcome::of(exit, job.variant.output_bytes, job.variant.memory_bytes / (1024 * 1024)),
+            Contained::Ended(exit, Some(limit)) => outcome::past_its_limit(outcome::of(exit, job.variant.output_bytes, job.variant.memory_bytes / (1024 * 1024)), limit),
             Contained::Cancelled => cancelled(live),
             Contained::TimedOut => timed_out(),
             Contained::Failed(m) => (RunOutcome::failed(ErrorCode::Internal, m, String::new()), None),
@@ -240,6 +241,9 @@ impl Ephemeral {
         let sock = layout.socket_dir.to_string_lossy().into_owned();
         let owner = container::owner_of(&self.cfg.root);
         let hard = deadline.saturating_duration_since(Instant::now()).as_secs().max(1);
+        let agent_limit = container::agent_timeout_sec(hard);
+        // The agent's own time limit counts from its start in the container, a little later.
+        let agent_deadline = Instant::now() + Duration::from_secs(agent_limit);
         let plan = Plan {
             run_id: &job.spec.run_id,
             agent_id: &job.agent_id,
@@ -248,10 +252,20 @@ impl Ephemeral {
             socket_dir_host: &sock,
             user: layout.user,
             owner: &owner,
-            agent_timeout_sec: container::agent_timeout_sec(hard),
+            agent_timeout_sec: agent_limit,
             nano_cpus: self.cpu_limit(job.variant.nano_cpus).await,
         };
-        let (result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline).await;
+        let (mut result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline).await;
+        // An agent that ended after the time limit it was given stopped for that limit: the run
+        // exceeded its timeout, however the agent ended (OpenClaw, timed out, may exit 1 with an
+        // error of its own), not an agent error. Clawmux's own deadline, a grace later, would have
+        // ended it `timeout` just the same (seen in the real-Docker test: the run's 90 s, the
+        // agent's 81 s).
+        if let Contained::Ended(_, late) = &mut result {
+            if Instant::now() >= agent_deadline {
+                *late = Some(agent_limit);
+            }
+        }
         if unfinished.is_none() {
             self.runner.remove(name).await;
         }
@@ -272,7 +286,7 @@ impl Ephemeral {
         let id = tokio::select! {
             r = &mut start => match r {
                 Ok(Ok(id)) => id,
-                Ok(Err(e)) => return (Contained::Ended(Err(e)), None),
+                Ok(Err(e)) => return (Contained::Ended(Err(e), None), None),
                 Err(e) => return (Contained::Failed(format!("the container's start did not finish: {e}")), None),
             },
             _ = live.cancel.cancelled() => return (Contained::Cancelled, Some(start)),
@@ -295,7 +309,7 @@ impl Ephemeral {
         if live.cancel.is_cancelled() {
             return Contained::Cancelled;
         }
-        Contained::Ended(ended)
+        Contained::Ended(ended, None)
     }
 }
 
@@ -314,7 +328,8 @@ fn remove_run_dir(dir: &Path, run_id: &str) {
 
 /// How the container part ended.
 enum Contained {
-    Ended(Result<super::runner::Exit, super::runner::RunnerError>),
+    /// The container ended; `Some(limit)`: after the agent's own time limit (`limit` seconds).
+    Ended(Result<super::runner::Exit, super::runner::RunnerError>, Option<u64>),
     Cancelled,
     TimedOut,
     Failed(String),

@@ -46,6 +46,19 @@ pub fn of(exit: Result<Exit, RunnerError>, output_limit: usize, memory_mb: i64) 
     }
 }
 
+/// The outcome of a container that ended after the agent's own time limit (`limit_sec`, given to
+/// it as `--timeout`): a failure then is the limit's doing, so the run ended `timeout`, with what
+/// the agent said kept in the message; an agent that still finished ok is ok.
+pub fn past_its_limit((outcome, text): (RunOutcome, Option<String>), limit_sec: u64) -> (RunOutcome, Option<String>) {
+    let message = match (&outcome.error, outcome.status) {
+        (Some(e), status) if status != clawmux_actors::RunStatus::Ok => {
+            format!("the run exceeded its timeout: the agent stopped at the time limit it was given ({limit_sec} s); {}", e.message)
+        }
+        _ => return (outcome, text),
+    };
+    (RunOutcome::failed(ErrorCode::Timeout, message, outcome.content), text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -53,6 +66,17 @@ mod tests {
 
     fn exit(code: i64, stdout: &str) -> Exit {
         Exit { code, stdout: stdout.as_bytes().to_vec(), ..Exit::default() }
+    }
+
+    #[test]
+    fn an_agent_that_failed_past_its_own_time_limit_timed_out() {
+        let failed = of(Ok(Exit { code: 1, stderr_tail: "embedded run timeout: timeoutMs=80947".into(), ..Exit::default() }), 100, 1024);
+        let (o, _) = past_its_limit(failed, 81);
+        assert_eq!((o.status, o.error.as_ref().map(|e| e.code)), (RunStatus::Timeout, Some(ErrorCode::Timeout)));
+        let message = o.error.expect("error").message;
+        assert!(message.contains("time limit it was given (81 s)") && message.contains("embedded run timeout"), "{message}");
+        let ok = of(Ok(exit(0, r#"{"payloads":[{"text":"hi"}],"meta":{}}"#)), 100, 1024);
+        assert_eq!(past_its_limit(ok, 81).0, RunOutcome::ok("hi".into(), None), "an agent that finished ok is ok");
     }
 
     #[test]

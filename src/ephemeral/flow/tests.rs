@@ -527,6 +527,30 @@ async fn a_run_ended_during_its_create_holds_its_slot_until_the_container_is_gon
     assert_eq!(e.runner.max_running.load(Ordering::SeqCst), 1);
 }
 
+/// An agent that stops at the time limit it was given (OpenClaw's `--timeout`, a grace below the
+/// run's) ended the run `timeout`, however it exited: seen in the real-Docker test, OpenClaw
+/// timed out at 81 s of a 90 s run and exited 1 with an error of its own, and the run ended
+/// `agent_error`. An agent failing before its limit is still an agent error.
+#[actix_rt::test]
+async fn an_agent_that_fails_past_its_own_time_limit_ends_the_run_timeout() {
+    let e = env(2);
+    let failing = Exit { code: 1, stderr_tail: "embedded run timeout: runId=x timeoutMs=1000".into(), ..Exit::default() };
+    let gate = Arc::new(Notify::new());
+    e.runner.script("r-late", Script::Gate(gate.clone(), failing.clone()));
+    e.runner.script("r-early", Script::Exit(failing));
+    // 6 s: the agent's own limit is 1 s (a 5 s grace), the run's 6 s.
+    let late = e.run("r-late", Duration::from_secs(6));
+    let early = e.run("r-early", Duration::from_secs(6));
+    let o = early.outcome().await;
+    assert_eq!((o.status, o.error.map(|e| e.code)), (RunStatus::Error, Some(ErrorCode::AgentError)), "failed before its limit");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    gate.notify_one();
+    let o = late.outcome().await;
+    assert_eq!(o.status, RunStatus::Timeout, "{o:?}");
+    let message = o.error.expect("error").message;
+    assert!(message.contains("the time limit it was given (1 s)") && message.contains("embedded run timeout"), "{message}");
+}
+
 #[actix_rt::test]
 async fn a_run_over_its_timeout_is_killed() {
     let e = env(4);
