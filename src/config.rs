@@ -574,6 +574,9 @@ impl Config {
         if self.max_runs == 0 {
             return Err(invalid("CLAWMUX_MAX_RUNS", "must be at least 1"));
         }
+        if let Some(why) = crate::tenants::webhook::Allow::problem(&self.webhook_allow) {
+            return Err(invalid("CLAWMUX_WEBHOOK_ALLOW", why));
+        }
         if self.shards > MAX_SHARDS {
             return Err(invalid("CLAWMUX_SHARDS", format!("must be from 0 to {MAX_SHARDS}")));
         }

@@ -226,6 +226,13 @@ impl Ephemeral {
     /// Workspace, socket, container; everything removed again before it returns, but for a
     /// container whose create was still under way when the run ended: its start, returned.
     async fn contained(&self, job: &Job, live: &Switch, name: &str, dir: &Path, deadline: Instant) -> (Contained, Option<StartTask>) {
+        // The engine is asked for its cores once (a variant with `cpus`): a stuck engine must not
+        // hold an abort or the deadline up for its client's timeout (120 s).
+        let nano_cpus = tokio::select! {
+            c = self.cpu_limit(job.variant.nano_cpus) => c,
+            _ = live.cancel.cancelled() => return (Contained::Cancelled, None),
+            _ = tokio::time::sleep_until(deadline) => return (Contained::TimedOut, None),
+        };
         let layout = match prepare(dir, job, &self.cfg.default_model) {
             Ok(l) => l,
             Err(e) => return (Contained::Failed(format!("cannot prepare the run's directory in {}: {e}", dir.display())), None),
@@ -253,7 +260,7 @@ impl Ephemeral {
             user: layout.user,
             owner: &owner,
             agent_timeout_sec: agent_limit,
-            nano_cpus: self.cpu_limit(job.variant.nano_cpus).await,
+            nano_cpus,
         };
         let (mut result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline).await;
         // An agent that ended after the time limit it was given stopped for that limit: the run

@@ -24,6 +24,31 @@ impl Allow {
         Self(list.split(',').map(|p| p.trim().to_ascii_lowercase()).filter(|p| !p.is_empty()).collect())
     }
 
+    /// Why `list` cannot be read as written, for its first entry that cannot (`None`: every one
+    /// can). A port that is empty or out of range (`127.0.0.2:`, `h:99999`) read as "any port",
+    /// and an IPv6 address without brackets (`fe80::1`) as its last group for a port: both
+    /// opened more than the operator wrote, so they are refused at start.
+    pub fn problem(list: &str) -> Option<String> {
+        Self::parse(list).0.iter().find_map(|p| {
+            // What follows the host: `[v6]` and `[v6]:port`, or `host` and `host:port`.
+            let port = match p.strip_prefix('[') {
+                Some(rest) => match rest.split_once(']') {
+                    Some((_, "")) => None,
+                    Some((_, after)) => Some(after.strip_prefix(':').unwrap_or(after)),
+                    None => return Some(format!("entry {p:?}: an IPv6 address's bracket is not closed")),
+                },
+                None if p.matches(':').count() > 1 => return Some(format!("entry {p:?}: write an IPv6 address in brackets ([::1], [::1]:9000)")),
+                None => p.split_once(':').map(|(_, port)| port),
+            };
+            match port {
+                Some(port) if !matches!(port.parse::<u16>(), Ok(1..)) => {
+                    Some(format!("entry {p:?}: the port must be 1 to 65535 (leave `:port` out for any port)"))
+                }
+                _ => None,
+            }
+        })
+    }
+
     /// True when nothing is allowed.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
@@ -327,6 +352,17 @@ fn without_url(e: reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_allow_list_entry_that_would_open_more_than_written_is_refused() {
+        for bad in ["127.0.0.2:", "hooks.example.com:99999", "h:0", "fe80::1", "::1", "a.example, 10.0.0.1:"] {
+            assert!(Allow::problem(bad).is_some(), "{bad} is accepted");
+        }
+        for good in ["", "hooks.example.com, *.acme.io ,127.0.0.1:8080", "[::1]", "[::1]:9000", "10.0.0.5", "h:65535", "[fe80::1]:1"] {
+            assert_eq!(Allow::problem(good), None, "{good}");
+        }
+        assert!(Allow::problem("ok.example,127.0.0.2:").expect("refused").contains("\"127.0.0.2:\""), "the entry is named");
+    }
 
     #[test]
     fn allow_list_matches_hosts_ports_and_wildcards() {

@@ -50,6 +50,8 @@ struct FakeRunner {
     max_running: Arc<AtomicUsize>,
     removed: Notify,
     orphans: Vec<String>,
+    /// The engine never answers the question of its cores.
+    cpus_stuck: std::sync::atomic::AtomicBool,
 }
 
 impl FakeRunner {
@@ -61,6 +63,7 @@ impl FakeRunner {
             max_running: Arc::new(AtomicUsize::new(0)),
             removed: Notify::new(),
             orphans: vec!["/old-1".into()],
+            cpus_stuck: std::sync::atomic::AtomicBool::new(false),
         })
     }
     fn script(&self, run_id: &str, s: Script) {
@@ -146,6 +149,9 @@ impl Runner for FakeRunner {
     }
 
     async fn cpus(&self) -> Option<u32> {
+        if self.cpus_stuck.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         Some(1)
     }
 }
@@ -507,6 +513,24 @@ async fn the_cpu_limit_is_at_most_the_engines_cores() {
     assert_eq!(e.run("r-cpu", LONG).outcome().await.content, "ok");
     let limit = e.runner.seen(|s| s.bodies[0].host_config.as_ref().and_then(|h| h.nano_cpus));
     assert_eq!(limit, Some(1_000_000_000), "the fake engine has one CPU");
+}
+
+/// An engine that does not say how many cores it has holds neither an abort nor a deadline up
+/// (its client's timeout is 120 s): the run ends at once, and no container is made.
+#[actix_rt::test]
+async fn a_stuck_engine_holds_up_no_abort_and_no_deadline() {
+    let e = env(4);
+    // Runs named `cpu` are of a variant with a CPU limit: the engine is asked for its cores.
+    e.runner.cpus_stuck.store(true, Ordering::SeqCst);
+    let aborted = e.run("r-cpu-stuck-abort", LONG);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    aborted.cancel(CancelReason::Api);
+    let o = tokio::time::timeout(Duration::from_secs(5), aborted.outcome()).await.expect("the abort ends the run at once");
+    assert_eq!(o.status, RunStatus::Aborted);
+    let timed = e.run("r-cpu-stuck-deadline", Duration::from_secs(1));
+    let o = tokio::time::timeout(Duration::from_secs(5), timed.outcome()).await.expect("the deadline ends the run");
+    assert_eq!(o.status, RunStatus::Timeout);
+    assert!(e.runner.seen(|s| s.started.is_empty()), "no container was made");
 }
 
 /// The slot of a run that ended during its container's create stays taken until that container
