@@ -77,12 +77,17 @@ impl Allow {
             return Err("must not carry credentials".to_owned());
         }
         let host = u.host_str().ok_or("has no host")?.to_ascii_lowercase();
+        // An address is compared as an address: the URL's is in its canonical spelling
+        // (`[::ffff:7f00:1]`), the list's as the operator wrote it (`[::ffff:127.0.0.1]`).
+        let host_ip = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().ok();
         let port = u.port_or_known_default().unwrap_or(0);
         let allowed = self.0.iter().any(|p| {
             let (pat_host, pat_port) = pattern(p);
-            let host_ok = match pat_host.strip_prefix("*.") {
-                Some(suffix) => host.ends_with(&format!(".{suffix}")),
-                None => host == pat_host,
+            let pat_ip = pat_host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().ok();
+            let host_ok = match (host_ip, pat_ip, pat_host.strip_prefix("*.")) {
+                (Some(a), Some(b), _) => a == b,
+                (_, _, Some(suffix)) => host.ends_with(&format!(".{suffix}")),
+                _ => host == pat_host,
             };
             host_ok && pat_port.is_none_or(|pp| pp == port)
         });
@@ -364,6 +369,18 @@ mod tests {
         assert!(Allow::problem("ok.example,127.0.0.2:").expect("refused").contains("\"127.0.0.2:\""), "the entry is named");
     }
 
+    /// Found by the fuzz target below: an address entry in another spelling than the URL
+    /// parser's (`[::ffff:127.0.0.1]` against the URL's `[::ffff:7f00:1]`) matched nothing.
+    #[test]
+    fn an_address_entry_matches_its_address_however_spelled() {
+        let a = Allow::parse("[::FFFF:127.0.0.1]:9000, [fe80::0001]");
+        assert_eq!(a.check("http://[::ffff:127.0.0.1]:9000/h"), Ok(()));
+        assert_eq!(a.check("http://[::ffff:7f00:1]:9000/h"), Ok(()));
+        assert!(a.check("http://[::ffff:7f00:1]:9001/h").is_err(), "its port only");
+        assert_eq!(a.check("http://[fe80::1]/h"), Ok(()));
+        assert!(a.check("http://127.0.0.1:9000/h").is_err(), "an IPv4-mapped address is not its IPv4 address for the list");
+    }
+
     #[test]
     fn allow_list_matches_hosts_ports_and_wildcards() {
         let a = Allow::parse("hooks.example.com, *.acme.io ,127.0.0.1:8080");
@@ -609,5 +626,89 @@ mod tests {
         assert_eq!(backoff(0), Duration::from_secs(1));
         assert_eq!(backoff(3), Duration::from_secs(8));
         assert_eq!(backoff(40), Duration::from_secs(300));
+    }
+}
+
+/// Fuzz targets of the webhook boundary: the operator's allow-list and a tenant's URL are both
+/// input (clawmux must not panic on any), and the address filter's invariant holds for any DNS
+/// answer.
+#[cfg(test)]
+mod fuzz {
+    use super::super::receiver_dns::{is_guarded, usable};
+    use super::Allow;
+    use proptest::prelude::*;
+    use std::net::{IpAddr, SocketAddr};
+
+    fn ip() -> impl Strategy<Value = IpAddr> {
+        prop_oneof![
+            any::<[u8; 4]>().prop_map(|b| IpAddr::from(b)),
+            any::<[u8; 16]>().prop_map(|b| IpAddr::from(b)),
+            // The interesting ones, often.
+            prop::sample::select(vec!["127.0.0.1", "::1", "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "0.0.0.0", "::ffff:127.0.0.1", "10.0.0.5", "fe80::1"])
+                .prop_map(|s| s.parse().expect("ip")),
+        ]
+    }
+
+    /// An entry as an operator might write it, well or badly.
+    fn entry() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z0-9.*:\\[\\]-]{0,24}",
+            (ip(), prop::option::of(any::<u16>())).prop_map(|(ip, port)| match (ip, port) {
+                (IpAddr::V6(v6), Some(p)) => format!("[{v6}]:{p}"),
+                (IpAddr::V6(v6), None) => format!("[{v6}]"),
+                (v4, Some(p)) => format!("{v4}:{p}"),
+                (v4, None) => v4.to_string(),
+            }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Any list and any URL: an answer, never a panic; a list that starts is one whose every
+        /// address entry opens exactly the port it names (or every port when it names none).
+        #[test]
+        fn any_list_and_url_is_answered_and_an_accepted_entry_opens_its_port_only(
+            entries in prop::collection::vec(entry(), 0..4),
+            url in "[a-z:/.\\[\\]0-9@-]{0,40}",
+            port in 1u16..,
+        ) {
+            let list = entries.join(",");
+            let allow = Allow::parse(&list);
+            let _ = allow.check(&url);
+            let problem = Allow::problem(&list);
+            if problem.is_none() {
+                for (ip, listed) in allow.addresses() {
+                    let host = match ip { IpAddr::V6(v6) => format!("[{v6}]"), v4 => v4.to_string() };
+                    let allowed = allow.check(&format!("http://{host}:{port}/hook")).is_ok();
+                    if listed.is_none_or(|p| p == port) {
+                        prop_assert!(allowed, "{list}: {host}:{port} refused");
+                    }
+                    if let Some(p) = listed {
+                        // Another entry may open the port; this one alone does not.
+                        if p != port && !allow.addresses().iter().any(|(i, q)| *i == ip && q.is_none_or(|q| q == port)) {
+                            prop_assert!(!allowed, "{list}: {host}:{port} allowed by {host}:{p}");
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Whatever a name resolves to: a guarded address gets through only when the list names
+        /// it (with the port, or with none), and an unguarded one always does.
+        #[test]
+        fn a_guarded_address_is_used_only_when_listed(
+            resolved in prop::collection::vec((ip(), any::<u16>()), 0..6),
+            listed in prop::collection::vec((ip(), prop::option::of(any::<u16>())), 0..4),
+            port in any::<u16>(),
+        ) {
+            let resolved: Vec<SocketAddr> = resolved.into_iter().map(|(ip, p)| SocketAddr::new(ip, p)).collect();
+            let kept = usable(&resolved, port, &listed);
+            for a in &resolved {
+                let named = listed.iter().any(|(ip, p)| *ip == a.ip() && p.is_none_or(|p| p == port));
+                prop_assert_eq!(kept.contains(a), !is_guarded(a.ip()) || named, "{}", a);
+            }
+            prop_assert!(kept.iter().all(|a| resolved.contains(a)));
+        }
     }
 }
