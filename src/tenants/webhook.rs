@@ -641,8 +641,8 @@ mod fuzz {
 
     fn ip() -> impl Strategy<Value = IpAddr> {
         prop_oneof![
-            any::<[u8; 4]>().prop_map(|b| IpAddr::from(b)),
-            any::<[u8; 16]>().prop_map(|b| IpAddr::from(b)),
+            any::<[u8; 4]>().prop_map(IpAddr::from),
+            any::<[u8; 16]>().prop_map(IpAddr::from),
             // The interesting ones, often.
             prop::sample::select(vec!["127.0.0.1", "::1", "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "0.0.0.0", "::ffff:127.0.0.1", "10.0.0.5", "fe80::1"])
                 .prop_map(|s| s.parse().expect("ip")),
