@@ -43,7 +43,8 @@ while pgrep -f "$LOAD" >/dev/null; do
   sleep 0.1
 done
 wait "$SYS" || true
-join "$OUT/before" "$OUT/after" | awk -v n="$RUNS" -v hz="$(getconf CLK_TCK)" '
+sort -k1,1 "$OUT/before" >"$OUT/b"; sort -k1,1 "$OUT/after" >"$OUT/a"
+join "$OUT/b" "$OUT/a" | sort -n | awk -v n="$RUNS" -v hz="$(getconf CLK_TCK)" '
   { printf "%-8s %-24s cpu %.3f ms/run   voluntary %.2f/run   involuntary %.2f/run\n", $1, $2, ($7 - $3) * 1000 / hz / n, ($8 - $4) / n, ($9 - $5) / n }'
 cat "$OUT/system.json"
 rm -rf "$OUT"
