@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # clawmux's added latency under load: from a chat frame's arrival on the gateway socket to its
-# delta handed to the run's SSE clients (metric clawmux_frame_to_client_seconds), at concurrency C
+# delta, stored, taken by a live SSE client's stream (metric clawmux_frame_to_client_seconds), at concurrency C
 # (default 1000) with 20 deltas per run against the replay gateway. Prints p50/p90/p99/p99.9 as
 # histogram bucket upper bounds (the true value is at most that).
 #

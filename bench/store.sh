@@ -8,7 +8,7 @@
 #    `clawmux serve` with `CLAWMUX_STORE_URL=memory:` and with `sqlite://` (a fresh file), REPS
 #    times each, alternating (a fresh clawmux per measurement). Reported: runs/s (`clawmux load`),
 #    clawmux's added latency p50/p99 (`clawmux_frame_to_client_seconds`: frame on the gateway
-#    socket -> delta stored and handed to the SSE clients), clawmux CPU, group-commit batch sizes.
+#    socket -> delta stored and taken by a live SSE client's stream), clawmux CPU, group-commit batch sizes.
 #    The same at a tenth of the frame rate (BENCH_LAT_SPEED, BENCH_LAT_RUNS), gateway and driver at
 #    nice 19: the p99 added latency with and without the store where clawmux is not starved of CPU.
 # 2. Restart: RESTART_RUNS runs in flight on a slow replay gateway (--speed 0.02: a run lasts ~27 s),

@@ -779,6 +779,9 @@ impl SessionActor {
                 self.awaiting_subscribe = false;
                 self.after_setup(ctx);
             }
+            // A subscribe answered after its setup started over (a patch retried later) or after
+            // `agent` went: nothing waits for it. Its error must not end the run.
+            (TAG_SUBSCRIBE, _) => {}
             (TAG_AGENT, Ok(raw)) if self.stage == Stage::Running => self.on_agent_answer(ctx, raw.get()),
             (TAG_AGENT, Err(CallError::Gateway(e))) if self.stage == Stage::Running => {
                 if e.is_missing_scope() {
@@ -934,6 +937,12 @@ impl SessionActor {
         self.unavailable_retries += 1;
         let delay = Duration::from_millis(retry_after_ms.unwrap_or(500).clamp(50, 10_000));
         tracing::info!(run_id = %self.spec.run_id, delay_ms = delay.as_millis() as u64, "gateway unavailable; retrying");
+        if self.stage == Stage::Patching {
+            // The setup starts over, its subscribe too: the one under way may be answered while
+            // the run waits (its answer is then ignored) or may have failed.
+            self.subscribed_on = None;
+            self.awaiting_subscribe = false;
+        }
         self.stage = Stage::WaitingForGateway;
         ctx.run_later(delay, |act, ctx| {
             if act.stage == Stage::WaitingForGateway && act.link.is_some() {

@@ -249,8 +249,6 @@ impl Ephemeral {
         let owner = container::owner_of(&self.cfg.root);
         let hard = deadline.saturating_duration_since(Instant::now()).as_secs().max(1);
         let agent_limit = container::agent_timeout_sec(hard);
-        // The agent's own time limit counts from its start in the container, a little later.
-        let agent_deadline = Instant::now() + Duration::from_secs(agent_limit);
         let plan = Plan {
             run_id: &job.spec.run_id,
             agent_id: &job.agent_id,
@@ -262,17 +260,7 @@ impl Ephemeral {
             agent_timeout_sec: agent_limit,
             nano_cpus,
         };
-        let (mut result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline).await;
-        // An agent that ended after the time limit it was given stopped for that limit: the run
-        // exceeded its timeout, however the agent ended (OpenClaw, timed out, may exit 1 with an
-        // error of its own), not an agent error. Clawmux's own deadline, a grace later, would have
-        // ended it `timeout` just the same (seen in the real-Docker test: the run's 90 s, the
-        // agent's 81 s).
-        if let Contained::Ended(_, late) = &mut result {
-            if Instant::now() >= agent_deadline {
-                *late = Some(agent_limit);
-            }
-        }
+        let (result, unfinished) = self.run_container(job, live, name, container::body(&plan), deadline, agent_limit).await;
         if unfinished.is_none() {
             self.runner.remove(name).await;
         }
@@ -282,7 +270,15 @@ impl Ephemeral {
         (result, unfinished)
     }
 
-    async fn run_container(&self, job: &Job, live: &Switch, name: &str, body: bollard::models::ContainerCreateBody, deadline: Instant) -> (Contained, Option<StartTask>) {
+    async fn run_container(
+        &self,
+        job: &Job,
+        live: &Switch,
+        name: &str,
+        body: bollard::models::ContainerCreateBody,
+        deadline: Instant,
+        agent_limit: u64,
+    ) -> (Contained, Option<StartTask>) {
         // The create and start go on in a task of their own: when the run ends meanwhile, it
         // ends at once (the engine's client may wait up to its timeout), and the start is
         // returned for `run` to finish cleaning up after.
@@ -299,11 +295,14 @@ impl Ephemeral {
             _ = live.cancel.cancelled() => return (Contained::Cancelled, Some(start)),
             _ = tokio::time::sleep_until(deadline) => return (Contained::TimedOut, Some(start)),
         };
-        (self.follow(job, live, &id, name, deadline).await, None)
+        // The agent's own time limit counts from its start in the container (a moment later).
+        let agent_deadline = Instant::now() + Duration::from_secs(agent_limit);
+        (self.follow(job, live, &id, name, deadline, (agent_deadline, agent_limit)).await, None)
     }
 
     /// The started container until it ends, the run is cancelled or its deadline passes.
-    async fn follow(&self, job: &Job, live: &Switch, id: &str, name: &str, deadline: Instant) -> Contained {
+    /// `agent`: when the agent's own time limit passes, and the limit (seconds).
+    async fn follow(&self, job: &Job, live: &Switch, id: &str, name: &str, deadline: Instant, agent: (Instant, u64)) -> Contained {
         job.sink.emit(RunEvent::Accepted { gateway_run_id: name.to_owned() });
         let ended = tokio::select! {
             biased;
@@ -316,7 +315,14 @@ impl Ephemeral {
         if live.cancel.is_cancelled() {
             return Contained::Cancelled;
         }
-        Contained::Ended(ended, None)
+        // An agent that exited after the time limit it was given stopped for that limit: the
+        // run exceeded its timeout, however the agent exited (OpenClaw, timed out, may exit 1 with
+        // an error of its own), not an agent error; clawmux's own deadline, a grace later, would
+        // have ended it `timeout` just the same (the real-Docker test: the run's 90 s, the agent's
+        // 81 s). Not a kill for memory or output, nor a container the engine lost.
+        let stopped_itself = matches!(&ended, Ok(e) if !e.oom_killed && !e.stdout_over_limit);
+        let late = (stopped_itself && Instant::now() >= agent.0).then_some(agent.1);
+        Contained::Ended(ended, late)
     }
 }
 

@@ -19,7 +19,6 @@ use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OpenFlags, OptionalExtension, Row, Transaction, TransactionBehavior};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -55,14 +54,20 @@ pub struct SqliteStore {
     /// The one write connection (the group-commit writer, and the rare tenant writes); shared
     /// with the checkpoint thread, which pauses the writer to let the WAL restart.
     write: Arc<Mutex<Connection>>,
-    /// True while the checkpoint thread holds `write` (see [`checkpoint_round`]; up to an fsync of
-    /// the database file): a shard's commit waits for it without blocking its thread.
-    checkpointing: Arc<AtomicBool>,
     /// Idle read connections.
     read: Mutex<Vec<Connection>>,
     /// Where the events of the runs not finished are (the event log has no index: see
     /// [`sqlite_events`]).
     live: LiveRows,
+}
+
+/// The lock when it is free (`None`: held by someone else).
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -109,8 +114,7 @@ impl SqliteStore {
         let live = LiveRows::rebuild(&write).map_err(|e| fail("cannot be read", &e))?;
         let checkpoint = Connection::open(path).map_err(|e| fail("cannot be opened for checkpoints", &e))?;
         configure(&checkpoint).map_err(|e| fail("cannot be opened for checkpoints", &e))?;
-        let checkpointing = Arc::new(AtomicBool::new(false));
-        let store = Self { path: path.to_owned(), write: Arc::new(Mutex::new(write)), checkpointing: checkpointing.clone(), read: Mutex::new(Vec::new()), live };
+        let store = Self { path: path.to_owned(), write: Arc::new(Mutex::new(write)), read: Mutex::new(Vec::new()), live };
         let writer = Arc::downgrade(&store.write);
         std::thread::Builder::new()
             .name("clawmux-checkpoint".to_owned())
@@ -120,7 +124,7 @@ impl SqliteStore {
                 if writer.strong_count() == 0 {
                     return;
                 }
-                if let Err(e) = checkpoint_round(&checkpoint, &writer, &checkpointing, || ()) {
+                if let Err(e) = checkpoint_round(&checkpoint, &writer, || ()) {
                     tracing::warn!(error = %e, "run store checkpoint failed");
                 }
             })
@@ -175,7 +179,7 @@ impl SqliteStore {
 /// second one on the writer's own connection, holding it between two batches, copies just what was
 /// committed meanwhile: it completes (unless a reader still needs old frames), and the next commit
 /// restarts the WAL. `between` runs between the two (a test's commit; nothing otherwise).
-fn checkpoint_round(checkpoint: &Connection, writer: &Weak<Mutex<Connection>>, holding: &AtomicBool, between: impl FnOnce()) -> rusqlite::Result<()> {
+fn checkpoint_round(checkpoint: &Connection, writer: &Weak<Mutex<Connection>>, between: impl FnOnce()) -> rusqlite::Result<()> {
     // PASSIVE: copies what no reader needs, never blocks the writer. Its row: busy, frames in the
     // WAL (when it started: commits made while it copies come after them), frames copied.
     let log: i64 = checkpoint.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get(1))?;
@@ -185,10 +189,8 @@ fn checkpoint_round(checkpoint: &Connection, writer: &Weak<Mutex<Connection>>, h
         return Ok(());
     }
     let Some(write) = writer.upgrade() else { return Ok(()) };
-    holding.store(true, Ordering::Release);
-    let done = lock(&write).query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
-    holding.store(false, Ordering::Release);
-    done
+    let conn = lock(&write);
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
 }
 
 fn migrate(c: &mut Connection) -> rusqlite::Result<()> {
@@ -346,8 +348,13 @@ fn update(tx: &Transaction<'_>, run_id: &str, p: &RunPatch, last_event_id: u64) 
 }
 
 impl SqliteStore {
+    #[cfg(test)]
     fn apply_tx(&self, batch: &[Write]) -> rusqlite::Result<Vec<Applied>> {
-        let mut conn = lock(&self.write);
+        self.apply_on(&mut lock(&self.write), batch)
+    }
+
+    /// Applies `batch` in one transaction on the write connection, held by the caller.
+    fn apply_on(&self, conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<Vec<Applied>> {
         let tx = conn.transaction()?;
         let mut out = Vec::with_capacity(batch.len());
         // Row changes of the whole batch, coalesced: one update per run (later changes win). The
@@ -461,12 +468,17 @@ impl Store for SqliteStore {
 
     async fn apply(&self, batch: &[Write]) -> Result<Vec<Applied>, StoreError> {
         // On a shard's thread (or the main lane's own): a commit blocks it for its ~30-100 µs, but
-        // not for a checkpoint's hold of the connection, which ends with an fsync (up to ~200 ms
-        // seen here): the thread serves its other tasks meanwhile (the runtime's timer: ~1 ms).
-        while self.checkpointing.load(Ordering::Acquire) {
+        // the connection held by someone else (the checkpoint thread's hold ends with an fsync, up
+        // to ~200 ms seen here; the retention sweep; another lane's commit; a tenant write) is
+        // waited for without blocking the thread: it serves its other tasks meanwhile, and looks
+        // again after a moment (the runtime's timer: ~1 ms).
+        let mut conn = loop {
+            if let Some(c) = try_lock(&self.write) {
+                break c;
+            }
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-        }
-        self.apply_tx(batch).map_err(|e| self.err(e))
+        };
+        self.apply_on(&mut conn, batch).map_err(|e| self.err(e))
     }
 
     async fn run(&self, run_id: &str) -> Result<Option<RunRow>, StoreError> {
@@ -809,6 +821,39 @@ mod tests {
         s.apply_tx(&[Write::Append { run_id: run.to_owned(), event: Some(event), patch: RunPatch::default(), webhook: None }]).expect("append");
     }
 
+    /// A shard commits on its own thread: with the write connection held elsewhere (the checkpoint
+    /// thread's fsync, the retention sweep, another shard's commit) its commit waits without
+    /// blocking the thread, whose other tasks go on (found by review: a blocking lock held up an
+    /// HTTP worker's requests and streams for as long).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_commit_waits_for_a_held_connection_without_blocking_its_thread() {
+        let dir = tempfile::tempdir().expect("dir");
+        let s = SqliteStore::open(&dir.path().join("r.db")).await.expect("open");
+        let held = s.write.clone();
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn(move || {
+            let _conn = lock(&held);
+            locked.send(()).expect("told");
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        });
+        is_locked.recv().expect("the connection is held");
+        let ticks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = ticks.clone();
+        let ticker = tokio::spawn(async move {
+            for _ in 0..20 {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        let started = std::time::Instant::now();
+        s.apply(&[Write::Insert(Box::new(row("r1", "acct", 1)))]).await.expect("applied once the connection is free");
+        assert!(started.elapsed() >= std::time::Duration::from_millis(250), "it waited for the connection");
+        let during = ticks.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(during >= 10, "the thread's other tasks ran while the commit waited: {during} ticks");
+        holder.join().expect("holder");
+        ticker.await.expect("ticker");
+    }
+
     /// The WAL restarts only after a checkpoint that copied every frame in it. A checkpoint beside
     /// the writer under steady commits never has (commits land while it copies); here a reader
     /// holding an old snapshot while the first step runs leaves frames behind the same way (and
@@ -831,7 +876,7 @@ mod tests {
             append(&s, "r1", id);
         }
         let checkpoint = Connection::open(s.path()).expect("checkpoint connection");
-        checkpoint_round(&checkpoint, &Arc::downgrade(&s.write), &AtomicBool::new(false), || reader.execute_batch("COMMIT").expect("reader done")).expect("round");
+        checkpoint_round(&checkpoint, &Arc::downgrade(&s.write), || reader.execute_batch("COMMIT").expect("reader done")).expect("round");
         append(&s, "r1", n + 6);
         let frames = frames_in_wal(&checkpoint);
         assert!(frames < 20, "the WAL did not restart: {frames} frames");

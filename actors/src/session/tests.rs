@@ -278,6 +278,37 @@ async fn the_subscribe_goes_with_the_patch_and_agent_waits_for_both_answers() {
     assert!(!methods(&sent).contains(&name::SESSIONS_SUBSCRIBE.to_owned()), "subscribed once: {:?}", methods(&sent));
 }
 
+/// A patch the gateway answers "unavailable" is sent again later, and its subscribe with it: the
+/// first subscribe's answer, ok or failed, arriving while the run waits, neither ends the run nor
+/// stands in for the new one (found by review: the run waited for an answer that never came, or
+/// ended `gateway_rejected` on the first subscribe's error).
+#[actix_rt::test]
+async fn a_retried_patch_subscribes_again_and_the_first_subscribes_answer_is_ignored() {
+    for first_subscribe_fails in [false, true] {
+        let mut h = start(one_minute(if first_subscribe_fails { "sub-fails" } else { "sub-ok" }), Some(up("A", true)), cfg(), None);
+        h.addr.do_send(Turn::Go);
+        h.probe.add_route().await;
+        let patch = h.probe.call(name::SESSIONS_PATCH).await;
+        let sub = h.probe.call(name::SESSIONS_SUBSCRIBE).await;
+        fail(&patch, CallError::Gateway(clawmux_protocol::ErrorShape::new("UNAVAILABLE", "gateway starting; retry shortly")));
+        match first_subscribe_fails {
+            true => fail(&sub, CallError::Gateway(clawmux_protocol::ErrorShape::new("UNAVAILABLE", "gateway starting; retry shortly"))),
+            false => answer(&sub, json!({})),
+        }
+        // The retry (after ~500 ms): both again; agent only once both are answered.
+        let again = h.probe.call(name::SESSIONS_PATCH).await;
+        let sub_again = h.probe.call(name::SESSIONS_SUBSCRIBE).await;
+        answer(&again, json!({"ok": true}));
+        h.probe.quiet().await;
+        answer(&sub_again, json!({}));
+        let agent = h.probe.call(name::AGENT).await;
+        answer(&agent, ack(&h.spec));
+        answer(&agent, final_ok(&h.spec, "done"));
+        let (sent, status) = h.ended().await;
+        assert_eq!(status, Some(RunStatus::Ok), "{first_subscribe_fails}: {:?}", methods(&sent));
+    }
+}
+
 #[actix_rt::test]
 async fn a_gateway_without_session_scoped_events_gets_no_subscribe() {
     let mut h = start(one_minute("r1"), Some(up("A", false)), cfg(), None);

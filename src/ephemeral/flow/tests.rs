@@ -573,6 +573,14 @@ async fn an_agent_that_fails_past_its_own_time_limit_ends_the_run_timeout() {
     assert_eq!(o.status, RunStatus::Timeout, "{o:?}");
     let message = o.error.expect("error").message;
     assert!(message.contains("the time limit it was given (1 s)") && message.contains("embedded run timeout"), "{message}");
+    // Killed for its memory after its limit: that, not the limit, ended it.
+    let oom_gate = Arc::new(Notify::new());
+    e.runner.script("r-oom-past-limit", Script::Gate(oom_gate.clone(), Exit { code: 137, oom_killed: true, ..Exit::default() }));
+    let oom = e.run("r-oom-past-limit", Duration::from_secs(6));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    oom_gate.notify_one();
+    let o = oom.outcome().await;
+    assert_eq!((o.status, o.error.map(|e| e.code)), (RunStatus::Error, Some(ErrorCode::AgentError)), "an OOM kill stays an agent error");
 }
 
 #[actix_rt::test]
