@@ -30,8 +30,23 @@ export CLAWMUX_NODE_BIN CLAWMUX_OPENCLAW_MJS
 eval "$(tests/support/install-gateway-protocol.sh)"
 export CLAWMUX_GATEWAY_PROTOCOL_DIR
 
+# The later phases' downloads (apt, npm, PyPI, debootstrap) go on while the build uses the CPU
+# (tests/support/prefetch.sh; its log is printed when it is waited for). A build that fails still
+# waits for it: an apt-get killed midway leaves dpkg half-configured.
+PREFETCH_LOG="$(mktemp /tmp/clawmux-prefetch.XXXXXX)"
+tests/support/prefetch.sh >"$PREFETCH_LOG" 2>&1 &
+PREFETCH_PID=$!
+trap 'wait "$PREFETCH_PID" 2>/dev/null || true; rm -f "$PREFETCH_LOG"' EXIT INT TERM
+
 say "build"
 cargo build --workspace --all-targets --locked
+
+# Waited for before any test runs: the tests then have the machine to themselves, as before.
+say "waiting for the prefetch (tests/support/prefetch.sh)"
+wait "$PREFETCH_PID" || echo "prefetch: a step failed; the phase that needs it installs it again"
+cat "$PREFETCH_LOG"
+rm -f "$PREFETCH_LOG"
+trap - EXIT INT TERM
 
 say "unit and replay-gateway tests"
 # tests/store_faults.rs mounts a read-only bind and a small tmpfs (a full disk): required here, so
@@ -216,10 +231,11 @@ CLAWMUX_EPHEMERAL_IMAGE="$EPH_IMAGE" cargo test --locked --test docker_ephemeral
 
 say "the compose stack: clawmux, the gateway and LiteLLM in images built offline (images/)"
 # The same dockerd. Installs Debian's docker-compose when missing; builds the three images with
-# images/build.sh on the offline base, build containers on --network none, clawmux from the
-# release binary; brings images/compose.yaml up with images/compose.host.yaml (host networking:
-# this dockerd has no bridge); the fake LLM is LiteLLM's upstream. `stop` removes the stack's
-# containers and volumes and the images it built (the base image stays cached).
+# images/build.sh on the offline base, build containers on --network none; brings
+# images/compose.yaml up with images/compose.host.yaml (host networking: this dockerd has no
+# bridge); the fake LLM is LiteLLM's upstream. `stop` removes the stack's containers and volumes
+# and the images it built (the base image stays cached). clawmux from the release binary: the
+# image the test checks (its size among them) is the one a user deploys.
 cargo build --release --locked --bin clawmux
 tests/support/compose-stack.sh start "$COMPOSE_DIR"
 CLAWMUX_COMPOSE_ENV="$COMPOSE_DIR/env" CLAWMUX_REQUIRE_COMPOSE=1 \

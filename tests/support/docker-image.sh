@@ -6,6 +6,7 @@
 #
 #   tests/support/docker-image.sh            ensure the image exists; prints IMAGE=<name> on stdout
 #   tests/support/docker-image.sh --rebuild  rebuild the root tarball and re-import
+#   tests/support/docker-image.sh --tarball  steps 1-3 only, no engine needed (tests/support/prefetch.sh)
 #
 # Steps (each skipped when its result exists):
 #   1. the mirror: the first `deb` source of this machine's apt configuration that carries the
@@ -38,10 +39,12 @@ now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 REBUILD=0
+TARBALL_ONLY=0
 case "${1:-}" in
   "") ;;
   --rebuild) REBUILD=1 ;;
-  *) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  --tarball) TARBALL_ONLY=1 ;;
+  *) sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac
 
 # apt_mirror SUITE: the URI of the first enabled `deb` source that serves SUITE (not -security).
@@ -112,9 +115,9 @@ image_exists() {
 }
 tarball_ok() { [ -s "$TARBALL" ] && [ "$(cat "$TARBALL.packages" 2>/dev/null)" = "$PACKAGES" ]; }
 
-"$HERE/docker.sh" ensure
+[ "$TARBALL_ONLY" = 1 ] || "$HERE/docker.sh" ensure
 
-if [ "$REBUILD" = 0 ] && image_exists; then
+if [ "$TARBALL_ONLY" = 0 ] && [ "$REBUILD" = 0 ] && image_exists; then
   say "$IMAGE exists ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{ printf "%.0f MB", $1 / 1e6 }'))"
   echo "IMAGE=$IMAGE"
   exit 0
@@ -149,6 +152,10 @@ if [ "$REBUILD" = 1 ] || ! tarball_ok; then
   printf '%s' "$PACKAGES" >"$TARBALL.packages"
   rm -rf "$ROOTFS"
   say "root tarball $TARBALL ($(du -m "$TARBALL" | cut -f1) MB) in $(elapsed "$t0") s"
+fi
+if [ "$TARBALL_ONLY" = 1 ]; then
+  say "root tarball $TARBALL ready"
+  exit 0
 fi
 
 if [ "$REBUILD" = 1 ] || ! image_exists; then
