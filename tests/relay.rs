@@ -91,9 +91,11 @@ fn real_git() -> PathBuf {
     path.split(':').map(|d| Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH")
 }
 
+/// Writes `text` to `path`, executable, through a child `sh`: a file this process held open for
+/// writing could be inherited by a child another thread forks at that moment, and running the
+/// script before that child execs fails with "Text file busy" (ETXTBSY).
 fn write_script(path: &Path, text: &str) {
-    std::fs::write(path, text).unwrap();
-    sh(Command::new("chmod").arg("755").arg(path));
+    sh(Command::new("sh").args(["-c", r#"printf '%s' "$1" > "$2" && chmod 755 "$2""#, "sh", text]).arg(path));
 }
 
 /// A `git` (for `RelayConfig::git_program`) that, before the first `push` it runs, runs the shell
@@ -581,8 +583,7 @@ async fn docker_relay_rejected_push_is_retried_reported_and_the_commits_survive(
     let w = World::new("reject").await;
     let hook = w.origin.join("hooks/pre-receive");
     let counter = w.origin.join("hook-calls");
-    std::fs::write(&hook, format!("#!/bin/sh\necho call >> '{}'\necho 'policy: sandbox branches are frozen' >&2\nexit 1\n", counter.display())).unwrap();
-    sh(Command::new("chmod").arg("755").arg(&hook));
+    write_script(&hook, &format!("#!/bin/sh\necho call >> '{}'\necho 'policy: sandbox branches are frozen' >&2\nexit 1\n", counter.display()));
     let (relay, _) = w.relay().await;
     relay.prepare("frozen", "main").await.expect("prepare");
     w.ctr.commit("frozen", "a");

@@ -287,11 +287,17 @@ pub(super) mod scripts {
         path.split(':').map(|d| Path::new(d).join("git")).find(|p| p.is_file()).expect("git on PATH")
     }
 
-    /// Writes `text` to `path`, executable.
+    /// Writes `text` to `path`, executable, through a child `sh`. Not with `std::fs::write`: while
+    /// this process holds the file open for writing, another test's thread may fork, and its child
+    /// keeps that descriptor until it execs; running the script in that moment fails with "Text
+    /// file busy" (ETXTBSY: seen in CI). The file is only ever open for writing in the `sh`.
     pub fn write_executable(path: &Path, text: &str) {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::write(path, text).expect("script");
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let status = std::process::Command::new("sh")
+            .args(["-c", r#"printf '%s' "$1" > "$2" && chmod 755 "$2""#, "sh", text])
+            .arg(path)
+            .status()
+            .expect("sh");
+        assert!(status.success(), "writing {}: {status}", path.display());
     }
 }
 
