@@ -88,7 +88,6 @@ CLAWMUX_REQUIRE_BROWSER=1 CLAWMUX_BROWSER_ARTIFACTS="$OPS_DIR/browser-artifacts"
   cargo test --locked --test browser -- browser_
 echo "runs page screenshots: $OPS_DIR/browser-artifacts"
 
-
 say "real OpenClaw gateway tests"
 RUN_DIR="$(mktemp -d /tmp/clawmux-gw.XXXXXX)"
 BILLING_DIR="$(mktemp -d /tmp/clawmux-gwb.XXXXXX)"
@@ -104,11 +103,6 @@ REPLICAS_DIR="$(mktemp -d /tmp/clawmux-gwreplicas.XXXXXX)"
 REPLICAS_PG="$(mktemp -d /tmp/clawmux-pgreplicas.XXXXXX)"
 COMPOSE_DIR="$(mktemp -d /tmp/clawmux-compose.XXXXXX)"
 cleanup() {
-  if [ -n "${RELEASE_PID:-}" ]; then
-    kill -- -"$RELEASE_PID" 2>/dev/null || true
-    wait "$RELEASE_PID" 2>/dev/null || true
-    rm -f "$RELEASE_LOG"
-  fi
   tests/support/gateway-container.sh stop "$GWC_DIR" >/dev/null 2>&1 || true
   tests/support/compose-stack.sh stop "$COMPOSE_DIR" >/dev/null 2>&1 || true
   tests/support/docker.sh stop >/dev/null 2>&1 || true
@@ -123,16 +117,6 @@ cleanup() {
   rm -rf "$RUN_DIR" "$BILLING_DIR" "$V3_DIR" "$CONF3_DIR" "$LITELLM_DIR" "$NETNS_DIR" "$GWC_DIR" "$CHAOS_DIR" "$RESTART_DIR" "$REPLICAS_DIR" "$REPLICAS_PG" "$COMPOSE_DIR"
 }
 trap cleanup EXIT INT TERM
-# The compose phase's release binary, built while the phases below mostly wait on gateways and
-# containers: at nice 19 (the tests take the CPU whenever they want it) and in a target directory
-# of its own (the tests' cargo never waits for its lock). Stopped with its process group if the
-# run ends first; waited for before the compose phase. It took 11.5 minutes of this run when the
-# compose phase built it by itself.
-RELEASE_TARGET="${CARGO_TARGET_DIR:-$PWD/target}/compose-release"
-RELEASE_LOG="$(mktemp /tmp/clawmux-release.XXXXXX)"
-setsid nice -n 19 cargo build --release --locked --bin clawmux --target-dir "$RELEASE_TARGET" >"$RELEASE_LOG" 2>&1 &
-RELEASE_PID=$!
-
 tests/support/gateway.sh start "$RUN_DIR" v4
 CLAWMUX_REAL_GATEWAY_ENV="$RUN_DIR/env" CLAWMUX_REQUIRE_REAL_GATEWAY=1 \
   cargo test --locked --test real_gateway -- --test-threads=1 live_
@@ -250,12 +234,10 @@ say "the compose stack: clawmux, the gateway and LiteLLM in images built offline
 # images/build.sh on the offline base, build containers on --network none; brings
 # images/compose.yaml up with images/compose.host.yaml (host networking: this dockerd has no
 # bridge); the fake LLM is LiteLLM's upstream. `stop` removes the stack's containers and volumes
-# and the images it built (the base image stays cached). clawmux from the release binary (built
-# in the background since the gateway phases): the image the test checks, its size among them,
-# is the one a user deploys.
-wait "$RELEASE_PID" || { cat "$RELEASE_LOG"; echo "the release build failed"; exit 1; }
-tail -n 1 "$RELEASE_LOG"
-CLAWMUX_BINARY="$RELEASE_TARGET/release/clawmux" tests/support/compose-stack.sh start "$COMPOSE_DIR"
+# and the images it built (the base image stays cached). clawmux from the release binary: the
+# image the test checks (its size among them) is the one a user deploys.
+cargo build --release --locked --bin clawmux
+tests/support/compose-stack.sh start "$COMPOSE_DIR"
 CLAWMUX_COMPOSE_ENV="$COMPOSE_DIR/env" CLAWMUX_REQUIRE_COMPOSE=1 \
   cargo test --locked --test compose -- --test-threads=1 docker_compose_
 tests/support/compose-stack.sh stop "$COMPOSE_DIR"
